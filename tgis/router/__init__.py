@@ -1,0 +1,4 @@
+"""The router process: public gRPC API, validation, tokenization, scheduling, detokenization.
+
+Never imports torch.
+"""

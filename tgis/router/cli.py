@@ -1,0 +1,123 @@
+"""`text-generation-router`: TGIS's router flags (each also an env var) -> RouterConfig -> serve."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import click
+
+from tgis.log import setup_logging
+from tgis.router.config import RouterConfig, TlsConfig
+from tgis.termination import fail_startup
+
+
+def _default_tokenization_workers() -> int:
+    return max(1, min((os.cpu_count() or 1) - 1, 8))
+
+
+@click.command(context_settings={"show_default": True, "max_content_width": 100})
+@click.option("--max-concurrent-requests", envvar="MAX_CONCURRENT_REQUESTS", default=512)
+@click.option("--max-sequence-length", envvar="MAX_SEQUENCE_LENGTH", default=2048)
+@click.option("--max-new-tokens", envvar="MAX_NEW_TOKENS", default=1024)
+@click.option("--max-batch-size", envvar="MAX_BATCH_SIZE", default=12)
+@click.option("--max-prefill-padding", envvar="MAX_PREFILL_PADDING", default=0.2)
+@click.option("--max-waiting-tokens", envvar="MAX_WAITING_TOKENS", default=24)
+@click.option(
+    "--max-batch-tokens",
+    envvar="MAX_BATCH_TOKENS",
+    default=4096,
+    help="Most tokens computed in one step; longer prompts are prefilled in chunks.",
+)
+@click.option("-p", "--port", envvar="PORT", default=3000, help="HTTP port (/health, /metrics).")
+@click.option("-g", "--grpc-port", envvar="GRPC_PORT", default=8033)
+@click.option(
+    "--master-shard-uds-path",
+    envvar="MASTER_SHARD_UDS_PATH",
+    default="/tmp/text-generation-server-0",
+)
+@click.option("--tokenizer-path", envvar="TOKENIZER_PATH", required=True)
+@click.option("--model-name", envvar="MODEL_NAME", default="", help="For logs only.")
+@click.option("--tokenization-workers", envvar="TOKENIZATION_WORKERS", type=int, default=None)
+@click.option("--json-output", envvar="JSON_OUTPUT", is_flag=True)
+@click.option("--tls-cert-path", envvar="TLS_CERT_PATH")
+@click.option("--tls-key-path", envvar="TLS_KEY_PATH")
+@click.option("--tls-client-ca-cert-path", envvar="TLS_CLIENT_CA_CERT_PATH")
+@click.option("--output-special-tokens", envvar="OUTPUT_SPECIAL_TOKENS", is_flag=True)
+@click.option("--default-include-stop-seqs", envvar="DEFAULT_INCLUDE_STOP_SEQS", is_flag=True)
+@click.option("--otlp-endpoint", envvar="OTLP_ENDPOINT", help="Accepted; tracing comes later.")
+@click.option("--otlp-service-name", envvar="OTEL_SERVICE_NAME")
+@click.option("--shard-connect-timeout", envvar="SHARD_CONNECT_TIMEOUT", default=60.0)
+def main(
+    max_concurrent_requests: int,
+    max_sequence_length: int,
+    max_new_tokens: int,
+    max_batch_size: int,
+    max_prefill_padding: float,
+    max_waiting_tokens: int,
+    max_batch_tokens: int,
+    port: int,
+    grpc_port: int,
+    master_shard_uds_path: str,
+    tokenizer_path: str,
+    model_name: str,
+    tokenization_workers: int | None,
+    json_output: bool,
+    tls_cert_path: str | None,
+    tls_key_path: str | None,
+    tls_client_ca_cert_path: str | None,
+    output_special_tokens: bool,
+    default_include_stop_seqs: bool,
+    otlp_endpoint: str | None,
+    otlp_service_name: str | None,
+    shard_connect_timeout: float,
+) -> None:
+    """Serve fmaas.GenerationService, /health and /metrics in front of a running shard."""
+    setup_logging(json_output, "router")
+    if bool(tls_cert_path) != bool(tls_key_path):
+        fail_startup("tls: must provide both cert and key")
+    if tls_client_ca_cert_path and not tls_cert_path:
+        fail_startup("tls: cannot provide client ca cert without keypair")
+    tls = None
+    if tls_cert_path and tls_key_path:
+        tls = TlsConfig(
+            cert_path=tls_cert_path,
+            key_path=tls_key_path,
+            client_ca_path=tls_client_ca_cert_path or None,
+        )
+    try:
+        config = RouterConfig(
+            max_concurrent_requests=max_concurrent_requests,
+            max_sequence_length=max_sequence_length,
+            max_new_tokens=max_new_tokens,
+            max_batch_size=max_batch_size,
+            max_prefill_padding=max_prefill_padding,
+            max_waiting_tokens=max_waiting_tokens,
+            max_batch_tokens=max_batch_tokens,
+            port=port,
+            grpc_port=grpc_port,
+            shard_uds_path=master_shard_uds_path,
+            tokenizer_path=tokenizer_path,
+            model_name=model_name,
+            tokenization_workers=(
+                _default_tokenization_workers()
+                if tokenization_workers is None
+                else tokenization_workers
+            ),
+            json_output=json_output,
+            tls=tls,
+            output_special_tokens=output_special_tokens,
+            default_include_stop_seqs=default_include_stop_seqs,
+            shard_connect_timeout=shard_connect_timeout,
+        )
+    except ValueError as err:
+        fail_startup(str(err))
+    from tgis.router.server import Router, StartupError
+    from tgis.router.shard_client import ShardError
+
+    try:
+        asyncio.run(Router(config).run())
+    except StartupError as err:
+        fail_startup(str(err))
+    except ShardError as err:
+        fail_startup(f"Could not connect to server: {err.detail}")

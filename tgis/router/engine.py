@@ -1,0 +1,217 @@
+"""The engine: one asyncio task that schedules steps, calls the shard and emits token events.
+
+The engine task is the only writer of every RequestState. For each step:
+1. drop cancelled requests and expire queued ones past their deadline;
+2. `Scheduler.schedule` builds a StepPlan (decodes, prefill chunks, admissions);
+3. `ShardClient.step` runs it;
+4. each sampled token is detokenized, checked against the stopping criteria and
+   emitted to its request's event queue; finished requests release their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+from tgis.router.block_allocator import BlockAllocator
+from tgis.router.detokenizer import IncrementalDetokenizer
+from tgis.router.errors import GenerationError
+from tgis.router.metrics import Metrics
+from tgis.router.request_state import InputTokensEvent, RequestState, TokenEvent
+from tgis.router.request_types import StopReason, ValidatedRequest
+from tgis.router.scheduler import Scheduler, SchedulerLimits
+from tgis.router.shard_client import ShardClient, ShardError
+from tgis.router.step import ShardInfo, StepOutput, StepPlan, TokenDetail
+from tgis.router.stopping import StopChecker
+from tgis.router.tokenization import RouterTokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(
+        self,
+        *,
+        shard: ShardClient,
+        info: ShardInfo,
+        tokenizer: RouterTokenizer,
+        limits: SchedulerLimits,
+        metrics: Metrics,
+        output_special_tokens: bool = False,
+    ) -> None:
+        self.shard = shard
+        self.info = info
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.output_special_tokens = output_special_tokens
+        self.scheduler = Scheduler(BlockAllocator(info.num_blocks, info.block_size), limits)
+        self.generation_healthy = False
+        self.on_token_generated: Callable[[], None] | None = None
+        self._wakeup = asyncio.Event()
+        self._ids = itertools.count(1)
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
+        self._stop_checkers: dict[int, StopChecker] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- called by the servicer -------------------------------------------------------
+
+    def submit(self, request: ValidatedRequest, arrival: float) -> RequestState:
+        """Queue a validated input; its events arrive on the returned state's queue."""
+        state = RequestState(request_id=next(self._ids), request=request, arrival=arrival)
+        self.scheduler.add(state)
+        self.metrics.queue_size.set(len(self.scheduler.waiting))
+        self._wakeup.set()
+        return state
+
+    def abort(self, state: RequestState) -> None:
+        """The client went away: the engine drops the request before the next step."""
+        if state.finish_reason is None:
+            state.aborted = True
+            self._wakeup.set()
+
+    # ---- the loop -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _run(self) -> None:
+        while True:
+            if not self.scheduler.has_work:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            now = time.monotonic()
+            self._drop_aborted_and_expired(now)
+            plan = self.scheduler.schedule(now)
+            self.metrics.queue_size.set(len(self.scheduler.waiting))
+            if plan.is_empty and not plan.finished_ids:
+                # Nothing runnable (e.g. waiting for blocks that cannot free up): wait.
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self._run_step(plan)
+
+    async def _run_step(self, plan: StepPlan) -> None:
+        running = {s.request_id: s for s in self.scheduler.running}
+        self.metrics.batch_size.set(len(running))
+        started = time.monotonic()
+        try:
+            output = await self.shard.step(plan)
+        except ShardError as err:
+            log.error("step %d failed: %s", plan.step_id, err.detail)
+            self.generation_healthy = False
+            self.metrics.inference_failure(err.failure.value)
+            for chunk in plan.scheduled:
+                state = running[chunk.request_id]
+                self._finish_with_error(state, GenerationError(err.detail))
+            return
+        self.metrics.inference_success(time.monotonic() - started, output.forward_time_ns)
+        for chunk in plan.scheduled:
+            running[chunk.request_id].num_computed += chunk.num_tokens
+        self._apply_output(running, output)
+
+    def _apply_output(self, running: dict[int, RequestState], output: StepOutput) -> None:
+        now = time.monotonic()
+        for request_id, message in output.errors.items():
+            self._finish_with_error(running[request_id], GenerationError(message))
+        for request_id, details in output.input_tokens.items():
+            state = running[request_id]
+            if state.finish_reason is None:
+                state.emit(InputTokensEvent(details))
+        produced = False
+        for request_id, token in output.tokens.items():
+            state = running[request_id]
+            if state.finish_reason is not None:
+                continue
+            produced = True
+            self._append_token(state, token, now)
+        if produced:
+            self.generation_healthy = True
+            if self.on_token_generated is not None:
+                self.on_token_generated()
+
+    def _append_token(self, state: RequestState, token: TokenDetail, now: float) -> None:
+        state.generated_ids.append(token.token_id)
+        detok = self._detokenizer(state)
+        text = detok.push(token.token_id)
+        stop = self._stop_checker(state).check(
+            token_id=token.token_id,
+            generated_count=len(state.generated_ids),
+            output_bytes=detok.output_bytes,
+            bytes_added=detok.bytes_added,
+            now=now,
+        )
+        detail = token if state.request.params.response.generated_tokens else None
+        if stop is None:
+            if text or detail is not None:
+                state.emit(TokenEvent(text, len(state.generated_ids), detail))
+            return
+        text += detok.flush(stop.truncate_at_bytes)
+        state.emit(
+            TokenEvent(
+                text, len(state.generated_ids), detail, stop.reason, stop.stop_sequence or ""
+            )
+        )
+        self._finish(state, stop.reason)
+
+    # ---- request end ----------------------------------------------------------------------
+
+    def _drop_aborted_and_expired(self, now: float) -> None:
+        for state in [s for s in self.scheduler.waiting if s.aborted]:
+            self.scheduler.remove_waiting(state)
+            self.metrics.request_failure("cancelled")
+            state.finish_reason = StopReason.CANCELLED
+        for state in [s for s in self.scheduler.running if s.aborted]:
+            self.metrics.request_failure("cancelled")
+            self._finish(state, StopReason.CANCELLED)
+        for state in list(self.scheduler.waiting):
+            deadline = state.request.stopping.deadline
+            if deadline is not None and now > deadline:
+                self.scheduler.remove_waiting(state)
+                self.metrics.request_failure("timeout")
+                state.finish_reason = StopReason.TIME_LIMIT
+                state.emit(TokenEvent("", 0, None, StopReason.TIME_LIMIT))
+
+    def _finish(self, state: RequestState, reason: StopReason) -> None:
+        state.finish_reason = reason
+        self.scheduler.finish(state)
+        self._detokenizers.pop(state.request_id, None)
+        self._stop_checkers.pop(state.request_id, None)
+
+    def _finish_with_error(self, state: RequestState, error: Exception) -> None:
+        if state.finish_reason is not None:
+            return
+        self._finish(state, StopReason.ERROR)
+        state.emit(error)
+
+    def _detokenizer(self, state: RequestState) -> IncrementalDetokenizer:
+        detok = self._detokenizers.get(state.request_id)
+        if detok is None:
+            stopping = state.request.stopping
+            hold_back = 0
+            if stopping.stop_sequences and not stopping.include_stop_sequence:
+                hold_back = max(len(s.encode()) for s in stopping.stop_sequences)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=not self.output_special_tokens,
+                hold_back_bytes=hold_back,
+            )
+            self._detokenizers[state.request_id] = detok
+        return detok
+
+    def _stop_checker(self, state: RequestState) -> StopChecker:
+        checker = self._stop_checkers.get(state.request_id)
+        if checker is None:
+            checker = StopChecker(state.request.stopping, self.info.eos_token_ids)
+            self._stop_checkers[state.request_id] = checker
+        return checker

@@ -1,0 +1,314 @@
+"""fmaas.GenerationService: protobuf in, engine events out, protobuf back. No logic of its own.
+
+Generate: permits -> convert + validate params -> tokenize + validate each input ->
+Engine.submit per input -> wait for every input's final event -> one response per input.
+GenerateStream: the same for one input, yielding a message per event (spec §3.2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from tgis.pb import generation_pb2, generation_pb2_grpc
+from tgis.router.concurrency import ConcurrencyLimiter
+from tgis.router.engine import Engine
+from tgis.router.errors import GenerationError, RouterError, ValidationError
+from tgis.router.metrics import Metrics
+from tgis.router.request_state import InputTokensEvent, RequestState, TokenEvent
+from tgis.router.request_types import StopReason, ValidatedRequest
+from tgis.router.step import TokenDetail
+from tgis.router.tokenization import RouterTokenizer
+from tgis.router.validation import ServerLimits, convert_params, validate_input, validate_params
+
+log = logging.getLogger(__name__)
+
+pb = generation_pb2
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        tokenizer: RouterTokenizer,
+        limits: ServerLimits,
+        limiter: ConcurrencyLimiter,
+        metrics: Metrics,
+        default_include_stop_seqs: bool,
+        is_seq2seq: bool,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.limiter = limiter
+        self.metrics = metrics
+        self.default_include_stop_seqs = default_include_stop_seqs
+        self.is_seq2seq = is_seq2seq
+
+    # ---- RPCs -------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: pb.BatchedGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BatchedGenerationResponse:
+        arrival = time.monotonic()
+        count = len(request.requests)
+        kind = "single" if count == 1 else "batch"
+        self.metrics.counter("request_count").inc(kind)
+        if count == 0:
+            return pb.BatchedGenerationResponse()
+        self.metrics.counter("request_input_count").inc(amount=count)
+        await self._acquire(count, context)
+        states: list[RequestState] = []
+        try:
+            validated = await self._validate(request, [r.text for r in request.requests], context)
+            states = [self.engine.submit(v, arrival) for v in validated]
+            responses = await _all_or_nothing(
+                [self._collect_unary(s, kind, arrival, i, count) for i, s in enumerate(states)]
+            )
+            return pb.BatchedGenerationResponse(responses=responses)
+        except GenerationError as err:
+            self.metrics.request_failure("generate")
+            await context.abort(grpc.StatusCode.UNKNOWN, str(err))
+            raise  # unreachable: abort raises
+        finally:
+            for state in states:
+                self.engine.abort(state)
+            self.limiter.release(count)
+
+    async def GenerateStream(
+        self, request: pb.SingleGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerationResponse]:
+        arrival = time.monotonic()
+        self.metrics.counter("request_count").inc("stream")
+        self.metrics.counter("request_input_count").inc()
+        await self._acquire(1, context)
+        state: RequestState | None = None
+        try:
+            if not request.HasField("request"):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing request")
+            (validated,) = await self._validate(request, [request.request.text], context)
+            state = self.engine.submit(validated, arrival)
+            async for message in self._stream(state, validated, arrival):
+                yield message
+        except GenerationError as err:
+            self.metrics.request_failure("generate")
+            log.error("Streaming response failed: %s", err)
+            await context.abort(grpc.StatusCode.UNKNOWN, str(err))
+        finally:
+            if state is not None:
+                self.engine.abort(state)
+            self.limiter.release(1)
+
+    async def Tokenize(
+        self, request: pb.BatchedTokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.BatchedTokenizeResponse:
+        started = time.monotonic()
+        self.metrics.counter("tokenize_count").inc()
+        self.metrics.counter("tokenize_inputs").inc(amount=len(request.requests))
+        try:
+            results = await self.tokenizer.tokenize_async(
+                [r.text for r in request.requests],
+                return_tokens=request.return_tokens,
+                return_offsets=request.return_offsets,
+                truncate=request.truncate_input_tokens,
+            )
+        except Exception as err:  # a tokenizer failure is the caller's input problem
+            await context.abort(grpc.StatusCode.UNKNOWN, str(err))
+            raise
+        responses = [
+            pb.TokenizeResponse(
+                token_count=r.token_count,
+                tokens=r.tokens,
+                offsets=[pb.TokenizeResponse.Offset(start=s, end=e) for s, e in r.offsets],
+            )
+            for r in results
+        ]
+        self.metrics.tokenize_tokens.observe(sum(r.token_count for r in results))
+        self.metrics.tokenize_duration.observe(time.monotonic() - started)
+        return pb.BatchedTokenizeResponse(responses=responses)
+
+    async def ModelInfo(
+        self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfoResponse:
+        kind = pb.ModelInfoResponse.ENCODER_DECODER if self.is_seq2seq else 0
+        return pb.ModelInfoResponse(
+            model_kind=kind,
+            max_sequence_length=self.limits.max_sequence_length,
+            max_new_tokens=self.limits.max_new_tokens,
+        )
+
+    # ---- steps of a generate call -------------------------------------------------------------
+
+    async def _acquire(self, count: int, context: grpc.aio.ServicerContext) -> None:
+        if not self.limiter.try_acquire(count):
+            self.metrics.request_failure("conc_limit")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "Model is overloaded")
+
+    async def _validate(
+        self, request: Any, texts: list[str], context: grpc.aio.ServicerContext
+    ) -> list[ValidatedRequest]:
+        """Convert and check params, tokenize and check every input (first error wins)."""
+        try:
+            params = convert_params(
+                request.params if request.HasField("params") else None,
+                default_include_stop_seqs=self.default_include_stop_seqs,
+                now=time.monotonic(),
+            )
+            validate_params(params, self.limits)
+            if request.HasField("prefix_id"):
+                prefix = request.prefix_id
+                raise ValidationError(
+                    f"can't retrieve prompt prefix with id '{prefix}': "
+                    f'prefix id "{prefix}" not found'
+                )
+            try:
+                encoded = await self.tokenizer.encode_batch_async(texts)
+            except Exception as err:
+                raise ValidationError(f"tokenizer error {err}") from err
+            validated = [
+                validate_input(text, ids, params, self.limits)
+                for text, ids in zip(texts, encoded, strict=True)
+            ]
+        except ValidationError as err:
+            self.metrics.request_failure("validation")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise
+        for v in validated:
+            self.metrics.input_length.observe(v.input_length)
+        return validated
+
+    async def _collect_unary(
+        self, state: RequestState, kind: str, arrival: float, index: int, count: int
+    ) -> pb.GenerationResponse:
+        validated = state.request
+        texts: list[str] = []
+        tokens: list[pb.TokenInfo] = []
+        input_tokens: list[pb.TokenInfo] = []
+        while True:
+            event = await state.events.get()
+            if isinstance(event, BaseException):
+                raise event
+            if isinstance(event, InputTokensEvent):
+                input_tokens = [self._token_info(t) for t in event.tokens]
+                continue
+            texts.append(event.text)
+            if event.token is not None:
+                tokens.append(self._token_info(event.token))
+            if event.is_final:
+                break
+        output = "".join(texts)
+        text = output
+        if validated.params.response.input_text:
+            text = validated.text + ("\n\n" if self.is_seq2seq else "") + output
+        self._record_success(state, event, kind, arrival, output, index, count)
+        return pb.GenerationResponse(
+            input_token_count=validated.input_length,
+            generated_token_count=event.generated_token_count,
+            text=text,
+            stop_reason=int(event.stop_reason),
+            stop_sequence=event.stop_sequence,
+            seed=validated.sampling.seed or 0,
+            tokens=tokens,
+            input_tokens=input_tokens,
+        )
+
+    async def _stream(
+        self, state: RequestState, validated: ValidatedRequest, arrival: float
+    ) -> AsyncIterator[pb.GenerationResponse]:
+        seed = validated.sampling.seed or 0
+        yield pb.GenerationResponse(
+            input_token_count=validated.input_length,
+            text=validated.text if validated.params.response.input_text else "",
+            seed=seed,
+        )
+        output: list[str] = []
+        while True:
+            event = await state.events.get()
+            if isinstance(event, BaseException):
+                raise event
+            if isinstance(event, InputTokensEvent):
+                infos = [self._token_info(t) for t in event.tokens]
+                yield pb.GenerationResponse(input_token_count=len(infos), input_tokens=infos)
+                continue
+            output.append(event.text)
+            message = self._token_message(event)
+            if event.is_final:
+                message.seed = seed
+                yield message
+                self._record_success(state, event, "stream", arrival, "".join(output), 0, 1)
+                return
+            yield message
+
+    def _token_message(self, event: TokenEvent) -> pb.GenerationResponse:
+        return pb.GenerationResponse(
+            generated_token_count=event.generated_token_count,
+            text=event.text,
+            tokens=[self._token_info(event.token)] if event.token is not None else [],
+            stop_reason=int(event.stop_reason),
+            stop_sequence=event.stop_sequence,
+        )
+
+    def _token_info(self, detail: TokenDetail) -> pb.TokenInfo:
+        to_text = self.tokenizer.id_to_token
+        return pb.TokenInfo(
+            text=to_text(detail.token_id),
+            logprob=detail.logprob,
+            rank=detail.rank,
+            top_tokens=[
+                pb.TokenInfo.TopToken(text=to_text(tid), logprob=lp) for tid, lp in detail.top_tokens
+            ],
+        )
+
+    def _record_success(
+        self,
+        state: RequestState,
+        event: TokenEvent,
+        kind: str,
+        arrival: float,
+        output: str,
+        index: int,
+        count: int,
+    ) -> None:
+        now = time.monotonic()
+        reason = StopReason(event.stop_reason)
+        self.metrics.counter("request_success").inc(reason.name, kind)
+        self.metrics.generated_tokens.observe(event.generated_token_count)
+        self.metrics.request_duration.observe(now - arrival)
+        if state.started_at is not None:
+            self.metrics.queue_duration.observe(state.started_at - arrival)
+        who = {"single": "Request", "stream": "Streaming response"}.get(
+            kind, f"Sub-request {index} from batch of {count}"
+        )
+        level = logging.WARNING if reason == StopReason.TOKEN_LIMIT else logging.INFO
+        log.log(
+            level,
+            "%s generated %d tokens before %s, output %d bytes: %r",
+            who,
+            event.generated_token_count,
+            reason.name,
+            len(output.encode()),
+            output[:32],
+        )
+
+
+async def _all_or_nothing(coros: list[Any]) -> list[Any]:
+    """Await every coroutine; on the first failure cancel the rest and raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [t.result() for t in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+__all__ = ["GenerationServicer", "RouterError"]

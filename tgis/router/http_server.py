@@ -1,0 +1,44 @@
+"""Plain HTTP on --port: GET /health (200 empty / 503 JSON) and GET /metrics (Prometheus text)."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from tgis.router.health import GenerationHealth, HealthTimeoutError
+from tgis.router.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+_PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def build_app(health: GenerationHealth, metrics: Metrics) -> web.Application:
+    async def get_health(_: web.Request) -> web.Response:
+        try:
+            healthy = await health.check()
+        except HealthTimeoutError:
+            return web.json_response({"error": "Healthcheck timed-out"}, status=503)
+        if healthy:
+            return web.Response(status=200)
+        return web.json_response({"error": "unhealthy"}, status=503)
+
+    async def get_metrics(_: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": _PROMETHEUS_TEXT})
+
+    app = web.Application()
+    app.router.add_get("/health", get_health)
+    app.router.add_get("/metrics", get_metrics)
+    return app
+
+
+async def start_http_server(
+    port: int, health: GenerationHealth, metrics: Metrics
+) -> web.AppRunner:
+    """Listen on every interface, IPv4 and IPv6 (TGIS binds 0.0.0.0 only)."""
+    runner = web.AppRunner(build_app(health, metrics), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host=None, port=port)
+    await site.start()
+    return runner

@@ -1,0 +1,99 @@
+"""Plain types a request passes through inside the router (no protobuf, no torch).
+
+Chain: pb GenerationRequest -> (validation) ValidatedRequest -> (engine) RequestState
+-> TokenEvent -> pb GenerationResponse.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class StopReason(enum.IntEnum):
+    """Why a request finished; values equal fmaas.StopReason on the wire."""
+
+    NOT_FINISHED = 0
+    MAX_TOKENS = 1
+    EOS_TOKEN = 2
+    CANCELLED = 3
+    TIME_LIMIT = 4
+    STOP_SEQUENCE = 5
+    TOKEN_LIMIT = 6
+    ERROR = 7
+
+
+@dataclass(frozen=True, slots=True)
+class LengthPenalty:
+    start_index: int
+    decay_factor: float
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Decoding parameters after TGIS's zero-means-default conversion (spec §1.3).
+
+    temperature == 0.0 means greedy.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    typical_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    length_penalty: LengthPenalty | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StoppingParams:
+    max_new_tokens: int = 20
+    min_new_tokens: int = 0
+    stop_sequences: tuple[str, ...] = ()
+    include_stop_sequence: bool = False
+    # Absolute time.monotonic() deadline, or None.
+    deadline: float | None = None
+    # True when max_new_tokens was lowered to fit max_sequence_length (-> TOKEN_LIMIT).
+    truncated_to_fit: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseOptions:
+    input_text: bool = False
+    generated_tokens: bool = False
+    input_tokens: bool = False
+    token_logprobs: bool = False
+    token_ranks: bool = False
+    top_n_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """The whole converted `Parameters` message, shared by every input of one RPC."""
+
+    sampling: SamplingParams
+    stopping: StoppingParams
+    response: ResponseOptions
+    truncate_input_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ValidatedRequest:
+    """One input, tokenized and checked against the server limits; ready to queue."""
+
+    text: str
+    # Prompt token ids after left truncation (what the model sees).
+    input_ids: tuple[int, ...]
+    params: GenerationParams
+    # Per-input stopping (max_new_tokens may have been reduced -> TOKEN_LIMIT).
+    stopping: StoppingParams
+    # Per-input sampling (each sampled input of a batch gets its own random seed).
+    sampling: SamplingParams
+
+    @property
+    def input_length(self) -> int:
+        return len(self.input_ids)
