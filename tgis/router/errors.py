@@ -1,0 +1,92 @@
+"""Errors the router turns into gRPC statuses (spec §1.11, §2).
+
+Each exception carries the gRPC status code and the exact message a client sees; the servicer
+only has to call ``context.abort(err.code, err.message)``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import grpc
+
+__all__ = [
+    "DetokenizationError",
+    "GenerationError",
+    "OverloadedError",
+    "RouterError",
+    "TokenizationError",
+    "ValidationError",
+]
+
+
+class RouterError(Exception):
+    """Base class: an error with a gRPC status code and a client-visible message."""
+
+    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ValidationError(RouterError):
+    """A request failed validation: ``INVALID_ARGUMENT`` with one of the §2 messages."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class OverloadedError(RouterError):
+    """No concurrency permit (or queue full): ``RESOURCE_EXHAUSTED``.
+
+    The default message is ``Model is overloaded``; the (practically unreachable) queue-full
+    case uses ``Server too busy``.
+    """
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str = "Model is overloaded") -> None:
+        super().__init__(message)
+
+
+class GenerationError(RouterError):
+    """Any failure after the request was enqueued: ``UNKNOWN``.
+
+    The message is ``Request failed during generation: <detail>``; ``detail`` keeps the
+    unprefixed text (e.g. ``GPU out of memory``).
+    """
+
+    code = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"Request failed during generation: {detail}")
+        self.detail = detail
+
+
+class DetokenizationError(RouterError):
+    """Decoding output ids to text failed: ``UNKNOWN``,
+    ``Request failed during detokenization: <detail>``.
+
+    Inside the batching loop it is wrapped again in a :class:`GenerationError`
+    (``GenerationError(str(err))``), as TGIS does.
+    """
+
+    code = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"Request failed during detokenization: {detail}")
+        self.detail = detail
+
+
+class TokenizationError(RouterError):
+    """The tokenizer failed. ``UNKNOWN`` with the tokenizer's own error text (Tokenize RPC).
+
+    During generation validation the caller reports it as
+    ``ValidationError(f"tokenizer error {err.message}")`` (rule 13), see
+    :func:`tgis.router.validation.tokenizer_validation_error`.
+    """
+
+    code = grpc.StatusCode.UNKNOWN

@@ -1,0 +1,364 @@
+"""Parameter conversion and request validation (spec §1.3, §1.4 "Seeds", §1.6, §2).
+
+Three steps, called by the servicer in this order:
+
+1. :func:`convert_params` -- proto ``Parameters`` -> :class:`GenerationParams`, applying TGIS's
+   "zero means default" rules.
+2. :func:`validate_params` -- the request-wide rules 1-11 of §2, first failure wins.
+3. :func:`validate_input` -- per input (after tokenization): truncation, rules 14/15, seed
+   assignment and the TOKEN_LIMIT reduction of ``max_new_tokens``.
+
+Rules 12 (prompt prefix) and 13 (tokenizer failure) sit between steps 2 and 3 and belong to the
+caller; :func:`prefix_lookup_error` and :func:`tokenizer_validation_error` build their messages.
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from tgis.pb import generation_pb2
+from tgis.router.errors import ValidationError
+from tgis.router.request_types import (
+    GenerationParams,
+    LengthPenalty,
+    ResponseOptions,
+    SamplingParams,
+    StoppingParams,
+    ValidatedRequest,
+)
+
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "MAX_STOP_SEQUENCES",
+    "MAX_STOP_SEQUENCE_BYTES",
+    "ServerLimits",
+    "convert_params",
+    "prefix_lookup_error",
+    "tokenizer_validation_error",
+    "validate_input",
+    "validate_inputs",
+    "validate_params",
+]
+
+DEFAULT_MAX_NEW_TOKENS = 20
+MAX_STOP_SEQUENCES = 6
+MAX_STOP_SEQUENCE_BYTES = 240
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (TGIS compares proto floats as f32)."""
+    result: float = struct.unpack("<f", struct.pack("<f", value))[0]
+    return result
+
+
+# Proto floats arrive as the exact float32 value; comparing them with the float32 constant
+# reproduces the Rust f32 comparisons bit for bit (0.05 is not exact in binary).
+_MIN_TEMPERATURE = _f32(0.05)
+_MIN_DECAY_FACTOR = 1.0
+_MAX_DECAY_FACTOR = 10.0
+_I32_MAX = (1 << 31) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Server-wide limits validation checks against.
+
+    ``max_new_tokens`` is the *effective* limit, i.e. already lowered to
+    ``max_sequence_length - 1`` where needed (use :meth:`from_args`).
+    """
+
+    max_sequence_length: int
+    max_new_tokens: int
+    max_stop_sequences: int = MAX_STOP_SEQUENCES
+    max_stop_sequence_bytes: int = MAX_STOP_SEQUENCE_BYTES
+
+    @classmethod
+    def from_args(cls, max_sequence_length: int, max_new_tokens: int) -> ServerLimits:
+        """Limits from the router flags; ``max_new_tokens`` is capped at ``max_sequence_length - 1``
+        (TGIS logs ``adjusting max_new_tokens (..) down to max_sequence_length - 1 (..)``)."""
+        return cls(
+            max_sequence_length=max_sequence_length,
+            max_new_tokens=min(max_new_tokens, max_sequence_length - 1),
+        )
+
+
+def _stop_sequences_message(limits: ServerLimits) -> str:
+    return (
+        f"can specify at most {limits.max_stop_sequences} non-empty stop sequences, "
+        f"each not more than {limits.max_stop_sequence_bytes} UTF8 bytes"
+    )
+
+
+def _decay_factor_ok(decay_factor: float) -> bool:
+    return _MIN_DECAY_FACTOR <= decay_factor <= _MAX_DECAY_FACTOR
+
+
+def convert_params(
+    pb: generation_pb2.Parameters | None,
+    *,
+    default_include_stop_seqs: bool,
+    now: float,
+) -> GenerationParams:
+    """Convert proto ``Parameters`` exactly as TGIS's ``convert_params`` does (spec §1.3).
+
+    ``now`` is the request's arrival time on the ``time.monotonic()`` clock; a positive
+    ``time_limit_millis`` becomes the absolute deadline ``now + ms / 1000``.
+
+    Zero means "unset" for ``max_new_tokens`` (-> 20), ``repetition_penalty`` (-> 1.0),
+    ``top_p`` / ``typical_p`` (-> disabled) and SAMPLE-mode ``temperature`` (-> 1.0). In GREEDY
+    mode every ``sampling`` field, including the seed, is ignored. ``top_k`` is cast to i32
+    like TGIS, so values above 2^31-1 become negative and fail rule 4.
+
+    ``length_penalty``: TGIS only copies it when ``repetition_penalty`` is non-zero. Here a
+    length penalty with a valid ``decay_factor`` is always honoured (the proto promises it); an
+    invalid one sent without a repetition penalty is dropped silently, as TGIS did, so no
+    request that TGIS accepted is rejected.
+    """
+    if pb is None:
+        return GenerationParams(
+            sampling=SamplingParams(),
+            stopping=StoppingParams(include_stop_sequence=default_include_stop_seqs),
+            response=ResponseOptions(),
+        )
+
+    response = ResponseOptions()
+    if pb.HasField("response"):
+        r = pb.response
+        response = ResponseOptions(
+            input_text=r.input_text,
+            generated_tokens=r.generated_tokens,
+            input_tokens=r.input_tokens,
+            token_logprobs=r.token_logprobs,
+            token_ranks=r.token_ranks,
+            top_n_tokens=r.top_n_tokens,
+        )
+
+    repetition_penalty = 1.0
+    length_penalty: LengthPenalty | None = None
+    if pb.HasField("decoding"):
+        d = pb.decoding
+        if d.repetition_penalty != 0.0:
+            repetition_penalty = d.repetition_penalty
+        if d.HasField("length_penalty"):
+            lp = LengthPenalty(
+                start_index=d.length_penalty.start_index,
+                decay_factor=d.length_penalty.decay_factor,
+            )
+            if d.repetition_penalty != 0.0 or _decay_factor_ok(lp.decay_factor):
+                length_penalty = lp
+
+    stopping = StoppingParams(include_stop_sequence=default_include_stop_seqs)
+    if pb.HasField("stopping"):
+        s = pb.stopping
+        stopping = StoppingParams(
+            max_new_tokens=s.max_new_tokens if s.max_new_tokens != 0 else DEFAULT_MAX_NEW_TOKENS,
+            min_new_tokens=s.min_new_tokens,
+            stop_sequences=tuple(s.stop_sequences),
+            include_stop_sequence=(
+                s.include_stop_sequence
+                if s.HasField("include_stop_sequence")
+                else default_include_stop_seqs
+            ),
+            deadline=now + s.time_limit_millis / 1000.0 if s.time_limit_millis > 0 else None,
+        )
+
+    temperature = 0.0
+    top_k = 0
+    top_p = 1.0
+    typical_p = 0.0
+    seed: int | None = None
+    if pb.method == generation_pb2.SAMPLE:
+        if pb.HasField("sampling"):
+            sp = pb.sampling
+            temperature = sp.temperature
+            top_k = sp.top_k if sp.top_k <= _I32_MAX else sp.top_k - (1 << 32)
+            if sp.top_p != 0.0:
+                top_p = sp.top_p
+            if sp.typical_p != 0.0:
+                typical_p = sp.typical_p
+            seed = sp.seed if sp.HasField("seed") else None
+        if temperature == 0.0:
+            temperature = 1.0  # sampling with temperature 0 means plain sampling at 1.0
+    # GREEDY (or any other method value): sampling fields are silently ignored.
+
+    sampling = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        typical_p=typical_p,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        length_penalty=length_penalty,
+    )
+    return GenerationParams(
+        sampling=sampling,
+        stopping=stopping,
+        response=response,
+        truncate_input_tokens=pb.truncate_input_tokens,
+    )
+
+
+def validate_params(params: GenerationParams, limits: ServerLimits) -> None:
+    """Check the request-wide rules 1-11 of spec §2 in order; raise the first failure.
+
+    Raises:
+        ValidationError: with the verbatim TGIS message.
+    """
+    s = params.sampling
+    st = params.stopping
+    r = params.response
+    # 1
+    if s.temperature != 0.0 and s.temperature < _MIN_TEMPERATURE:
+        raise ValidationError("temperature must be >= 0.05")
+    # 2
+    if s.top_p <= 0.0 or s.top_p > 1.0:
+        raise ValidationError("top_p must be > 0.0 and <= 1.0")
+    # 3
+    if s.typical_p > 1.0:
+        raise ValidationError("typical_p must be <= 1.0")
+    # 4 (only reachable through the u32 -> i32 overflow; the message is TGIS's)
+    if s.top_k < 0:
+        raise ValidationError("top_k must be strictly positive")
+    # 5
+    if st.max_new_tokens > limits.max_new_tokens:
+        raise ValidationError(f"max_new_tokens must be <= {limits.max_new_tokens}")
+    # 6
+    if st.min_new_tokens > st.max_new_tokens:
+        raise ValidationError("min_new_tokens must be <= max_new_tokens")
+    # 7
+    if s.repetition_penalty <= 0.0:
+        raise ValidationError("repetition_penalty must be > 0.0")
+    # 8
+    if s.length_penalty is not None and not _decay_factor_ok(s.length_penalty.decay_factor):
+        raise ValidationError("length_penalty must be >= 1.0 and <= 10.0")
+    # 9
+    if len(st.stop_sequences) > limits.max_stop_sequences:
+        raise ValidationError(_stop_sequences_message(limits))
+    # 10
+    if (r.token_logprobs or r.token_ranks or r.top_n_tokens != 0) and not (
+        r.input_tokens or r.generated_tokens
+    ):
+        raise ValidationError(
+            "must request input and/or generated tokens to request extra token detail"
+        )
+    # 11
+    if any(
+        not ss or len(ss.encode("utf-8")) > limits.max_stop_sequence_bytes
+        for ss in st.stop_sequences
+    ):
+        raise ValidationError(_stop_sequences_message(limits))
+
+
+def prefix_lookup_error(prefix_id: str, message: str) -> ValidationError:
+    """Rule 12: a failed prompt-prefix lookup (``message`` is the shard's error text)."""
+    return ValidationError(f"can't retrieve prompt prefix with id '{prefix_id}': {message}")
+
+
+def tokenizer_validation_error(error: object) -> ValidationError:
+    """Rule 13: the router tokenizer failed on an input."""
+    return ValidationError(f"tokenizer error {error}")
+
+
+def _random_seed() -> int:
+    """A random 32-bit seed (TGIS draws a u32 so the returned value stays short)."""
+    return secrets.randbits(32)
+
+
+def validate_input(
+    text: str,
+    input_ids_full: Sequence[int],
+    params: GenerationParams,
+    limits: ServerLimits,
+    *,
+    prefix_length: int = 0,
+    bos_token_id: int | None = None,
+) -> ValidatedRequest:
+    """Validate one tokenized input (rules 14 and 15) and build its :class:`ValidatedRequest`.
+
+    Args:
+        text: the original input text (echoed untruncated when ``input_text`` is requested).
+        input_ids_full: the router's encoding of ``text`` with special tokens.
+        params: converted and already :func:`validate_params`-checked parameters.
+        limits: server limits.
+        prefix_length: length of the prompt prefix (``prefix_id``); 0 while prefixes are
+            unsupported. It counts towards the limits but not ``input_length``.
+        bos_token_id: the BOS id if the tokenizer adds one; truncation then overwrites the
+            first kept token with it, as TGIS's shards do for ``add_bos_token`` tokenizers.
+
+    Truncation (``truncate_input_tokens`` = T, applied only when ``0 < T < len``) keeps the last
+    T tokens. If ``input + prefix + max_new_tokens`` exceeds ``max_sequence_length``,
+    ``max_new_tokens`` is lowered to fit and ``truncated_to_fit`` is set (-> TOKEN_LIMIT). A
+    sampling request without a client seed gets its own random 32-bit seed; a client seed is
+    kept as is (and so shared by all inputs of a batch).
+
+    Raises:
+        ValidationError: rule 14 or 15 with the verbatim TGIS message.
+    """
+    ids = list(input_ids_full)
+    truncate = params.truncate_input_tokens
+    if 0 < truncate < len(ids):
+        ids = ids[-truncate:]
+        if bos_token_id is not None:
+            ids[0] = bos_token_id
+
+    input_length = len(ids)
+    effective_length = input_length + prefix_length
+    max_len = limits.max_sequence_length
+    stopping = params.stopping
+    # 14: the input alone may not fill the whole sequence.
+    if effective_length >= max_len:
+        raise ValidationError(
+            f"input tokens ({input_length}) plus prefix length ({prefix_length}) "
+            f"must be < {max_len}"
+        )
+    # 15
+    if effective_length + stopping.min_new_tokens > max_len:
+        raise ValidationError(
+            f"input tokens ({input_length}) plus prefix length ({prefix_length}) "
+            f"plus min_new_tokens ({stopping.min_new_tokens}) must be <= {max_len}"
+        )
+
+    sampling = params.sampling
+    if not sampling.is_greedy and sampling.seed is None:
+        sampling = replace(sampling, seed=_random_seed())
+
+    if effective_length + stopping.max_new_tokens > max_len:
+        stopping = replace(
+            stopping, max_new_tokens=max_len - effective_length, truncated_to_fit=True
+        )
+
+    return ValidatedRequest(
+        text=text,
+        input_ids=tuple(ids),
+        params=params,
+        stopping=stopping,
+        sampling=sampling,
+    )
+
+
+def validate_inputs(
+    texts: Sequence[str],
+    encodings: Sequence[Sequence[int]],
+    params: GenerationParams,
+    limits: ServerLimits,
+    *,
+    prefix_length: int = 0,
+    bos_token_id: int | None = None,
+) -> list[ValidatedRequest]:
+    """:func:`validate_input` for every input of a batch, in order; the first failure wins."""
+    if len(texts) != len(encodings):
+        raise ValueError("texts and encodings differ in length")
+    return [
+        validate_input(
+            text,
+            ids,
+            params,
+            limits,
+            prefix_length=prefix_length,
+            bos_token_id=bos_token_id,
+        )
+        for text, ids in zip(texts, encodings, strict=True)
+    ]
