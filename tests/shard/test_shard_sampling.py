@@ -1,0 +1,183 @@
+"""The batch sampler and token details, on crafted and random logits."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    ExponentialDecayLengthPenalty,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from tgis.shard.messages import DetailOptions, LengthPenalty, SamplingParams
+from tgis.shard.sampling import SamplingBatch, SamplingRow, make_generator, sample
+from tgis.shard.token_details import first_input_detail, token_details
+
+CPU = torch.device("cpu")
+EOS = 2
+VOCAB = 64
+
+
+def rows_of(*params: SamplingParams, ids=(5, 6, 7), generated: int = 0) -> list[SamplingRow]:
+    return [
+        SamplingRow(
+            p,
+            list(ids),
+            generated,
+            None if p.is_greedy else make_generator(p.seed if p.seed is not None else 0, CPU),
+        )
+        for p in params
+    ]
+
+
+def run(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    return sample(logits, SamplingBatch(rows, [EOS], logits.shape[-1], CPU))
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
+    def draws(seed: int) -> list[int]:
+        row = rows_of(SamplingParams(temperature=1.0, seed=seed))
+        return [int(run(torch.zeros(1, VOCAB), row)[0][0]) for _ in range(20)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+    assert len(set(draws(7))) > 5  # a uniform distribution really is sampled
+
+
+def test_sampled_row_does_not_disturb_greedy_row() -> None:
+    logits = random_logits(2)
+    tokens, scores = run(logits, rows_of(SamplingParams(), SamplingParams(temperature=5.0, seed=1)))
+    assert int(tokens[0]) == int(logits[0].argmax())
+    torch.testing.assert_close(scores[0], logits[0])  # greedy rows get no warper
+
+
+def test_top_k_one_equals_greedy_and_has_logprob_zero() -> None:
+    logits = random_logits(4, seed=3)
+    params = SamplingParams(temperature=1.3, top_k=1, seed=11)
+    tokens, scores = run(logits, rows_of(*[params] * 4))
+    assert tokens.tolist() == logits.argmax(dim=-1).tolist()
+    details = token_details(scores, tokens, [DetailOptions(logprobs=True, ranks=True)] * 4)
+    assert all(d.logprob == 0.0 and d.rank == 1 for d in details)
+
+
+def test_min_new_tokens_masks_eos() -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[:, EOS] = 10.0
+    params = SamplingParams(min_new_tokens=3)
+    masked = rows_of(params, generated=2)
+    allowed = rows_of(params, generated=3)
+    tokens, scores = run(logits.clone(), masked + allowed)
+    assert int(tokens[0]) != EOS and scores[0, EOS] == float("-inf")
+    assert int(tokens[1]) == EOS
+
+
+def test_repetition_penalty_pushes_seen_tokens_down() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 10] = 2.0  # seen, positive: divided
+    logits[0, 11] = 1.5  # unseen
+    logits[0, 12] = -1.0  # seen, negative: multiplied
+    params = SamplingParams(repetition_penalty=2.0)
+    tokens, scores = run(logits, rows_of(params, ids=(10, 12, 10)))
+    assert scores[0, 10].item() == pytest.approx(1.0)
+    assert scores[0, 12].item() == pytest.approx(-2.0)
+    assert scores[0, 11].item() == pytest.approx(1.5)
+    assert int(tokens[0]) == 11  # 10 was the argmax before the penalty
+    tokens, _ = run(logits, rows_of(SamplingParams(), ids=(10, 12, 10)))
+    assert int(tokens[0]) == 10
+
+
+def test_length_penalty_boosts_eos_after_start_index() -> None:
+    logits = torch.full((3, VOCAB), 0.0)
+    logits[:, EOS] = -2.0
+    params = SamplingParams(length_penalty=LengthPenalty(start_index=4, decay_factor=1.5))
+    batch = rows_of(params, generated=4) + rows_of(params, generated=6)
+    batch += rows_of(
+        SamplingParams(min_new_tokens=10, length_penalty=params.length_penalty), generated=6
+    )
+    _, scores = run(logits, batch)
+    assert scores[0, EOS].item() == pytest.approx(-2.0)  # tokens past start = 0: no boost
+    assert scores[1, EOS].item() == pytest.approx(-2.0 + 2.0 * (1.5**2 - 1))
+    assert scores[2, EOS].item() == float("-inf")  # still in the min phase
+
+
+def test_processing_matches_hf_processors_row_by_row() -> None:
+    logits = random_logits(5, seed=5)
+    ids = (3, 9, 9, 40)
+    params = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.0, typical_p=0.8, seed=2),
+        SamplingParams(temperature=1.2, top_p=0.5, repetition_penalty=0.8, seed=3),
+        SamplingParams(length_penalty=LengthPenalty(1, 1.2), temperature=0.5, top_k=7, seed=4),
+    ]
+    generated = 3
+    _, scores = run(logits.clone(), rows_of(*params, ids=ids, generated=generated))
+    input_ids = torch.tensor([ids])
+    for row, p in enumerate(params):
+        expected = logits[row : row + 1].clone()
+        if p.length_penalty is not None:
+            lp = ExponentialDecayLengthPenalty(
+                (p.length_penalty.start_index, p.length_penalty.decay_factor),
+                EOS,
+                input_ids_seq_length=len(ids) - generated,
+            )
+            expected = lp(input_ids, expected)
+        if p.repetition_penalty != 1.0:
+            expected = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(input_ids, expected)
+        processors: list[Any] = []
+        if not p.is_greedy:
+            processors.append(TemperatureLogitsWarper(p.temperature))
+            if p.top_k:
+                processors.append(TopKLogitsWarper(p.top_k))
+            if p.top_p < 1:
+                processors.append(TopPLogitsWarper(p.top_p))
+            if p.typical_p < 1:
+                processors.append(TypicalLogitsWarper(p.typical_p))
+        for proc in processors:
+            expected = proc(input_ids, expected)
+        torch.testing.assert_close(scores[row : row + 1], expected, msg=f"row {row}")
+    assert (scores[1] > float("-inf")).sum() < 20  # the warpers really filtered
+
+
+def test_rank_and_top_n_follow_tgis_rules() -> None:
+    scores = torch.tensor([[3.0, 5.0, 5.0, 5.0, 1.0, float("-inf")]])
+    with_lp = DetailOptions(logprobs=True, ranks=True, top_n=2)
+    (d,) = token_details(scores, torch.tensor([4]), [with_lp])
+    assert d.rank == 5  # 1 + four strictly greater scores
+    assert [t.token_id for t in d.top_tokens] == [1, 2, 3]  # ties with the 2nd best included
+    expected = torch.log_softmax(scores[0], dim=-1)
+    assert d.logprob == pytest.approx(expected[4].item())
+    (d,) = token_details(scores, torch.tensor([2]), [with_lp])
+    assert d.rank == 1  # ties share a rank
+    # n-th best is -inf: only finite entries; without logprobs: id order and logprob 0.
+    (d,) = token_details(scores, torch.tensor([0]), [DetailOptions(top_n=6)])
+    assert [t.token_id for t in d.top_tokens] == [0, 1, 2, 3, 4]
+    assert all(t.logprob == 0.0 for t in d.top_tokens) and d.logprob == 0.0 and d.rank == 0
+    # Capped at 4n entries.
+    (d,) = token_details(torch.zeros(1, 20), torch.tensor([0]), [DetailOptions(top_n=1)])
+    assert [t.token_id for t in d.top_tokens] == [0, 1, 2, 3]
+    # Sorted by logprob, lower id first on ties.
+    (d,) = token_details(
+        torch.tensor([[1.0, 2.0, 4.0, 2.0]]), torch.tensor([0]), [DetailOptions(True, top_n=3)]
+    )
+    assert [t.token_id for t in d.top_tokens] == [2, 1, 3]
+
+
+def test_rows_without_options_get_bare_tokens() -> None:
+    scores = random_logits(2)
+    details = token_details(scores, torch.tensor([1, 2]), [None, DetailOptions(ranks=True)])
+    assert details[0].logprob == 0.0 and details[0].rank == 0 and not details[0].top_tokens
+    assert details[1].rank >= 1 and details[1].logprob == 0.0
+    assert math.isnan(first_input_detail(5, DetailOptions(logprobs=True)).logprob)
+    assert first_input_detail(5, DetailOptions()).logprob == 0.0

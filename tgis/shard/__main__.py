@@ -1,0 +1,5 @@
+"""``python -m tgis.shard serve ...`` (same as ``text-generation-server``)."""
+
+from tgis.shard.cli import main
+
+main()

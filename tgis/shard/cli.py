@@ -1,0 +1,91 @@
+"""``text-generation-server``: the shard's command line (``serve``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import click
+
+from tgis.shard.config import DEFAULT_UDS_PATH, ShardConfig, env_int, env_optional_int
+from tgis.termination import fail_startup
+
+
+@click.group()
+def main() -> None:
+    """The tgis model shard."""
+
+
+@main.command()
+@click.argument("model_name", default="")
+@click.argument("deployment_framework", required=False)
+@click.option("--dtype", default=None, help="float32, float16 or bfloat16.")
+@click.option("--max-sequence-length", type=int, default=2048, show_default=True)
+@click.option("--max-new-tokens", type=int, default=1024, show_default=True)
+@click.option("--max-batch-size", type=int, default=12, show_default=True)
+@click.option(
+    "--batch-safety-margin",
+    type=int,
+    default=20,
+    show_default=True,
+    help="Percent of free GPU memory held back when sizing the KV cache.",
+)
+@click.option("--revision", default=None)
+@click.option("--sharded", is_flag=True, default=False)
+@click.option("--cuda-process-memory-fraction", type=float, default=1.0, show_default=True)
+@click.option("--uds-path", default=DEFAULT_UDS_PATH, show_default=True)
+def serve(
+    model_name: str,
+    deployment_framework: str | None,
+    dtype: str | None,
+    max_sequence_length: int,
+    max_new_tokens: int,
+    max_batch_size: int,
+    batch_safety_margin: int,
+    revision: str | None,
+    sharded: bool,
+    cuda_process_memory_fraction: float,
+    uds_path: str,
+) -> None:
+    """Load MODEL_NAME ("" = the embedded model) and serve it on ``{uds-path}-{rank}``."""
+    logging.basicConfig(
+        level=os.environ.get("LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # Imported here so `--help` does not pay for torch.
+    from tgis.model_files import ModelNotFoundError
+    from tgis.shard.errors import StartupError
+    from tgis.shard.loader import load_runner
+    from tgis.shard.server import ShardServer
+
+    try:
+        config = ShardConfig(
+            model_name=model_name,
+            revision=revision,
+            deployment_framework=deployment_framework,
+            dtype=dtype,
+            max_sequence_length=max_sequence_length,
+            max_new_tokens=max_new_tokens,
+            max_batch_size=max_batch_size,
+            batch_safety_margin=batch_safety_margin,
+            sharded=sharded,
+            cuda_process_memory_fraction=cuda_process_memory_fraction,
+            uds_path=uds_path,
+            rank=env_int("RANK", 0),
+            world_size=env_int("WORLD_SIZE", 1),
+            kv_cache_blocks=env_optional_int("TGIS_KV_CACHE_BLOCKS"),
+        )
+        config.validate()
+        if config.world_size > 1:
+            fail_startup("tensor parallelism (num_shard > 1) is not implemented yet")
+        runner = load_runner(config)
+    except (StartupError, ModelNotFoundError) as e:
+        fail_startup(_one_line(str(e)))
+    except Exception as e:
+        fail_startup(_one_line(f"failed to load model '{model_name}': {type(e).__name__}: {e}"))
+    asyncio.run(ShardServer(runner, config.socket_path, config.rank).serve_until_signal())
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())

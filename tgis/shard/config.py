@@ -1,0 +1,77 @@
+"""The shard's start-up configuration (command line plus environment)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tgis.shard.errors import StartupError
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DEFAULT_UDS_PATH = "/tmp/text-generation-server"
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Everything the shard needs to load its model and serve (one per process)."""
+
+    model_name: str = ""
+    revision: str | None = None
+    deployment_framework: str | None = None  # accepted for TGIS compatibility; unused
+    dtype: str | None = None  # None: float32 on CPU, the config's dtype on GPU
+    max_sequence_length: int = 2048
+    max_new_tokens: int = 1024  # the router enforces it; validated only
+    max_batch_size: int = 12
+    batch_safety_margin: int = 20  # percent of free GPU memory kept back
+    sharded: bool = False
+    cuda_process_memory_fraction: float = 1.0
+    uds_path: str = DEFAULT_UDS_PATH
+    rank: int = 0
+    world_size: int = 1
+    kv_cache_blocks: int | None = None  # TGIS_KV_CACHE_BLOCKS overrides the sizing
+
+    @property
+    def socket_path(self) -> str:
+        """The Unix socket this rank listens on."""
+        return f"{self.uds_path}-{self.rank}"
+
+    def validate(self) -> None:
+        """Raise StartupError for values no model could be served with."""
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise StartupError(
+                f"unsupported --dtype '{self.dtype}' (expected one of {', '.join(DTYPE_NAMES)})"
+            )
+        if not 0 <= self.batch_safety_margin < 100:
+            raise StartupError("--batch-safety-margin must be between 0 and 99")
+        if not 0.0 < self.cuda_process_memory_fraction <= 1.0:
+            raise StartupError("--cuda-process-memory-fraction must be in (0, 1]")
+        for name, value in (
+            ("--max-sequence-length", self.max_sequence_length),
+            ("--max-batch-size", self.max_batch_size),
+            ("--max-new-tokens", self.max_new_tokens),
+        ):
+            if value < 1:
+                raise StartupError(f"{name} must be at least 1")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise StartupError(f"invalid RANK={self.rank} for WORLD_SIZE={self.world_size}")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
+            raise StartupError("TGIS_KV_CACHE_BLOCKS must be a positive integer")
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer environment variable; StartupError if it is set but not an integer."""
+    value = env_optional_int(name)
+    return default if value is None else value
+
+
+def env_optional_int(name: str) -> int | None:
+    """An integer environment variable, None when unset or empty."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise StartupError(
+            f"environment variable {name} must be an integer, got '{value}'"
+        ) from None

@@ -1,0 +1,86 @@
+"""The paged KV cache: per layer, K and V tensors of fixed-size blocks.
+
+Shapes: ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``p`` of a sequence
+lives in block ``block_table[p // block_size]`` at offset ``p % block_size``, i.e. in the
+flat slot ``block_table[p // block_size] * block_size + p % block_size``. The router owns
+the allocation (which block ids a sequence gets); the shard owns the tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tgis.shard.errors import StartupError
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one cache block holds, for sizing and allocation."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int = BLOCK_SIZE
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of K and V of every layer for one block."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class KVCache:
+    """Per-layer K and V block tensors."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = spec.block_size
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.k = [
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
+        self.v = [
+            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+        ]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (K, V) block tensors of layer ``index``."""
+        return self.k[index], self.v[index]
+
+
+def num_blocks_for(
+    spec: KVCacheSpec,
+    device: torch.device,
+    *,
+    max_batch_size: int,
+    max_sequence_length: int,
+    batch_safety_margin: int,
+    override: int | None = None,
+) -> int:
+    """How many blocks to allocate.
+
+    ``override`` (env ``TGIS_KV_CACHE_BLOCKS``) wins. On CPU: enough for a full batch of
+    maximum-length sequences. On GPU: the free memory (after the weights are loaded) less
+    ``batch_safety_margin`` percent, which also covers activations and logits.
+    """
+    if override is not None:
+        return override
+    per_sequence = math.ceil(max_sequence_length / spec.block_size)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return max_batch_size * per_sequence
+    free, _total = torch.cuda.mem_get_info(device)
+    usable = free * (100 - batch_safety_margin) // 100
+    num_blocks = usable // spec.bytes_per_block
+    if num_blocks < per_sequence:
+        raise StartupError(
+            f"not enough GPU memory for the KV cache: {num_blocks} blocks fit, one sequence of "
+            f"--max-sequence-length {max_sequence_length} needs {per_sequence}"
+        )
+    return int(num_blocks)

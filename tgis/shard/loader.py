@@ -1,0 +1,69 @@
+"""Build a ready ModelRunner from a ShardConfig: find, check and load the model."""
+
+from __future__ import annotations
+
+import logging
+
+from tgis.model_files import resolve_model_dir
+from tgis.shard.attention import select_attention_backend
+from tgis.shard.config import ShardConfig
+from tgis.shard.device import dtype_name, select_device, select_dtype
+from tgis.shard.kv_cache import BLOCK_SIZE, KVCache, num_blocks_for
+from tgis.shard.messages import ModelKind, ShardInfo
+from tgis.shard.model_config import ModelConfig
+from tgis.shard.model_runner import ModelRunner
+from tgis.shard.models import model_class
+from tgis.shard.weights import Weights
+
+log = logging.getLogger(__name__)
+
+
+def load_runner(config: ShardConfig) -> ModelRunner:
+    """Load the model named by ``config`` onto this rank's device and size its KV cache.
+
+    Raises StartupError (or ModelNotFoundError) with a one-line message on any problem.
+    """
+    config.validate()
+    model_dir = resolve_model_dir(config.model_name, config.revision)
+    model_config = ModelConfig.from_dir(model_dir)
+    factory = model_class(model_config)  # fail on the architecture before touching devices
+    device = select_device(config.rank, config.world_size, config.cuda_process_memory_fraction)
+    dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
+    attention = select_attention_backend(device, BLOCK_SIZE)
+    weights = Weights(model_dir, device, dtype)
+    model = factory(model_config, weights, attention, config.max_sequence_length)
+    weights.close()
+    spec = model.kv_cache_spec
+    num_blocks = num_blocks_for(
+        spec,
+        device,
+        max_batch_size=config.max_batch_size,
+        max_sequence_length=config.max_sequence_length,
+        batch_safety_margin=config.batch_safety_margin,
+        override=config.kv_cache_blocks,
+    )
+    kv_cache = KVCache(spec, num_blocks, device)
+    info = ShardInfo(
+        model_kind=ModelKind.CAUSAL_LM,
+        eos_token_ids=model_config.eos_token_ids,
+        vocab_size=model_config.vocab_size,
+        block_size=spec.block_size,
+        num_blocks=num_blocks,
+        world_size=config.world_size,
+        max_position_embeddings=model_config.max_position_embeddings,
+        model_type=model_config.model_type,
+        dtype=dtype_name(dtype),
+        device=str(device),
+        attention_backend=attention.name,
+    )
+    log.info(
+        "Loaded %s (%s) from %s: %s on %s, %d KV blocks of %d tokens",
+        model_config.architecture,
+        model_config.model_type,
+        model_dir,
+        info.dtype,
+        info.device,
+        num_blocks,
+        spec.block_size,
+    )
+    return ModelRunner(model, kv_cache, attention, info, device)

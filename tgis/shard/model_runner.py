@@ -1,0 +1,243 @@
+"""Runs Steps: owns the model, the KV cache and every sequence's state.
+
+``ModelRunner.step(plan)``:
+
+1. ``resolve_plan`` validates the plan (``InvalidStepError`` leaves the state untouched);
+2. the scheduled sequences' next tokens are flattened into one varlen batch (ids, absolute
+   positions, KV slots) and the model runs once;
+3. logits are taken at the last computed position of every sequence whose known tokens are
+   now all computed, and one token is sampled for each; sequences mid-prompt get none;
+   sequences that asked for input-token details also get logits at their prompt positions;
+4. only then is the state committed (finished forgotten, new registered, block tables,
+   computed counts and tokens updated), so a step that raises changes nothing but the
+   forgetting of finished sequences and the generators' state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import torch
+
+from tgis.shard.attention import AttentionBackend, BatchLayout
+from tgis.shard.kv_cache import KVCache
+from tgis.shard.messages import (
+    InputTokenDetails,
+    SampledToken,
+    SequenceError,
+    ShardInfo,
+    StepOutput,
+    StepPlan,
+    TokenDetail,
+)
+from tgis.shard.models import CausalLM
+from tgis.shard.sampling import SamplingBatch, SamplingRow, sample
+from tgis.shard.sequence import Sequence
+from tgis.shard.step_plan import PlanLimits, ResolvedStep, WorkItem, resolve_plan
+from tgis.shard.token_details import first_input_detail, token_details
+
+# Prompt positions whose logits are materialised at once for input-token details.
+INPUT_DETAIL_ROWS = 256
+
+
+@dataclass(frozen=True)
+class _FlatBatch:
+    """The flattened inputs of one step and where each sequence's rows are."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    layout: BatchLayout
+    sample_rows: tuple[int, ...]  # one per sampling WorkItem, in work order
+    sample_items: tuple[WorkItem, ...]
+    # Input-token details: (item, first row, number of rows) per asking sequence.
+    detail_spans: tuple[tuple[WorkItem, int, int], ...]
+
+
+class ModelRunner:
+    """Executes StepPlans against one model replica (one rank)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        info: ShardInfo,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.info = info
+        self.device = device
+        self.sequences: dict[int, Sequence] = {}
+        self.limits = PlanLimits(
+            vocab_size=info.vocab_size,
+            num_blocks=kv_cache.num_blocks,
+            block_size=kv_cache.block_size,
+            device=device,
+        )
+
+    def reset(self) -> None:
+        """Forget every sequence."""
+        self.sequences.clear()
+
+    def health(self) -> None:
+        """Raise if the device does not answer (a cheap query, no kernel launch)."""
+        if self.device.type == "cuda":
+            torch.cuda.mem_get_info(self.device)
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepOutput:
+        """Apply ``plan`` and run its forward pass; see the module docstring."""
+        resolved = resolve_plan(plan, self.sequences, self.limits)
+        for rid in resolved.finished:
+            self.sequences.pop(rid, None)
+        if not resolved.work:
+            self._commit(resolved, {}, {})
+            return StepOutput(step_id=plan.step_id, errors=resolved.errors)
+        started = time.perf_counter_ns()
+        batch = self._flatten(resolved.work)
+        metadata = self.attention.prepare(batch.layout, self.device)
+        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, metadata)
+        sampled, errors = self._sample(hidden, batch)
+        input_details = self._input_details(hidden, batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter_ns() - started
+        finished_prompts = self._commit(resolved, sampled, input_details, errors)
+        return StepOutput(
+            step_id=plan.step_id,
+            tokens=tuple(SampledToken(rid, detail) for rid, detail in sampled.items()),
+            input_tokens=finished_prompts,
+            errors=resolved.errors + tuple(errors),
+            forward_time_ns=elapsed,
+        )
+
+    def _flatten(self, work: SequenceOf[WorkItem]) -> _FlatBatch:
+        block_size = self.kv_cache.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_items: list[WorkItem] = []
+        detail_spans: list[tuple[WorkItem, int, int]] = []
+        for item in work:
+            row = len(ids)
+            ids.extend(item.seq.token_ids[item.start : item.end])
+            span = range(item.start, item.end)
+            positions.extend(span)
+            table = item.block_table
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+            if item.samples:
+                sample_rows.append(row + item.num_tokens - 1)
+                sample_items.append(item)
+            # Position p's logits score prompt token p + 1.
+            last_scored = min(item.end, item.seq.prompt_len - 1)
+            if item.seq.details.input_tokens and item.start < last_scored:
+                detail_spans.append((item, row, last_scored - item.start))
+        layout = BatchLayout(
+            query_lens=tuple(item.num_tokens for item in work),
+            context_lens=tuple(item.end for item in work),
+            block_tables=tuple(item.block_table for item in work),
+            slot_mapping=tuple(slots),
+        )
+        return _FlatBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            layout=layout,
+            sample_rows=tuple(sample_rows),
+            sample_items=tuple(sample_items),
+            detail_spans=tuple(detail_spans),
+        )
+
+    def _sample(
+        self, hidden: torch.Tensor, batch: _FlatBatch
+    ) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
+        if not batch.sample_rows:
+            return {}, []
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        items = list(batch.sample_items)
+        errors: list[SequenceError] = []
+        bad = torch.isnan(logits).any(dim=-1).tolist()
+        if any(bad):
+            errors = [
+                SequenceError(item.seq.request_id, "the model produced NaN logits")
+                for item, b in zip(items, bad, strict=True)
+                if b
+            ]
+            keep = [i for i, b in enumerate(bad) if not b]
+            items = [items[i] for i in keep]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=self.device)]
+            if not items:
+                return {}, errors
+        sampling = SamplingBatch(
+            [
+                SamplingRow(
+                    params=item.seq.sampling,
+                    token_ids=item.seq.token_ids,
+                    num_generated=item.seq.num_generated,
+                    generator=item.seq.generator,
+                )
+                for item in items
+            ],
+            self.info.eos_token_ids,
+            self.info.vocab_size,
+            self.device,
+        )
+        tokens, scores = sample(logits, sampling)
+        details = token_details(
+            scores,
+            tokens,
+            [item.seq.details if item.seq.details.generated_tokens else None for item in items],
+        )
+        return {item.seq.request_id: d for item, d in zip(items, details, strict=True)}, errors
+
+    def _input_details(
+        self, hidden: torch.Tensor, batch: _FlatBatch
+    ) -> dict[int, list[TokenDetail]]:
+        result: dict[int, list[TokenDetail]] = {}
+        for item, row, count in batch.detail_spans:
+            seq = item.seq
+            details: list[TokenDetail] = []
+            # Bounded pieces: a long prompt times a large vocabulary would not fit at once.
+            for offset in range(0, count, INPUT_DETAIL_ROWS):
+                n = min(INPUT_DETAIL_ROWS, count - offset)
+                logits = self.model.compute_logits(hidden[row + offset : row + offset + n])
+                first = item.start + offset + 1  # position p's logits score token p + 1
+                targets = torch.tensor(
+                    seq.token_ids[first : first + n], dtype=torch.long, device=self.device
+                )
+                details += token_details(logits, targets, [seq.details] * n)
+            result[seq.request_id] = details
+        return result
+
+    def _commit(
+        self,
+        resolved: ResolvedStep,
+        sampled: dict[int, TokenDetail],
+        input_details: dict[int, list[TokenDetail]],
+        errors: SequenceOf[SequenceError] = (),
+    ) -> tuple[InputTokenDetails, ...]:
+        for seq in resolved.new:
+            self.sequences[seq.request_id] = seq
+        completed: list[InputTokenDetails] = []
+        failed = {e.request_id for e in errors}
+        for item in resolved.work:
+            seq = item.seq
+            seq.block_table = list(item.block_table)
+            if seq.details.input_tokens and item.start == 0:
+                seq.input_details = [first_input_detail(seq.token_ids[0], seq.details)]
+            seq.input_details.extend(input_details.get(seq.request_id, ()))
+            seq.num_computed = item.end
+            detail = sampled.get(seq.request_id)
+            if detail is not None:
+                seq.token_ids.append(detail.token_id)
+            if item.completes_prompt and seq.details.input_tokens and seq.request_id not in failed:
+                completed.append(InputTokenDetails(seq.request_id, tuple(seq.input_details)))
+                seq.input_details = []
+        for rid in failed:
+            self.sequences.pop(rid, None)
+        return tuple(completed)

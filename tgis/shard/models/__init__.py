@@ -1,0 +1,71 @@
+"""Model implementations and the registry that maps Hugging Face architectures to them."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from tgis.shard.attention import AttentionBackend
+from tgis.shard.errors import StartupError
+from tgis.shard.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.model_config import ModelConfig
+from tgis.shard.models.llama import LlamaForCausalLM
+from tgis.shard.weights import Weights
+
+
+class CausalLM(Protocol):
+    """What the model runner needs from a decoder-only model."""
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The shape of one KV-cache block."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """Final hidden states [tokens, hidden] of the flattened batch."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of selected hidden rows."""
+        ...
+
+
+class ModelFactory(Protocol):
+    """A model class's constructor."""
+
+    def __call__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        attention: AttentionBackend,
+        max_sequence_length: int,
+    ) -> CausalLM: ...
+
+
+# Hugging Face ``architectures[0]`` → implementation.
+ARCHITECTURES: dict[str, ModelFactory] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+}
+# Fallback when a config names no architecture.
+MODEL_TYPES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def model_class(config: ModelConfig) -> ModelFactory:
+    """The implementation for ``config``; StartupError naming the architecture otherwise."""
+    arch = config.architecture or MODEL_TYPES.get(config.model_type, "")
+    factory = ARCHITECTURES.get(arch)
+    if factory is None:
+        name = config.architecture or config.model_type
+        raise StartupError(
+            f"unsupported model architecture '{name}' (model_type '{config.model_type}'); "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return factory

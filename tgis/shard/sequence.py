@@ -1,0 +1,40 @@
+"""The shard's state for one sequence between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tgis.shard.messages import DetailOptions, SamplingParams, TokenDetail
+
+
+@dataclass
+class Sequence:
+    """Token ids so far, how many are in the KV cache, where, and how to sample.
+
+    ``token_ids`` is the prompt followed by every sampled token. The first
+    ``num_computed`` of them have their keys/values in the cache; the rest (the rest of a
+    chunked prompt, or the token sampled last step) are computed by later steps.
+    """
+
+    request_id: int
+    token_ids: list[int]
+    prompt_len: int
+    sampling: SamplingParams
+    details: DetailOptions
+    generator: torch.Generator | None
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    # Prompt-token details gathered chunk by chunk until the prompt completes.
+    input_details: list[TokenDetail] = field(default_factory=list)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens sampled so far."""
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose keys/values are not yet in the cache."""
+        return len(self.token_ids) - self.num_computed

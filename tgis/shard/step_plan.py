@@ -1,0 +1,163 @@
+"""Check a StepPlan against the shard's state before anything changes.
+
+``resolve_plan`` either raises ``InvalidStepError`` (the router broke the protocol; the
+shard's state stays as it was) or returns what the step will do: the sequences to forget,
+the new sequences to register, one ``WorkItem`` per scheduled sequence, and per-sequence
+errors for new sequences that cannot run (these are never registered).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from tgis.shard.errors import InvalidStepError
+from tgis.shard.messages import NewSequence, SamplingParams, SequenceError, StepPlan
+from tgis.shard.sampling import make_generator
+from tgis.shard.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One scheduled sequence: compute ``token_ids[start:end]`` into ``block_table``.
+
+    Positions are fixed when the plan is resolved, so they stay right while the runner
+    commits the step and updates the sequence.
+    """
+
+    seq: Sequence
+    start: int  # absolute position of the first token computed this step
+    end: int  # one past the last position computed (= cached tokens afterwards)
+    block_table: tuple[int, ...]  # the sequence's table with this step's new blocks
+    samples: bool  # every known token is computed after this step, so one is sampled
+    completes_prompt: bool  # this step computes the prompt's last token
+
+    @classmethod
+    def plan(cls, seq: Sequence, num_tokens: int, block_table: tuple[int, ...]) -> WorkItem:
+        """The work of computing ``seq``'s next ``num_tokens`` tokens."""
+        start, end = seq.num_computed, seq.num_computed + num_tokens
+        return cls(
+            seq=seq,
+            start=start,
+            end=end,
+            block_table=block_table,
+            samples=end == len(seq.token_ids),
+            completes_prompt=start < seq.prompt_len <= end,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed this step."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class ResolvedStep:
+    """What a valid StepPlan does."""
+
+    finished: tuple[int, ...]
+    new: tuple[Sequence, ...]
+    work: tuple[WorkItem, ...]
+    errors: tuple[SequenceError, ...]
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    """What the shard can accept: vocabulary ids, block ids, tokens per block."""
+
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    device: torch.device
+
+
+def resolve_plan(
+    plan: StepPlan, sequences: Mapping[int, Sequence], limits: PlanLimits
+) -> ResolvedStep:
+    """Validate ``plan`` against ``sequences`` without changing them."""
+    finished = set(plan.finished_request_ids)
+    new: dict[int, Sequence] = {}
+    errors: list[SequenceError] = []
+    failed: set[int] = set()
+    for ns in plan.new_sequences:
+        rid = ns.request_id
+        if (rid in sequences and rid not in finished) or rid in new or rid in failed:
+            raise InvalidStepError(f"request {rid} is already known to the shard")
+        problem = check_new_sequence(ns, limits.vocab_size)
+        if problem is not None:
+            errors.append(SequenceError(rid, problem))
+            failed.add(rid)
+            continue
+        new[rid] = Sequence(
+            request_id=rid,
+            token_ids=list(ns.prompt_token_ids),
+            prompt_len=len(ns.prompt_token_ids),
+            sampling=ns.sampling,
+            details=ns.details,
+            generator=None
+            if ns.sampling.is_greedy
+            else make_generator(ns.sampling.seed, limits.device),
+        )
+    work: list[WorkItem] = []
+    seen: set[int] = set()
+    for s in plan.scheduled:
+        rid = s.request_id
+        if rid in failed:
+            continue
+        if rid in seen:
+            raise InvalidStepError(f"request {rid} is scheduled twice")
+        seen.add(rid)
+        seq = new.get(rid) or (sequences.get(rid) if rid not in finished else None)
+        if seq is None:
+            raise InvalidStepError(f"unknown request id {rid}")
+        if not 1 <= s.num_tokens <= seq.num_uncomputed:
+            raise InvalidStepError(
+                f"request {rid}: num_tokens {s.num_tokens} but {seq.num_uncomputed} "
+                f"token(s) are waiting to be computed"
+            )
+        bad = [b for b in s.new_block_ids if b >= limits.num_blocks]
+        if bad:
+            raise InvalidStepError(
+                f"request {rid}: block id {bad[0]} out of range (num_blocks {limits.num_blocks})"
+            )
+        table = (*seq.block_table, *s.new_block_ids)
+        needed = seq.num_computed + s.num_tokens
+        if len(table) * limits.block_size < needed:
+            raise InvalidStepError(
+                f"request {rid}: {len(table)} block(s) cannot hold {needed} tokens "
+                f"(block size {limits.block_size})"
+            )
+        work.append(WorkItem.plan(seq, s.num_tokens, table))
+    return ResolvedStep(
+        finished=tuple(finished),
+        new=tuple(new.values()),
+        work=tuple(work),
+        errors=tuple(errors),
+    )
+
+
+def check_new_sequence(ns: NewSequence, vocab_size: int) -> str | None:
+    """Why a new sequence cannot run, or None."""
+    if not ns.prompt_token_ids:
+        return "empty prompt"
+    bad = next((t for t in ns.prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"prompt token id {bad} out of range (vocab size {vocab_size})"
+    return check_sampling(ns.sampling)
+
+
+def check_sampling(p: SamplingParams) -> str | None:
+    """Why sampling parameters are unusable, or None."""
+    if not p.temperature >= 0:
+        return f"invalid temperature {p.temperature}"
+    if not 0 < p.top_p <= 1:
+        return f"invalid top_p {p.top_p}"
+    if not p.repetition_penalty > 0:
+        return f"invalid repetition_penalty {p.repetition_penalty}"
+    if p.top_k < 0 or p.min_new_tokens < 0:
+        return "negative top_k or min_new_tokens"
+    if p.length_penalty is not None and not p.length_penalty.decay_factor > 0:
+        return f"invalid length penalty decay_factor {p.length_penalty.decay_factor}"
+    return None
