@@ -11,6 +11,7 @@ The engine task is the only writer of every RequestState. For each step:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -25,7 +26,7 @@ from tgis.router.request_types import StopReason, ValidatedRequest
 from tgis.router.scheduler import Scheduler, SchedulerLimits
 from tgis.router.shard_client import ShardClient, ShardError
 from tgis.router.step import ShardInfo, StepOutput, StepPlan, TokenDetail
-from tgis.router.stopping import StopChecker
+from tgis.router.stopping import StopChecker, stream_hold_back_bytes
 from tgis.router.tokenization import RouterTokenizer
 
 log = logging.getLogger(__name__)
@@ -80,10 +81,8 @@ class Engine:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
 
     async def _run(self) -> None:
         while True:
@@ -197,14 +196,11 @@ class Engine:
     def _detokenizer(self, state: RequestState) -> IncrementalDetokenizer:
         detok = self._detokenizers.get(state.request_id)
         if detok is None:
-            stopping = state.request.stopping
-            hold_back = 0
-            if stopping.stop_sequences and not stopping.include_stop_sequence:
-                hold_back = max(len(s.encode()) for s in stopping.stop_sequences)
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 skip_special_tokens=not self.output_special_tokens,
-                hold_back_bytes=hold_back,
+                hold_back_bytes=stream_hold_back_bytes(state.request.stopping),
+                eos_token_ids=self.info.eos_token_ids,
             )
             self._detokenizers[state.request_id] = detok
         return detok

@@ -24,7 +24,7 @@ from tgis.router.request_state import InputTokensEvent, RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
 from tgis.router.step import TokenDetail
 from tgis.router.tokenization import RouterTokenizer
-from tgis.router.validation import ServerLimits, convert_params, validate_input, validate_params
+from tgis.router.validation import ServerLimits, convert_params, validate_inputs, validate_params
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfoResponse:
-        kind = pb.ModelInfoResponse.ENCODER_DECODER if self.is_seq2seq else 0
+        kind = (
+            pb.ModelInfoResponse.ENCODER_DECODER
+            if self.is_seq2seq
+            else pb.ModelInfoResponse.DECODER_ONLY
+        )
         return pb.ModelInfoResponse(
             model_kind=kind,
             max_sequence_length=self.limits.max_sequence_length,
@@ -171,10 +175,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 encoded = await self.tokenizer.encode_batch_async(texts)
             except Exception as err:
                 raise ValidationError(f"tokenizer error {err}") from err
-            validated = [
-                validate_input(text, ids, params, self.limits)
-                for text, ids in zip(texts, encoded, strict=True)
-            ]
+            validated = validate_inputs(
+                texts, encoded, params, self.limits, bos_token_id=self.tokenizer.bos_token_id
+            )
         except ValidationError as err:
             self.metrics.request_failure("validation")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
@@ -211,7 +214,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             input_token_count=validated.input_length,
             generated_token_count=event.generated_token_count,
             text=text,
-            stop_reason=int(event.stop_reason),
+            stop_reason=pb.StopReason.Name(event.stop_reason),
             stop_sequence=event.stop_sequence,
             seed=validated.sampling.seed or 0,
             tokens=tokens,
@@ -250,7 +253,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             generated_token_count=event.generated_token_count,
             text=event.text,
             tokens=[self._token_info(event.token)] if event.token is not None else [],
-            stop_reason=int(event.stop_reason),
+            stop_reason=pb.StopReason.Name(event.stop_reason),
             stop_sequence=event.stop_sequence,
         )
 
@@ -261,7 +264,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             logprob=detail.logprob,
             rank=detail.rank,
             top_tokens=[
-                pb.TokenInfo.TopToken(text=to_text(tid), logprob=lp) for tid, lp in detail.top_tokens
+                pb.TokenInfo.TopToken(text=to_text(tid), logprob=lp)
+                for tid, lp in detail.top_tokens
             ],
         )
 
@@ -303,8 +307,9 @@ async def _all_or_nothing(coros: list[Any]) -> list[Any]:
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
-            if task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            error = task.exception()
+            if error is not None:
+                raise error
         return [t.result() for t in tasks]
     finally:
         for task in tasks:

@@ -33,9 +33,7 @@ def build_app(health: GenerationHealth, metrics: Metrics) -> web.Application:
     return app
 
 
-async def start_http_server(
-    port: int, health: GenerationHealth, metrics: Metrics
-) -> web.AppRunner:
+async def start_http_server(port: int, health: GenerationHealth, metrics: Metrics) -> web.AppRunner:
     """Listen on every interface, IPv4 and IPv6 (TGIS binds 0.0.0.0 only)."""
     runner = web.AppRunner(build_app(health, metrics), access_log=None)
     await runner.setup()

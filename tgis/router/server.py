@@ -78,6 +78,7 @@ class Router:
         self.shard = ShardClient(config.shard_uds_path)
         self.health_servicer = health.aio.HealthServicer()
         self._serving = False
+        self._health_update: asyncio.Future[None] | None = None
 
     async def run(self) -> None:
         config = self.config
@@ -123,10 +124,7 @@ class Router:
         servicer = GenerationServicer(
             engine=engine,
             tokenizer=self.tokenizer,
-            limits=ServerLimits(
-                max_sequence_length=config.max_sequence_length,
-                max_new_tokens=config.effective_max_new_tokens,
-            ),
+            limits=ServerLimits.from_args(config.max_sequence_length, config.max_new_tokens),
             limiter=ConcurrencyLimiter(config.max_concurrent_requests),
             metrics=metrics,
             default_include_stop_seqs=config.default_include_stop_seqs,
@@ -147,7 +145,9 @@ class Router:
         _bind(server, config.grpc_port, config.tls)
         engine.start()
         await server.start()
-        log.info("gRPC server started on port %d%s", config.grpc_port, " (TLS)" if config.tls else "")
+        log.info(
+            "gRPC server started on port %d%s", config.grpc_port, " (TLS)" if config.tls else ""
+        )
         health_check = GenerationHealth(
             engine, self.shard, tuple(self.tokenizer.encode(LIVENESS_TEXT))
         )
@@ -168,7 +168,9 @@ class Router:
     def _mark_serving(self) -> None:
         if not self._serving:
             self._serving = True
-            asyncio.ensure_future(self._set_health(health_pb2.HealthCheckResponse.SERVING))
+            self._health_update = asyncio.ensure_future(
+                self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            )
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):

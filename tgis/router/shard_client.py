@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from typing import Any
 
 import grpc
 
@@ -33,7 +34,7 @@ class ShardFailure(enum.Enum):
 
 
 class ShardError(Exception):
-    """A failed shard call; `detail` is what the client sees after `Request failed during generation: `."""
+    """A failed shard call; `detail` follows `Request failed during generation: ` for clients."""
 
     def __init__(self, failure: ShardFailure, detail: str) -> None:
         super().__init__(detail)
@@ -162,7 +163,7 @@ class ShardClient:
                     raise
                 await asyncio.sleep(0.2)
 
-    async def _call(self, method, request, timeout: float | None = None):  # type: ignore[no-untyped-def]
+    async def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:
             return await method(request, timeout=timeout)
         except grpc.aio.AioRpcError as err:

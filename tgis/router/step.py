@@ -1,4 +1,4 @@
-"""The router side of the router<->shard contract as plain types (protobuf lives in shard_client)."""
+"""The router<->shard contract as plain router-side types (protobuf lives in shard_client)."""
 
 from __future__ import annotations
 
