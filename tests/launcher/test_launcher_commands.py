@@ -1,0 +1,134 @@
+"""The exact shard and router command lines and shard environments."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tgis.launcher.commands import router_argv, shard_argv, shard_env
+from tgis.launcher.config import LauncherConfig, ResolvedConfig, resolve
+
+from .helpers import RunLauncher
+
+LOG = logging.getLogger("test-launcher")
+
+
+def resolved(model_dir: Path, **flags: object) -> ResolvedConfig:
+    return resolve(LauncherConfig(model_name=str(model_dir), **flags), {}, LOG)  # type: ignore[arg-type]
+
+
+def test_default_command_lines(model_dir: Path) -> None:
+    cfg = resolved(model_dir)
+    assert shard_argv("tgs", cfg) == [
+        "tgs", "serve", str(model_dir), "hf_transformers",
+        "--max-sequence-length", "256", "--max-new-tokens", "1024", "--max-batch-size", "12",
+        "--batch-safety-margin", "20", "--uds-path", "/tmp/text-generation-server",
+        "--cuda-process-memory-fraction", "1.0",
+    ]  # fmt: skip
+    assert router_argv("tgr", cfg, model_dir / "tokenizer.json") == [
+        "tgr", "--max-concurrent-requests", "512", "--max-sequence-length", "256",
+        "--max-new-tokens", "1024", "--max-batch-size", "12", "--max-prefill-padding", "0.2",
+        "--max-waiting-tokens", "24", "--port", "3000", "--grpc-port", "8033",
+        "--master-shard-uds-path", "/tmp/text-generation-server-0",
+        "--tokenizer-path", str(model_dir / "tokenizer.json"),
+        "--model-name", str(model_dir), "--default-include-stop-seqs",
+    ]  # fmt: skip
+
+
+def test_all_optional_arguments(model_dir: Path, tmp_path: Path) -> None:
+    pem = tmp_path / "x.pem"
+    pem.write_text("")
+    cfg = resolved(
+        model_dir, revision="v2", dtype_str="bf16", quantize="gptq", num_shard=2,
+        shard_uds_path=str(tmp_path / "sock"), tls_cert_path=str(pem), tls_key_path=str(pem),
+        tls_client_ca_cert_path=str(pem), json_output=True, output_special_tokens=True,
+        default_include_stop_seqs=False, otlp_endpoint="http://otel:4317",
+        otlp_service_name="svc", max_sequence_length=128, cuda_process_memory_fraction=0.5,
+    )  # fmt: skip
+    assert shard_argv("tgs", cfg)[-9:] == [
+        "--cuda-process-memory-fraction", "0.5", "--dtype", "bfloat16", "--quantize", "gptq",
+        "--sharded", "--revision", "v2",
+    ]  # fmt: skip
+    argv = router_argv("tgr", cfg, Path("/t/tokenizer.json"))
+    assert argv[argv.index("--max-sequence-length") + 1] == "128"
+    assert argv[argv.index("--master-shard-uds-path") + 1] == f"{tmp_path}/sock-0"
+    assert argv[argv.index("--model-name") + 1 :] == [
+        str(model_dir),
+        "--tls-cert-path", str(pem), "--tls-key-path", str(pem),
+        "--tls-client-ca-cert-path", str(pem),
+        "--json-output", "--output-special-tokens",
+        "--otlp-endpoint", "http://otel:4317", "--otlp-service-name", "svc",
+    ]  # fmt: skip
+
+
+def test_service_name_only_with_endpoint(model_dir: Path) -> None:
+    argv = router_argv("tgr", resolved(model_dir, otlp_service_name="svc"), Path("/t"))
+    assert "--otlp-service-name" not in argv
+
+
+def test_embedded_model_name_for_the_router(model_dir: Path) -> None:
+    cfg = replace(resolved(model_dir), served_model_name="tgis-tiny-llama (embedded)")
+    argv = router_argv("tgr", cfg, Path("/t"))
+    assert argv[argv.index("--model-name") + 1] == "tgis-tiny-llama (embedded)"
+
+
+def test_shard_environment(model_dir: Path) -> None:
+    cfg = resolved(model_dir, num_shard=2, master_addr="10.0.0.1", master_port=29600)
+    env = shard_env(cfg, 1, {"PATH": "/bin", "RANK": "7", "LOG_LEVEL": "debug"})
+    assert env == {
+        "PATH": "/bin",
+        "LOG_LEVEL": "debug",
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_SIZE": "2",
+        "CROSS_SIZE": "1",
+        "CROSS_RANK": "0",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29600",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(cfg.hf_hub_cache),
+        "PYTHONUNBUFFERED": "1",
+        "NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+        "SAFETENSORS_FAST_GPU": "1",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        (None, "expandable_segments:True"),
+        ("", None),
+        (" ", None),
+        ("max_split_size_mb:64", "max_split_size_mb:64"),
+    ],
+)
+def test_pytorch_cuda_alloc_conf(model_dir: Path, given: str | None, expected: str | None) -> None:
+    base = {} if given is None else {"PYTORCH_CUDA_ALLOC_CONF": given}
+    env = shard_env(resolved(model_dir), 0, base)
+    assert env.get("PYTORCH_CUDA_ALLOC_CONF") == expected
+
+
+def test_dry_run_prints_commands(
+    run_launcher: RunLauncher, model_dir: Path, tmp_path: Path
+) -> None:
+    run = run_launcher(
+        ["--model-name", str(model_dir), "--shard-uds-path", f"{tmp_path}/s", "--dry-run"],
+        {"NUM_GPUS": "2", "HF_HOME": str(tmp_path)},
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["Shard 0", "Shard 1", "Router"]
+    assert f" HF_HUB_CACHE={tmp_path}/hub " in lines[0]  # exported: HF_HOME/hub
+    assert " RANK=1 " in lines[1] and " WORLD_SIZE=2 " in lines[1]
+    assert lines[1].endswith(" --sharded")
+    assert lines[2].endswith(
+        f"--master-shard-uds-path {tmp_path}/s-0 --tokenizer-path {model_dir}/tokenizer.json "
+        f"--model-name {model_dir} --default-include-stop-seqs"
+    )
+    assert "Using model max_sequence_length: 256" in run.stderr

@@ -1,0 +1,14 @@
+"""`text-generation-launcher`: validate the configuration, start one shard per rank and the
+router, and supervise them until a signal or a failure.
+
+Modules, one job each:
+
+* `cli` — click flags (and their env vars) → `config.LauncherConfig`;
+* `config` — validation and resolution rules (model dir, shard count, max_sequence_length, cache);
+* `tokenizer` — the tokenizer.json handed to the router (converted with transformers if missing);
+* `commands` — the exact shard and router command lines and environments;
+* `health` — shard readiness (socket present and a gRPC Health call answered);
+* `output` — re-printing children's output lines with a `Shard 0: ` / `Router: ` prefix;
+* `supervisor` — starting, watching and stopping the child processes (process groups);
+* `app` — the start-up sequence tying these together; `logs` — the launcher's own logging.
+"""

@@ -1,0 +1,213 @@
+"""`text-generation-launcher`: flags (each also read from its UPPER_SNAKE env var) → LauncherConfig.
+
+Command line beats env beats default. Parse errors, like every other start-up error, are one
+line on stderr and in the termination log, with a non-zero exit (`tgis.termination`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, TypeVar
+
+import click
+from click.core import ParameterSource
+
+from tgis.launcher.config import LauncherConfig, default_of
+from tgis.termination import fail_startup
+
+TRUE_WORDS = ("true", "1", "yes")
+FALSE_WORDS = ("false", "0", "no")
+_BOOL_HINT = "expected one of true, false, 1, 0, yes, no"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def parse_bool(value: str) -> bool:
+    """true/false/1/0/yes/no, any case; ValueError otherwise."""
+    word = value.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise ValueError(value)
+
+
+class StrictBool(click.ParamType):
+    """A boolean option that takes a value (`--default-include-stop-seqs false`)."""
+
+    name = "boolean"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> bool:
+        if isinstance(value, bool):
+            return value
+        try:
+            return parse_bool(str(value))
+        except ValueError:
+            self.fail(f"{value!r}: {_BOOL_HINT}", param, ctx)
+
+
+def _strict_env_flag(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    """Flags set from the environment accept only the TGIS boolean words (click takes more)."""
+    if param.name and ctx.get_parameter_source(param.name) is ParameterSource.ENVIRONMENT:
+        envvar = param.envvar if isinstance(param.envvar, str) else None
+        raw = os.environ.get(envvar, "") if envvar else ""
+        try:
+            return parse_bool(raw)
+        except ValueError:
+            raise click.BadParameter(f"{raw!r}: {_BOOL_HINT}", ctx, param) from None
+    return bool(value)
+
+
+def _option(*decls: str, envvar: str | None, **kwargs: Any) -> Callable[[F], F]:
+    """A click option whose default comes from LauncherConfig and whose env var is shown."""
+    name = decls[-1].lstrip("-").replace("-", "_")
+    kwargs.setdefault("default", default_of(name))
+    if envvar is not None:
+        kwargs["envvar"] = envvar
+        kwargs["show_envvar"] = True
+    return click.option(*decls, show_default=True, **kwargs)
+
+
+def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
+    return _option(decl, envvar=envvar, is_flag=True, callback=_strict_env_flag, help=help)
+
+
+@click.command(
+    name="text-generation-launcher",
+    context_settings={
+        "help_option_names": ["-h", "--help"],
+        "max_content_width": 100,
+        "terminal_width": 100,
+    },
+)
+@_option(
+    "--model-name",
+    envvar="MODEL_NAME",
+    help="Model id in the local HF cache, or a directory with config.json "
+    "(default: the embedded tiny model).",
+)
+@_option("--revision", envvar="REVISION", help="Hub revision/branch of the model.")
+@_option(
+    "--deployment-framework",
+    envvar="DEPLOYMENT_FRAMEWORK",
+    help="Inference engine (hf_custom_tp is a deprecated name of tgis_native).",
+)
+@_option("--dtype", envvar="DTYPE", help="float32, float16 or bfloat16 (or fp32/fp16/bf16/...).")
+@_option("--dtype-str", envvar="DTYPE_STR", help="Alias of --dtype.")
+@_option("--quantize", envvar="QUANTIZE", help="gptq or bitsandbytes.")
+@_option(
+    "--num-shard",
+    envvar="NUM_SHARD",
+    type=int,
+    help="Number of shards (default: NUM_GPUS, else the visible CUDA devices, else 1).",
+)
+@_option("--max-concurrent-requests", envvar="MAX_CONCURRENT_REQUESTS", type=int)
+@_option(
+    "--max-sequence-length",
+    envvar="MAX_SEQUENCE_LENGTH",
+    type=int,
+    help="Default: from the model's config.json, else 2048.",
+)
+@_option("--max-new-tokens", envvar="MAX_NEW_TOKENS", type=int)
+@_option("--max-batch-size", envvar="MAX_BATCH_SIZE", type=int)
+@_option("--max-prefill-padding", envvar="MAX_PREFILL_PADDING", type=float)
+@_option(
+    "--batch-safety-margin",
+    envvar="BATCH_SAFETY_MARGIN",
+    type=int,
+    help="Percentage of free GPU memory held back.",
+)
+@_option("--max-waiting-tokens", envvar="MAX_WAITING_TOKENS", type=int)
+@_option("-p", "--port", envvar="PORT", type=int, help="Router HTTP port.")
+@_option("-g", "--grpc-port", envvar="GRPC_PORT", type=int, help="Router gRPC port.")
+@_option(
+    "--shard-uds-path",
+    envvar="SHARD_UDS_PATH",
+    help="Shard socket prefix; shard r listens on <path>-<r>.",
+)
+@_option("--master-addr", envvar="MASTER_ADDR")
+@_option("--master-port", envvar="MASTER_PORT", type=int)
+@_flag("--json-output", "JSON_OUTPUT", "JSON log lines (launcher and router).")
+@_option("--tls-cert-path", envvar="TLS_CERT_PATH")
+@_option("--tls-key-path", envvar="TLS_KEY_PATH")
+@_option("--tls-client-ca-cert-path", envvar="TLS_CLIENT_CA_CERT_PATH")
+@_flag("--output-special-tokens", "OUTPUT_SPECIAL_TOKENS", "Keep special tokens in output text.")
+@_option(
+    "-c",
+    "--cuda-process-memory-fraction",
+    envvar="CUDA_PROCESS_MEMORY_FRACTION",
+    type=float,
+    help="Fraction of GPU memory a shard may use, 0 < x <= 1.",
+)
+@_option(
+    "--default-include-stop-seqs",
+    envvar="DEFAULT_INCLUDE_STOP_SEQS",
+    type=StrictBool(),
+    help="Default of include_stop_sequence (takes a value: true/false).",
+)
+@_option("--otlp-endpoint", envvar="OTLP_ENDPOINT", help="OpenTelemetry OTLP/gRPC endpoint.")
+@_option("--otlp-service-name", envvar="OTLP_SERVICE_NAME")
+@_option(
+    "--shard-startup-timeout",
+    envvar="SHARD_STARTUP_TIMEOUT",
+    type=float,
+    help="Seconds to wait for every shard to become ready.",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Validate, print the shard and router command lines, and exit.",
+)
+def command(dry_run: bool, **values: Any) -> tuple[LauncherConfig, bool]:
+    """Start one shard per rank and the router, and supervise them (TGIS-compatible)."""
+    return LauncherConfig(**values), dry_run
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def error_message(error: click.ClickException) -> str:
+    """One line naming the flag, or the env var when the bad value came from the environment."""
+    if isinstance(error, click.BadParameter) and error.ctx and error.param and error.param.name:
+        param, ctx = error.param, error.ctx
+        envvar = param.envvar if isinstance(param.envvar, str) else None
+        detail = error.message
+        if envvar and ctx.get_parameter_source(param.name) is ParameterSource.ENVIRONMENT:
+            where = envvar
+            if isinstance(param.type, click.types.BoolParamType):
+                detail = f"{os.environ.get(envvar, '')!r}: {_BOOL_HINT}"
+        else:
+            where = max(param.opts, key=len) if param.opts else param.name
+        return _one_line(f"invalid value for {where}: {detail}")
+    return _one_line(error.format_message())
+
+
+def parse_args(args: Sequence[str] | None = None) -> tuple[LauncherConfig, bool]:
+    """Parse the command line (and env); raise click exceptions. Returns (config, dry_run)."""
+    result = command.main(
+        args=list(args) if args is not None else None,
+        prog_name="text-generation-launcher",
+        standalone_mode=False,
+    )
+    if not isinstance(result, tuple):  # --help: click printed it and returned the exit code
+        raise click.exceptions.Exit(result if isinstance(result, int) else 0)
+    return result
+
+
+def main(args: Sequence[str] | None = None) -> NoReturn:
+    """Console-script entry point."""
+    try:
+        config, dry_run = parse_args(args)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        fail_startup(error_message(e))
+
+    from tgis.launcher.app import launch  # after parsing: --help stays fast
+
+    sys.exit(launch(config, dry_run=dry_run))

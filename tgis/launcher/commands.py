@@ -1,0 +1,137 @@
+"""The exact command lines and environments of the shard and router processes (§5.1)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from tgis.launcher.config import ConfigError, ResolvedConfig
+
+SHARD_PROGRAM = "text-generation-server"
+ROUTER_PROGRAM = "text-generation-router"
+
+DEFAULT_PYTORCH_CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def find_program(name: str) -> str:
+    """The console script next to the running Python (same venv), else on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise ConfigError(f"{name} not found next to {sys.executable} or on PATH")
+    return found
+
+
+def shard_socket_path(prefix: str, rank: int) -> str:
+    """Where shard `rank` listens: `<shard_uds_path>-<rank>`."""
+    return f"{prefix}-{rank}"
+
+
+def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
+    """`text-generation-server serve ...`; the same for every rank (the rank is in the env)."""
+    flags = cfg.flags
+    argv = [
+        program,
+        "serve",
+        str(cfg.model_dir),
+        cfg.deployment_framework,
+        "--max-sequence-length",
+        str(cfg.max_sequence_length),
+        "--max-new-tokens",
+        str(flags.max_new_tokens),
+        "--max-batch-size",
+        str(flags.max_batch_size),
+        "--batch-safety-margin",
+        str(flags.batch_safety_margin),
+        "--uds-path",
+        flags.shard_uds_path,
+        "--cuda-process-memory-fraction",
+        str(flags.cuda_process_memory_fraction),
+    ]
+    if cfg.dtype:
+        argv += ["--dtype", cfg.dtype]
+    if flags.quantize:
+        argv += ["--quantize", flags.quantize]
+    if cfg.num_shard > 1:
+        argv.append("--sharded")
+    if flags.revision:
+        argv += ["--revision", flags.revision]
+    return argv
+
+
+def shard_env(cfg: ResolvedConfig, rank: int, base: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's environment plus the distributed and runtime settings of shard `rank`."""
+    env = dict(base)
+    world = str(cfg.num_shard)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=world,
+        LOCAL_SIZE=world,
+        CROSS_SIZE="1",
+        CROSS_RANK="0",
+        MASTER_ADDR=cfg.flags.master_addr,
+        MASTER_PORT=str(cfg.flags.master_port),
+        HF_HUB_OFFLINE="1",
+        HF_HUB_CACHE=str(cfg.hf_hub_cache),
+        PYTHONUNBUFFERED="1",
+        NCCL_ASYNC_ERROR_HANDLING="1",
+        TORCH_NCCL_AVOID_RECORD_STREAMS="1",
+        SAFETENSORS_FAST_GPU="1",
+    )
+    alloc_conf = base.get("PYTORCH_CUDA_ALLOC_CONF")
+    if alloc_conf is None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = DEFAULT_PYTORCH_CUDA_ALLOC_CONF
+    elif not alloc_conf.strip():
+        del env["PYTORCH_CUDA_ALLOC_CONF"]
+    return env
+
+
+def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list[str]:
+    """`text-generation-router ...` pointing at shard 0's socket and the tokenizer.json."""
+    flags = cfg.flags
+    argv = [
+        program,
+        "--max-concurrent-requests",
+        str(flags.max_concurrent_requests),
+        "--max-sequence-length",
+        str(cfg.max_sequence_length),
+        "--max-new-tokens",
+        str(flags.max_new_tokens),
+        "--max-batch-size",
+        str(flags.max_batch_size),
+        "--max-prefill-padding",
+        str(flags.max_prefill_padding),
+        "--max-waiting-tokens",
+        str(flags.max_waiting_tokens),
+        "--port",
+        str(flags.port),
+        "--grpc-port",
+        str(flags.grpc_port),
+        "--master-shard-uds-path",
+        shard_socket_path(flags.shard_uds_path, 0),
+        "--tokenizer-path",
+        str(tokenizer_path),
+        "--model-name",
+        cfg.served_model_name,
+    ]
+    if flags.tls_cert_path and flags.tls_key_path:
+        argv += ["--tls-cert-path", flags.tls_cert_path, "--tls-key-path", flags.tls_key_path]
+    if flags.tls_client_ca_cert_path:
+        argv += ["--tls-client-ca-cert-path", flags.tls_client_ca_cert_path]
+    if flags.json_output:
+        argv.append("--json-output")
+    if flags.output_special_tokens:
+        argv.append("--output-special-tokens")
+    if flags.default_include_stop_seqs:
+        argv.append("--default-include-stop-seqs")
+    if flags.otlp_endpoint:
+        argv += ["--otlp-endpoint", flags.otlp_endpoint]
+        if flags.otlp_service_name:
+            argv += ["--otlp-service-name", flags.otlp_service_name]
+    return argv

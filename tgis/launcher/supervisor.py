@@ -1,0 +1,312 @@
+"""Start, watch and stop the shard and router processes.
+
+Every child runs in its own session (so its own process group): a Ctrl-C in a terminal reaches
+only the launcher, and stopping a child signals its whole group, grandchildren included.
+
+Lifecycle (`Supervisor.run`): start the shards; wait until every one is ready (probe), a shard
+exits (failure), the start-up timeout passes (failure) or a signal arrives (clean stop); start
+the router; then wait for a signal (clean stop, exit 0) or any child's exit (failure, exit 1).
+Stopping is always the same: SIGTERM the router's group and wait (then SIGKILL), then SIGTERM
+every shard's group and wait (then SIGKILL), then SIGKILL what is left of each group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType
+
+from tgis.launcher.output import OutputForwarder
+
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+SIGBUS_MESSAGE = (
+    "Encountered SIGBUS error. This is usually caused by NCCL having insufficient shared memory. "
+    "Ensure at least 1GB of shared memory is available. In case of OpenShift/K8s, mount a memory "
+    "medium emptyDir volume to /dev/shm"
+)
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """What to run: a name for logs (`Shard 0`, `Router`), the command line, its environment."""
+
+    name: str
+    argv: Sequence[str]
+    env: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How supervision ended: the launcher's exit code and, for a failure, the reason."""
+
+    exit_code: int
+    reason: str | None = None
+
+
+def describe_status(returncode: int) -> str:
+    """An exit status the way TGIS prints it: `exit status: 1` or `signal: 9 (SIGKILL)`."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal: {-returncode}"
+        return f"signal: {-returncode} ({name})"
+    return f"exit status: {returncode}"
+
+
+class StartError(RuntimeError):
+    """A child could not be started (e.g. its program is missing)."""
+
+
+class Child:
+    """One running child process, leader of its own process group."""
+
+    def __init__(self, spec: ChildSpec, forwarder: OutputForwarder | None) -> None:
+        piped = subprocess.PIPE if forwarder is not None else None
+        self.name = spec.name
+        self.popen = subprocess.Popen(
+            list(spec.argv),
+            env=dict(spec.env) if spec.env is not None else None,
+            stdin=subprocess.DEVNULL,
+            stdout=piped,
+            stderr=piped,
+            start_new_session=True,
+        )
+        self.pid = self.popen.pid
+        self.threads: list[threading.Thread] = []
+        if forwarder is not None:
+            assert self.popen.stdout is not None and self.popen.stderr is not None
+            self.threads = [
+                forwarder.start(self.popen.stdout, self.name, sys.stdout),
+                forwarder.start(self.popen.stderr, self.name, sys.stderr),
+            ]
+
+    def poll(self) -> int | None:
+        """The exit code (negative: killed by that signal), or None while running."""
+        return self.popen.poll()
+
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the child's process group; nothing if the group is gone."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the child to exit; True if it has."""
+        try:
+            self.popen.wait(timeout=max(timeout, 0.0))
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+    def kill(self, timeout: float = 5.0) -> None:
+        """SIGKILL the whole group, reap the child, and kill any straggler left in the group."""
+        self.signal_group(signal.SIGKILL)
+        self.wait(timeout)  # a process stuck in the kernel (D state) may outlast SIGKILL
+        self.signal_group(signal.SIGKILL)
+
+    def join_output(self, timeout: float) -> None:
+        """Let the output threads print the child's last lines."""
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+
+
+ReadyProbe = Callable[[int], bool]
+
+
+class Supervisor:
+    """Runs shards then router, and stops them all in order on a signal or a failure."""
+
+    def __init__(
+        self,
+        log: logging.Logger,
+        forwarder: OutputForwarder | None = None,
+        *,
+        poll_interval: float = 0.1,
+        router_stop_timeout: float = 30.0,
+        shard_stop_timeout: float = 10.0,
+        waiting_log_interval: float = 10.0,
+    ) -> None:
+        self.log = log
+        self.forwarder = forwarder
+        self.poll_interval = poll_interval
+        self.router_stop_timeout = router_stop_timeout
+        self.shard_stop_timeout = shard_stop_timeout
+        self.waiting_log_interval = waiting_log_interval
+        self.shards: list[Child] = []
+        self.router: Child | None = None
+        self._stop = threading.Event()
+        self._signal: int | None = None
+
+    # -- signals ---------------------------------------------------------------------------
+
+    def request_stop(self, signum: int | None = None) -> None:
+        """Ask the supervision loop to stop everything and exit 0 (safe from a signal handler)."""
+        if self._signal is None:
+            self._signal = signum
+        self._stop.set()
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        self.request_stop(signum)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM, SIGINT and SIGHUP request a clean stop (main thread only)."""
+        for sig in HANDLED_SIGNALS:
+            signal.signal(sig, self._on_signal)
+
+    def _log_stop_request(self) -> None:
+        if self._signal is not None:
+            self.log.info("Received %s, shutting down", signal.Signals(self._signal).name)
+        else:
+            self.log.info("Stop requested, shutting down")
+
+    # -- starting --------------------------------------------------------------------------
+
+    def start(self, spec: ChildSpec) -> Child:
+        """Start one child in its own process group."""
+        self.log.info("Starting %s", spec.name)
+        try:
+            child = Child(spec, self.forwarder)
+        except OSError as e:
+            raise StartError(f"Could not start {spec.name}: {e}") from e
+        self.log.info("%s started (pid %d)", spec.name, child.pid)
+        return child
+
+    def start_shards(self, specs: Sequence[ChildSpec]) -> None:
+        """Start one child per rank (spec i is rank i)."""
+        for spec in specs:
+            self.shards.append(self.start(spec))
+
+    def start_router(self, spec: ChildSpec) -> None:
+        """Start the router (after the shards are ready)."""
+        self.router = self.start(spec)
+
+    # -- watching --------------------------------------------------------------------------
+
+    def _shard_failure(self, rank: int, returncode: int) -> str:
+        if returncode == -signal.SIGBUS and len(self.shards) > 1:
+            return SIGBUS_MESSAGE
+        return f"Shard {rank} failed: {describe_status(returncode)}"
+
+    def _dead_shard(self) -> Outcome | None:
+        for rank, shard in enumerate(self.shards):
+            returncode = shard.poll()
+            if returncode is not None:
+                return Outcome(1, self._shard_failure(rank, returncode))
+        return None
+
+    def wait_until_ready(self, probe: ReadyProbe, timeout: float) -> Outcome | None:
+        """Poll until every shard is ready; an Outcome if start-up ends otherwise."""
+        start = time.monotonic()
+        next_log = start + self.waiting_log_interval
+        pending = list(range(len(self.shards)))
+        while pending:
+            if self._stop.is_set():
+                self._log_stop_request()
+                return Outcome(0)
+            failure = self._dead_shard()
+            if failure is not None:
+                return failure
+            for rank in list(pending):
+                if probe(rank):
+                    pending.remove(rank)
+                    self.log.info("Shard %d ready in %.1f s", rank, time.monotonic() - start)
+            if not pending:
+                break
+            now = time.monotonic()
+            if now - start >= timeout:
+                return Outcome(
+                    1,
+                    f"Shard {pending[0]} was not ready after {timeout:g} s "
+                    "(--shard-startup-timeout / SHARD_STARTUP_TIMEOUT)",
+                )
+            if now >= next_log:
+                for rank in pending:
+                    self.log.info("Waiting for shard %d to be ready...", rank)
+                next_log += self.waiting_log_interval
+            self._stop.wait(self.poll_interval)
+        self.log.info("Shards ready")
+        return None
+
+    def watch(self) -> Outcome:
+        """Block until a stop is requested (exit 0) or a child exits (exit 1)."""
+        while True:
+            if self._stop.is_set():
+                self._log_stop_request()
+                return Outcome(0)
+            failure = self._dead_shard()
+            if failure is not None:
+                return failure
+            if self.router is not None:
+                returncode = self.router.poll()
+                if returncode is not None:
+                    return Outcome(1, f"Router exited unexpectedly: {describe_status(returncode)}")
+            self._stop.wait(self.poll_interval)
+
+    # -- stopping --------------------------------------------------------------------------
+
+    def _stop_children(self, children: Sequence[Child], timeout: float, what: str) -> None:
+        running = [child for child in children if child.poll() is None]
+        for child in running:
+            child.signal_group(signal.SIGTERM)
+        if running:
+            self.log.info("Waiting for %s to stop", what)
+        deadline = time.monotonic() + timeout
+        for child in running:
+            if not child.wait(deadline - time.monotonic()):
+                self.log.warning("%s did not stop after %g s, killing it", child.name, timeout)
+        for child in children:
+            child.kill()  # reaps, and kills whatever is left in the group
+            returncode = child.poll()
+            if returncode is None:
+                self.log.error("%s (pid %d) survived SIGKILL", child.name, child.pid)
+            elif child in running:
+                self.log.info("%s stopped: %s", child.name, describe_status(returncode))
+
+    def shutdown(self) -> None:
+        """Stop the router (graceful, then forced), then the shards; wait for their output."""
+        if self.router is not None:
+            self._stop_children([self.router], self.router_stop_timeout, "the router")
+        if self.shards:
+            self._stop_children(self.shards, self.shard_stop_timeout, "the shards")
+        for child in [*self.shards, *([self.router] if self.router else [])]:
+            child.join_output(timeout=1.0)
+        self.log.info("Shutdown complete")
+
+    # -- the whole lifecycle ---------------------------------------------------------------
+
+    def run(
+        self,
+        shards: Sequence[ChildSpec],
+        router: ChildSpec,
+        probe: ReadyProbe,
+        startup_timeout: float,
+        *,
+        handle_signals: bool = True,
+    ) -> Outcome:
+        """Start shards, wait for them, start the router, watch; always stop everything."""
+        if handle_signals:
+            self.install_signal_handlers()
+        try:
+            try:
+                self.start_shards(shards)
+                outcome = self.wait_until_ready(probe, startup_timeout)
+                if outcome is None:
+                    self.start_router(router)
+                    outcome = self.watch()
+            except StartError as e:
+                outcome = Outcome(1, str(e))
+            if outcome.reason:
+                self.log.error("%s", outcome.reason)
+            return outcome
+        finally:
+            self.shutdown()
