@@ -127,6 +127,9 @@ def start_launcher(
         "16",
         *(extra_args or []),
     ]
+    # Run the suite against another local model (e.g. on a GPU machine); default: embedded.
+    if os.environ.get("TGIS_E2E_MODEL"):
+        args += ["--model-name", os.environ["TGIS_E2E_MODEL"]]
     log_path = log_dir / f"launcher-{grpc_port}.log"
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     for var in ("MODEL_NAME", "NUM_GPUS", "CUDA_VISIBLE_DEVICES", "NUM_SHARD"):

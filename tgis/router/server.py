@@ -75,13 +75,14 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.tokenizer = RouterTokenizer(config.tokenizer_path, workers=config.tokenization_workers)
-        self.shard = ShardClient(config.shard_uds_path)
-        self.health_servicer = health.aio.HealthServicer()
         self._serving = False
         self._health_update: asyncio.Future[None] | None = None
 
     async def run(self) -> None:
         config = self.config
+        # grpc.aio objects bind to the running event loop: create them here, not in __init__.
+        self.shard = ShardClient(config.shard_uds_path)
+        self.health_servicer = health.aio.HealthServicer()
         await self.shard.wait_ready(config.shard_connect_timeout)
         await self.shard.reset()
         info = await self.shard.info()
