@@ -132,6 +132,9 @@ def test_startup_failures_are_one_line(tiny_model: TinyModel, tmp_path: Path) ->
         "tensor parallelism (num_shard > 1) is not implemented yet"
     )
     assert "unsupported --dtype 'int4'" in fail([model, "--dtype", "int4"], tmp_path)
+    assert fail([model, "--quantize", "gptq"], tmp_path) == (
+        "quantize=gptq is not supported yet; serve unquantized weights"
+    )
     assert "not found" in fail(["no-such-org/no-such-model"], tmp_path)
     no_weights = tmp_path / "no-weights"
     no_weights.mkdir()

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import logging
-import os
 
 import click
 
+from tgis.log import setup_logging
 from tgis.shard.config import DEFAULT_UDS_PATH, ShardConfig, env_int, env_optional_int
 from tgis.termination import fail_startup
 
@@ -32,6 +31,7 @@ def main() -> None:
     help="Percent of free GPU memory held back when sizing the KV cache.",
 )
 @click.option("--revision", default=None)
+@click.option("--quantize", default=None, help="gptq or bitsandbytes (not supported yet).")
 @click.option("--sharded", is_flag=True, default=False)
 @click.option("--cuda-process-memory-fraction", type=float, default=1.0, show_default=True)
 @click.option("--uds-path", default=DEFAULT_UDS_PATH, show_default=True)
@@ -44,15 +44,15 @@ def serve(
     max_batch_size: int,
     batch_safety_margin: int,
     revision: str | None,
+    quantize: str | None,
     sharded: bool,
     cuda_process_memory_fraction: float,
     uds_path: str,
 ) -> None:
     """Load MODEL_NAME ("" = the embedded model) and serve it on ``{uds-path}-{rank}``."""
-    logging.basicConfig(
-        level=os.environ.get("LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(json_output=False, component="shard")
+    if quantize:
+        fail_startup(f"quantize={quantize} is not supported yet; serve unquantized weights")
     # Imported here so `--help` does not pay for torch.
     from tgis.model_files import ModelNotFoundError
     from tgis.shard.errors import StartupError
