@@ -151,6 +151,49 @@ def test_validation_error_is_invalid_argument(stub: pb_grpc.GenerationServiceStu
     assert excinfo.value.details() == f"max_new_tokens must be <= {info.max_new_tokens}"
 
 
+def test_more_inputs_than_the_concurrency_limit_is_overloaded(
+    stub: pb_grpc.GenerationServiceStub,
+) -> None:
+    too_many = [pb.GenerationRequest(text="x")] * 513  # launcher default limit: 512
+    with pytest.raises(grpc.RpcError) as excinfo:
+        stub.Generate(pb.BatchedGenerationRequest(requests=too_many), timeout=30)
+    assert excinfo.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert excinfo.value.details() == "Model is overloaded"
+
+
+def _metric(server: LauncherProcess, sample: str) -> float:
+    _, body = server.http_get("/metrics")
+    for line in body.decode().splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_cancelled_stream_is_dropped_and_the_server_carries_on(
+    server: LauncherProcess, stub: pb_grpc.GenerationServiceStub
+) -> None:
+    cancelled = 'tgi_request_failure_total{err="cancelled"}'
+    before = _metric(server, cancelled)
+    call = stub.GenerateStream(
+        pb.SingleGenerationRequest(
+            request=pb.GenerationRequest(text=PROMPT), params=greedy(400, min_new_tokens=400)
+        ),
+        timeout=120,
+    )
+    received = [next(call) for _ in range(3)]
+    call.cancel()
+    assert received[-1].generated_token_count >= 1
+    deadline = time.monotonic() + 30
+    while _metric(server, cancelled) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _metric(server, cancelled) == before + 1
+    after = stub.Generate(
+        pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="ok")], params=greedy(2)),
+        timeout=60,
+    )
+    assert after.responses[0].generated_token_count == 2
+
+
 # ---- grpcurl with reflection -----------------------------------------------------------------
 
 
