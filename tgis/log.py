@@ -9,13 +9,26 @@ import sys
 import time
 
 
+def utc_timestamp(created: float | None = None) -> str:
+    """RFC 3339 UTC with milliseconds, e.g. 2024-05-01T12:00:00.123Z."""
+    created = time.time() if created is None else created
+    millis = int((created % 1) * 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{millis:03d}Z"
+
+
+def log_level() -> int:
+    """LOG_LEVEL (first directive of a TGIS-style filter such as `info,tgis=debug`)."""
+    name = os.environ.get("LOG_LEVEL", "info").split(",")[0].strip().upper() or "INFO"
+    level = getattr(logging, name, logging.INFO)
+    return level if isinstance(level, int) else logging.INFO
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: timestamp, level, target (logger), message."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "timestamp": utc_timestamp(record.created),
             "level": record.levelname,
             "target": record.name,
             "message": record.getMessage(),
@@ -27,8 +40,6 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(json_output: bool = False, component: str = "tgis") -> None:
     """Configure the root logger once; the level comes from LOG_LEVEL (default info)."""
-    level_name = os.environ.get("LOG_LEVEL", "info").split(",")[0].strip().upper() or "INFO"
-    level = getattr(logging, level_name, logging.INFO)
     handler = logging.StreamHandler(sys.stderr)
     if json_output:
         handler.setFormatter(JsonFormatter())
@@ -38,4 +49,4 @@ def setup_logging(json_output: bool = False, component: str = "tgis") -> None:
         )
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level)
+    root.setLevel(log_level())
