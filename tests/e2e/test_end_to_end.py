@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -269,6 +270,14 @@ def test_http_health_and_metrics(server: LauncherProcess) -> None:
     assert "tgi_request_success_total" in text
     status, _ = server.http_get("/nope")
     assert status == 404
+
+
+def test_both_ports_answer_on_ipv6_loopback(server: LauncherProcess) -> None:
+    with urllib.request.urlopen(f"http://[::1]:{server.http_port}/health", timeout=60) as resp:
+        assert resp.status == 200
+    with grpc.insecure_channel(f"[::1]:{server.grpc_port}") as channel:
+        info = pb_grpc.GenerationServiceStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=30)
+    assert info.max_sequence_length > 0
 
 
 # ---- continuous batching -----------------------------------------------------------------------
