@@ -2,8 +2,8 @@
 
 Handles a single ``model.safetensors`` and sharded checkpoints with
 ``model.safetensors.index.json``. Tensors are read lazily (memory-mapped) straight onto
-the target device and cast to the target dtype. A later tensor-parallel loader can add
-``get_sharded(name, dim)`` here, reading only this rank's slice.
+the target device and cast to the target dtype. With tensor parallelism each rank reads
+only its slice of a sharded tensor (``get_sharded``, ``get_rows``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from tgis.shard.errors import StartupError
+from tgis.shard.parallel.group import SINGLE, TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -23,17 +24,23 @@ INDEX_FILE = "model.safetensors.index.json"
 class Weights:
     """Name → tensor access over every safetensors file of a model directory."""
 
-    def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         self.device = device
         self.dtype = dtype
+        self.tp = tp
         self._file_of = _index(model_dir)
         self._handles: dict[Path, Any] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` on the target device; floating tensors cast to the dtype."""
+    def _handle(self, name: str) -> Any:
         path = self._file_of.get(name)
         if path is None:
             raise StartupError(f"weight '{name}' not found in the safetensors files")
@@ -41,10 +48,34 @@ class Weights:
         if handle is None:
             handle = safe_open(str(path), framework="pt", device=str(self.device))
             self._handles[path] = handle
-        tensor: torch.Tensor = handle.get_tensor(name)
+        return handle
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.is_floating_point() and tensor.dtype != self.dtype:
             tensor = tensor.to(self.dtype)
-        return tensor
+        return tensor.contiguous()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The full (unsharded) shape of ``name``, read from the file header."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` on the target device; floating tensors cast to the dtype."""
+        return self._cast(self._handle(name).get_tensor(name))
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of ``name`` (dimension 0), reading only those rows."""
+        return self._cast(self._handle(name).get_slice(name)[start:stop])
+
+    def get_sharded(self, name: str, dim: int) -> torch.Tensor:
+        """This rank's equal part of ``name`` along ``dim`` (0 or 1); the whole tensor with
+        one rank. Reads only the slice from the file."""
+        if not self.tp.is_parallel:
+            return self.get(name)
+        size = self.shape(name)[dim]
+        start, stop = self.tp.split(size, f"dimension {dim} of {name}")
+        view = self._handle(name).get_slice(name)
+        return self._cast(view[start:stop] if dim == 0 else view[:, start:stop])
 
     def close(self) -> None:
         """Drop the file handles (the loaded tensors stay valid)."""

@@ -24,6 +24,15 @@ from tgis.shard.models.rotary import (
     inverse_frequencies,
     rope_parameters,
 )
+from tgis.shard.parallel.layers import (
+    ColumnLinear,
+    LMHead,
+    VocabEmbedding,
+    column_linear,
+    head_range,
+    heads_rows,
+    row_linear,
+)
 from tgis.shard.weights import Weights
 
 
@@ -90,47 +99,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def _maybe(weights: Weights, name: str, present: bool) -> torch.Tensor | None:
-    return weights.get(name) if present else None
-
-
-def _cat_bias(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    if all(p is None for p in parts):
-        return None
-    if any(p is None for p in parts):
-        raise StartupError("fused projection with only some biases present")
-    return torch.cat([p for p in parts if p is not None])
-
-
 class LlamaLayer:
-    """One decoder layer; q/k/v and gate/up projections fused into single matmuls."""
+    """One decoder layer; q/k/v and gate/up projections fused into single matmuls.
+
+    With tensor parallelism the layer holds this rank's heads and MLP columns: q/k/v and
+    gate/up are column-parallel, o and down row-parallel (one all-reduce each).
+    """
 
     def __init__(self, args: LlamaArgs, weights: Weights, index: int) -> None:
         prefix = f"model.layers.{index}"
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        tp = weights.tp
         self.index = index
         self.eps = args.rms_norm_eps
-        self.q_size = args.num_heads * args.head_dim
-        self.kv_size = args.num_kv_heads * args.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            args.num_heads,
-            args.num_kv_heads,
-            args.head_dim,
-        )
+        self.head_dim = args.head_dim
+        q_first, q_last = head_range(args.num_heads, tp, "num_attention_heads")
+        kv_first, kv_last = head_range(args.num_kv_heads, tp, "num_key_value_heads")
+        self.num_heads, self.num_kv_heads = q_last - q_first, kv_last - kv_first
+        self.q_size = self.num_heads * args.head_dim
+        self.kv_size = self.num_kv_heads * args.head_dim
         self.input_norm = weights.get(f"{prefix}.input_layernorm.weight")
         self.post_norm = weights.get(f"{prefix}.post_attention_layernorm.weight")
-        self.qkv = torch.cat([weights.get(f"{attn}.{p}_proj.weight") for p in "qkv"])
-        self.qkv_bias = _cat_bias(
-            [_maybe(weights, f"{attn}.{p}_proj.bias", args.attention_bias) for p in "qkv"]
-        )
-        self.o = weights.get(f"{attn}.o_proj.weight")
-        self.o_bias = _maybe(weights, f"{attn}.o_proj.bias", args.attention_bias)
-        self.gate_up = torch.cat([weights.get(f"{mlp}.{p}_proj.weight") for p in ("gate", "up")])
-        self.gate_up_bias = _cat_bias(
-            [_maybe(weights, f"{mlp}.{p}_proj.bias", args.mlp_bias) for p in ("gate", "up")]
-        )
-        self.down = weights.get(f"{mlp}.down_proj.weight")
-        self.down_bias = _maybe(weights, f"{mlp}.down_proj.bias", args.mlp_bias)
+        heads = {"q": args.num_heads, "k": args.num_kv_heads, "v": args.num_kv_heads}
+        what = {"q": "num_attention_heads", "k": "num_key_value_heads", "v": "num_key_value_heads"}
+
+        def rows(p: str, kind: str) -> torch.Tensor:
+            name = f"{attn}.{p}_proj.{kind}"
+            return heads_rows(weights, name, heads[p], args.head_dim, what[p])
+
+        qkv_bias = torch.cat([rows(p, "bias") for p in "qkv"]) if args.attention_bias else None
+        self.qkv = ColumnLinear(torch.cat([rows(p, "weight") for p in "qkv"]), qkv_bias)
+        self.o = row_linear(weights, f"{attn}.o_proj", args.attention_bias)
+        self.gate_up = column_linear(weights, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], args.mlp_bias)
+        self.down = row_linear(weights, f"{mlp}.down_proj", args.mlp_bias)
 
     def forward(
         self,
@@ -144,18 +145,16 @@ class LlamaLayer:
         """``x``: [tokens, hidden] → [tokens, hidden]."""
         tokens = x.shape[0]
         h = rms_norm(x, self.input_norm, self.eps)
-        q, k, v = F.linear(h, self.qkv, self.qkv_bias).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
-        )
+        q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache.layer(self.index)
         attn = attention.forward(q, k, v, k_cache, v_cache, attn_metadata)
-        x = x + F.linear(attn.reshape(tokens, self.q_size), self.o, self.o_bias)
+        x = x + self.o(attn.reshape(tokens, self.q_size))
         h = rms_norm(x, self.post_norm, self.eps)
-        gate, up = F.linear(h, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down, self.down_bias)
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
 
 
 class LlamaForCausalLM:
@@ -172,15 +171,16 @@ class LlamaForCausalLM:
         self.args = args
         self.dtype = weights.dtype
         self.attention = attention
-        self.embed = weights.get("model.embed_tokens.weight")
+        self.embed = VocabEmbedding(weights, "model.embed_tokens.weight")
         self.layers = [LlamaLayer(args, weights, i) for i in range(args.num_layers)]
         self.norm = weights.get("model.norm.weight")
         if args.tie_word_embeddings or "lm_head.weight" not in weights:
             if not args.tie_word_embeddings:
                 raise StartupError("lm_head.weight missing and tie_word_embeddings is false")
-            self.lm_head = self.embed
+            self.lm_head = LMHead.tied(self.embed, args.vocab_size)
         else:
-            self.lm_head = weights.get("lm_head.weight")
+            self.lm_head = LMHead.load(weights, "lm_head.weight")
+        self.num_kv_heads = self.layers[0].num_kv_heads if self.layers else args.num_kv_heads
         inv_freq = inverse_frequencies(args.rope, args.head_dim, args.max_position_embeddings)
         self.rotary = RotaryEmbedding(inv_freq, weights.device)
 
@@ -189,7 +189,7 @@ class LlamaForCausalLM:
         """The shape of one KV-cache block for this model."""
         return KVCacheSpec(
             num_layers=self.args.num_layers,
-            num_kv_heads=self.args.num_kv_heads,
+            num_kv_heads=self.num_kv_heads,
             head_dim=self.args.head_dim,
             dtype=self.dtype,
         )
@@ -202,7 +202,7 @@ class LlamaForCausalLM:
         attn_metadata: Any,
     ) -> torch.Tensor:
         """Final (normed) hidden states [tokens, hidden] for flattened ``input_ids``."""
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
             x = layer.forward(x, cos, sin, self.attention, kv_cache, attn_metadata)
@@ -210,4 +210,4 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] for selected rows of ``forward``'s output."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden)
