@@ -18,9 +18,8 @@ OUT_DIR = ROOT / "tgis" / "pb"
 
 def generate(proto_dir: Path = PROTO_DIR, out_dir: Path = OUT_DIR) -> list[Path]:
     """Compile every .proto in proto_dir into out_dir; return the files written."""
-    from grpc_tools import protoc  # build-time dependency only
-
     import grpc_tools
+    from grpc_tools import protoc  # build-time dependency only
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     protos = sorted(proto_dir.glob("*.proto"))
