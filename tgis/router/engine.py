@@ -108,16 +108,31 @@ class Engine:
             output = await self.shard.step(plan)
         except ShardError as err:
             log.error("step %d failed: %s", plan.step_id, err.detail)
-            self.generation_healthy = False
-            self.metrics.inference_failure(err.failure.value)
-            for chunk in plan.scheduled:
-                state = running[chunk.request_id]
-                self._finish_with_error(state, GenerationError(err.detail))
+            self._fail_step(plan, running, err.failure.value, err.detail)
+            return
+        except Exception as err:  # a bug must fail the step's requests, not the engine
+            log.exception("step %d failed unexpectedly", plan.step_id)
+            self._fail_step(plan, running, "error", f"{type(err).__name__}: {err}")
             return
         self.metrics.inference_success(time.monotonic() - started, output.forward_time_ns)
         for chunk in plan.scheduled:
             running[chunk.request_id].num_computed += chunk.num_tokens
-        self._apply_output(running, output)
+        try:
+            self._apply_output(running, output)
+        except Exception as err:
+            log.exception("processing the output of step %d failed", plan.step_id)
+            self._fail_step(plan, running, "error", f"{type(err).__name__}: {err}")
+
+    def _fail_step(
+        self, plan: StepPlan, running: dict[int, RequestState], reason: str, detail: str
+    ) -> None:
+        """Every request of a failed step fails; the shard forgets them at the next step."""
+        self.generation_healthy = False
+        self.metrics.inference_failure(reason)
+        for chunk in plan.scheduled:
+            state = running.get(chunk.request_id)
+            if state is not None:
+                self._finish_with_error(state, GenerationError(detail))
 
     def _apply_output(self, running: dict[int, RequestState], output: StepOutput) -> None:
         now = time.monotonic()
