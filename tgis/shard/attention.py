@@ -10,11 +10,16 @@ must reproduce.
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,12 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: Any,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        """Attend: ``q`` [tokens, heads, dim], ``k``/``v`` [tokens, kv_heads, dim] → like ``q``."""
+        """Attend: ``q`` [tokens, heads, dim], ``k``/``v`` [tokens, kv_heads, dim] → like ``q``.
+
+        ``scale`` multiplies the scores before the softmax; None means 1/sqrt(dim).
+        """
         ...
 
 
@@ -148,8 +157,10 @@ class TorchPagedAttention:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: TorchPagedMetadata,
+        scale: float | None = None,
     ) -> torch.Tensor:
-        """Store ``k``/``v`` in their slots, then attend causally over each sequence's cache."""
+        """Store ``k``/``v`` in their slots, then attend causally over each sequence's cache
+        (softmax scale ``scale``, default 1/sqrt(dim))."""
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         flat_k = k_cache.view(-1, num_kv_heads, head_dim)
         flat_v = v_cache.view(-1, num_kv_heads, head_dim)
@@ -166,6 +177,7 @@ class TorchPagedAttention:
                 values.transpose(0, 1).unsqueeze(0),
                 attn_mask=seq.mask,
                 is_causal=seq.mask is None,
+                scale=scale,
                 enable_gqa=True,
             )
             out[seq.start : seq.start + seq.length] = attn[0].transpose(0, 1)
@@ -175,16 +187,45 @@ class TorchPagedAttention:
             values = v_cache[metadata.decode_tables].flatten(1, 2).transpose(1, 2)
             queries = q[metadata.decode_rows].unsqueeze(2)  # [decodes, heads, 1, dim]
             attn = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=metadata.decode_mask, enable_gqa=True
+                queries,
+                keys,
+                values,
+                attn_mask=metadata.decode_mask,
+                scale=scale,
+                enable_gqa=True,
             )
             out[metadata.decode_rows] = attn.squeeze(2)
         return out
 
 
+BACKENDS = ("torch_paged", "sdpa_varlen", "flash_varlen")
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def select_attention_backend(device: torch.device, block_size: int) -> AttentionBackend:
     """The attention implementation for this device, chosen once at start-up.
 
-    Only the torch reference exists so far; flash/paged CUDA kernels plug in here.
+    ``TGIS_ATTENTION_BACKEND`` (one of ``BACKENDS``) forces a choice. Otherwise: on CUDA,
+    flash-attn's varlen kernel when the package is installed, else one PyTorch SDPA call
+    per step; on CPU the reference. TGIS's ``FLASH_ATTENTION=true`` asks for flash-attn
+    (a warning and the SDPA path when it is missing); ``PAGED_ATTENTION`` needs nothing:
+    the KV cache is always paged.
     """
-    del device  # every device uses the reference backend for now
+    from tgis.shard.attention_varlen import FlashVarlenAttention, SdpaVarlenAttention
+
+    choice = os.environ.get("TGIS_ATTENTION_BACKEND", "").strip().lower()
+    if choice and choice not in BACKENDS:
+        raise ValueError(f"TGIS_ATTENTION_BACKEND={choice!r} is not one of {', '.join(BACKENDS)}")
+    if not choice and device.type == "cuda":
+        has_flash = importlib.util.find_spec("flash_attn") is not None
+        if _env_true("FLASH_ATTENTION") and not has_flash:
+            log.warning("FLASH_ATTENTION=true but flash-attn is not installed: using SDPA")
+        choice = "flash_varlen" if has_flash else "sdpa_varlen"
+    if choice == "flash_varlen":
+        return FlashVarlenAttention(block_size)
+    if choice == "sdpa_varlen":
+        return SdpaVarlenAttention(block_size)
     return TorchPagedAttention(block_size)

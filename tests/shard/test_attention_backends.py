@@ -1,0 +1,140 @@
+"""Every attention backend equals the pure-torch reference on the same paged batches."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from typing import Any
+
+import pytest
+import torch
+from conftest import Router, TinyModel
+
+from tgis.shard.attention import (
+    AttentionBackend,
+    BatchLayout,
+    TorchPagedAttention,
+    select_attention_backend,
+)
+from tgis.shard.attention_varlen import FlashVarlenAttention, SdpaVarlenAttention
+from tgis.shard.config import ShardConfig
+from tgis.shard.loader import load_runner
+
+BLOCK, HEADS, KV_HEADS, DIM, NUM_BLOCKS = 16, 4, 2, 8, 32
+HAS_FLASH = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+LENGTHS = (23, 40, 50, 2, 17)
+# Step 1 computes the first `f` tokens of each sequence (prefill or chunk), step 2 the rest
+# (a decode where one token is left, a chunk otherwise).
+FIRSTS = (22, 17, 45, 1, 16)
+
+
+def make_sequences(dtype: torch.dtype, device: torch.device) -> list[dict[str, Any]]:
+    gen = torch.Generator().manual_seed(1)
+    blocks = list(range(NUM_BLOCKS))
+    random.Random(1).shuffle(blocks)  # out-of-order, non-contiguous block tables
+    seqs = []
+    for length in LENGTHS:
+        shape = (length, HEADS, DIM), (length, KV_HEADS, DIM), (length, KV_HEADS, DIM)
+        q, k, v = (torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shape)
+        table = [blocks.pop() for _ in range(-(-length // BLOCK))]
+        seqs.append({"q": q, "k": k, "v": v, "table": table})
+    return seqs
+
+
+def step(
+    backend: AttentionBackend,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    seqs: list[dict[str, Any]],
+    ranges: list[tuple[int, int]],
+    scale: float | None,
+) -> list[torch.Tensor]:
+    qs, ks, vs, slots = [], [], [], []
+    for seq, (start, end) in zip(seqs, ranges, strict=True):
+        qs.append(seq["q"][start:end])
+        ks.append(seq["k"][start:end])
+        vs.append(seq["v"][start:end])
+        slots += [seq["table"][p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
+    layout = BatchLayout(
+        query_lens=tuple(e - s for s, e in ranges),
+        context_lens=tuple(e for _, e in ranges),
+        block_tables=tuple(tuple(s["table"]) for s in seqs),
+        slot_mapping=tuple(slots),
+    )
+    device = seqs[0]["q"].device
+    metadata = backend.prepare(layout, device)
+    out = backend.forward(
+        torch.cat(qs), torch.cat(ks), torch.cat(vs), *caches, metadata, scale=scale
+    )
+    return list(out.split(list(layout.query_lens)))
+
+
+def two_steps(
+    backend: AttentionBackend, dtype: torch.dtype, device: torch.device, scale: float | None
+) -> list[torch.Tensor]:
+    seqs = make_sequences(dtype, device)
+    gen = torch.Generator().manual_seed(2)
+    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, DIM)
+    # Garbage in the cache: stale values must never be read.
+    k_cache, v_cache = (torch.randn(shape, generator=gen).to(device, dtype) for _ in "kv")
+    first = step(backend, (k_cache, v_cache), seqs, [(0, f) for f in FIRSTS], scale)
+    rest = [(f, n) for f, n in zip(FIRSTS, LENGTHS, strict=True)]
+    return first + step(backend, (k_cache, v_cache), seqs, rest, scale)
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_varlen_equals_reference(dtype: torch.dtype, scale: float | None) -> None:
+    cpu = torch.device("cpu")
+    expected = two_steps(TorchPagedAttention(BLOCK), dtype, cpu, scale)
+    got = two_steps(SdpaVarlenAttention(BLOCK), dtype, cpu, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, atol=tol, rtol=tol)
+
+
+def test_scale_changes_the_result() -> None:
+    cpu = torch.device("cpu")
+    default = two_steps(SdpaVarlenAttention(BLOCK), torch.float32, cpu, None)
+    scaled = two_steps(SdpaVarlenAttention(BLOCK), torch.float32, cpu, 0.3)
+    assert not torch.allclose(default[0], scaled[0])
+
+
+@pytest.mark.skipif(not HAS_FLASH, reason="needs CUDA and the flash-attn package")
+def test_flash_varlen_equals_reference_on_gpu() -> None:
+    cuda, dtype = torch.device("cuda"), torch.bfloat16
+    expected = two_steps(TorchPagedAttention(BLOCK), dtype, cuda, None)
+    got = two_steps(FlashVarlenAttention(BLOCK), dtype, cuda, None)
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+
+def test_selection_on_cpu_and_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    for var in ("TGIS_ATTENTION_BACKEND", "FLASH_ATTENTION", "PAGED_ATTENTION"):
+        monkeypatch.delenv(var, raising=False)
+    assert select_attention_backend(cpu, BLOCK).name == "torch_paged"
+    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "sdpa_varlen")
+    assert select_attention_backend(cpu, BLOCK).name == "sdpa_varlen"
+    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="TGIS_ATTENTION_BACKEND"):
+        select_attention_backend(cpu, BLOCK)
+    monkeypatch.delenv("TGIS_ATTENTION_BACKEND")
+    monkeypatch.setenv("FLASH_ATTENTION", "true")  # TGIS's switch: no flash on CPU -> reference
+    assert select_attention_backend(cpu, BLOCK).name == "torch_paged"
+
+
+def test_model_runner_on_sdpa_varlen_matches_hf(
+    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "sdpa_varlen")
+    runner = load_runner(ShardConfig(model_name=str(tiny_model.path), kv_cache_blocks=32))
+    assert runner.info.attention_backend == "sdpa_varlen"
+    prompts = {1: [5, 6, 7], 2: list(range(10, 39)), 3: [40, 41, 42, 43, 44, 45, 46, 47, 48]}
+    router = Router(runner)
+    for rid, prompt in prompts.items():
+        router.add(rid, prompt)
+    router.step({rid: len(p) for rid, p in prompts.items()})
+    for _ in range(7):
+        router.decode(list(prompts))
+    for rid, prompt in prompts.items():
+        assert router.generated[rid] == tiny_model.greedy(prompt, 8)[0]
