@@ -145,4 +145,6 @@ def test_startup_failures_are_one_line(tiny_model: TinyModel, tmp_path: Path) ->
     (gpt2 / "config.json").write_text(
         json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 50})
     )
-    assert "unsupported model architecture 'GPT2LMHeadModel'" in fail([str(gpt2)], tmp_path)
+    assert "unsupported model architecture 'GPT2LMHeadModel'" in fail(
+        [str(gpt2)], tmp_path, TGIS_ENGINE="native"
+    )

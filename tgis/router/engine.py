@@ -216,6 +216,8 @@ class Engine:
                 skip_special_tokens=not self.output_special_tokens,
                 hold_back_bytes=stream_hold_back_bytes(state.request.stopping),
                 eos_token_ids=self.info.eos_token_ids,
+                # Encoder-decoder output starts fresh: its first word has no leading space.
+                continuation=not self.info.is_seq2seq,
             )
             self._detokenizers[state.request_id] = detok
         return detok

@@ -8,17 +8,19 @@ from tgis.model_files import resolve_model_dir
 from tgis.shard.attention import select_attention_backend
 from tgis.shard.config import ShardConfig
 from tgis.shard.device import dtype_name, select_device, select_dtype
+from tgis.shard.engines import select_engine
 from tgis.shard.kv_cache import BLOCK_SIZE, KVCache, num_blocks_for
 from tgis.shard.messages import ModelKind, ShardInfo
 from tgis.shard.model_config import ModelConfig
 from tgis.shard.model_runner import ModelRunner
 from tgis.shard.models import model_class
+from tgis.shard.runner import Runner
 from tgis.shard.weights import Weights
 
 log = logging.getLogger(__name__)
 
 
-def load_runner(config: ShardConfig) -> ModelRunner:
+def load_runner(config: ShardConfig) -> Runner:
     """Load the model named by ``config`` onto this rank's device and size its KV cache.
 
     Raises StartupError (or ModelNotFoundError) with a one-line message on any problem.
@@ -26,6 +28,10 @@ def load_runner(config: ShardConfig) -> ModelRunner:
     config.validate()
     model_dir = resolve_model_dir(config.model_name, config.revision)
     model_config = ModelConfig.from_dir(model_dir)
+    if select_engine(config.deployment_framework, model_config, config.world_size) == "hf":
+        from tgis.shard.hf_loader import load_hf_runner  # imports transformers
+
+        return load_hf_runner(config, model_dir, model_config)
     factory = model_class(model_config)  # fail on the architecture before touching devices
     device = select_device(config.rank, config.world_size, config.cuda_process_memory_fraction)
     dtype = select_dtype(config.dtype, model_config.torch_dtype, device)

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from tgis.pb import shard_pb2_grpc
-from tgis.shard.model_runner import ModelRunner
+from tgis.shard.runner import Runner
 from tgis.shard.servicer import ShardServicer
 
 log = logging.getLogger(__name__)
@@ -26,9 +26,9 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 class ShardServer:
-    """A started/stopped gRPC server around a ModelRunner, on one Unix socket."""
+    """A started/stopped gRPC server around a Runner, on one Unix socket."""
 
-    def __init__(self, runner: ModelRunner, socket_path: str, rank: int = 0) -> None:
+    def __init__(self, runner: Runner, socket_path: str, rank: int = 0) -> None:
         self.runner = runner
         self.socket_path = Path(socket_path)
         self.rank = rank

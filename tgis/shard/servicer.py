@@ -19,17 +19,17 @@ import torch
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.model_runner import ModelRunner
 from tgis.shard.pb_convert import info_to_pb, plan_from_pb, step_output_to_pb
+from tgis.shard.runner import Runner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
-    """Serves one ModelRunner over gRPC."""
+    """Serves one Runner (native or transformers engine) over gRPC."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-step")
 

@@ -1,0 +1,72 @@
+"""Choose the shard's engine: the native paged implementation or the transformers fallback.
+
+``TGIS_ENGINE`` = ``auto`` (default) | ``native`` | ``hf``:
+
+* ``auto``: the native engine when the architecture is in the native registry
+  (``models.ARCHITECTURES``), else the transformers fallback, whatever the deployment
+  framework (``hf_transformers``, ``hf_accelerate``, ``hf_custom_tp``, ``hf_optimum_*``,
+  ``ibm_fms``), except that ``tgis_native`` (and its legacy name ``hf_custom_tp``) asks for
+  the native engine, as does more than one shard;
+* ``native``: the native engine, or a start-up error naming the supported architectures;
+* ``hf``: always the transformers fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Literal
+
+from tgis.shard.errors import StartupError
+from tgis.shard.model_config import ModelConfig
+from tgis.shard.models import model_class
+
+log = logging.getLogger(__name__)
+
+ENGINE_ENV = "TGIS_ENGINE"
+ENGINE_CHOICES = ("auto", "native", "hf")
+NATIVE_FRAMEWORKS = frozenset({"tgis_native", "hf_custom_tp"})
+
+Engine = Literal["native", "hf"]
+
+
+def select_engine(
+    deployment_framework: str | None,
+    model_config: ModelConfig,
+    world_size: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> Engine:
+    """The engine to load ``model_config`` with; StartupError for an impossible choice."""
+    environ = os.environ if env is None else env
+    requested = environ.get(ENGINE_ENV, "").strip().lower() or "auto"
+    if requested not in ENGINE_CHOICES:
+        raise StartupError(f"{ENGINE_ENV}={requested} is not one of {', '.join(ENGINE_CHOICES)}")
+    if requested == "auto" and (deployment_framework in NATIVE_FRAMEWORKS or world_size > 1):
+        requested = "native"
+    engine: Engine
+    if requested == "hf":
+        engine = "hf"
+    elif requested == "native":
+        model_class(model_config)  # StartupError naming the supported architectures
+        engine = "native"
+    else:
+        engine = "native" if has_native(model_config) else "hf"
+    log.info(
+        "Engine: %s (%s=%s, deployment framework %s, architecture %s)",
+        "native paged" if engine == "native" else "transformers fallback",
+        ENGINE_ENV,
+        requested,
+        deployment_framework or "unset",
+        model_config.architecture or model_config.model_type,
+    )
+    return engine
+
+
+def has_native(model_config: ModelConfig) -> bool:
+    """Whether the native registry implements the model's architecture."""
+    try:
+        model_class(model_config)
+    except StartupError:
+        return False
+    return True

@@ -1,0 +1,153 @@
+"""Runs Steps through a transformers model: the generic fallback engine.
+
+``HfRunner`` implements the same ``Runner`` interface as the native ``ModelRunner`` and
+accepts the same Step plans, checked by the same ``step_plan.resolve_plan`` (block ids are
+validated and kept, but there is no paging: the engine's batched caches hold the keys and
+values). Per step:
+
+1. ``resolve_plan`` validates the plan (``InvalidStepError`` leaves the state untouched);
+   finished sequences are forgotten;
+2. the engine (``hf_causal`` or ``hf_seq2seq``) runs the forward pass of every scheduled
+   sequence and returns the logits of those whose prompt is complete;
+3. ``sampling.sample`` and ``token_details`` choose the tokens exactly as the native
+   engine does (rows with NaN logits fail on their own);
+4. only then are the engine's cache and the sequences' state committed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as SequenceOf
+
+import torch
+
+from tgis.shard.hf_engine import Forward, HfEngine
+from tgis.shard.messages import (
+    InputTokenDetails,
+    SampledToken,
+    SequenceError,
+    ShardInfo,
+    StepOutput,
+    StepPlan,
+    TokenDetail,
+)
+from tgis.shard.sampling import SamplingBatch, SamplingRow, sample
+from tgis.shard.sequence import Sequence
+from tgis.shard.step_plan import PlanLimits, ResolvedStep, WorkItem, resolve_plan
+from tgis.shard.token_details import token_details
+
+
+class HfRunner:
+    """Executes StepPlans against a transformers model through an ``HfEngine``."""
+
+    def __init__(self, engine: HfEngine, info: ShardInfo, device: torch.device) -> None:
+        self.engine = engine
+        self.info = info
+        self.device = device
+        self.sequences: dict[int, Sequence] = {}
+        self.limits = PlanLimits(
+            vocab_size=info.vocab_size,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            device=device,
+        )
+
+    def reset(self) -> None:
+        """Forget every sequence."""
+        self.sequences.clear()
+        self.engine.reset()
+
+    def health(self) -> None:
+        """Raise if the device does not answer (a cheap query, no kernel launch)."""
+        if self.device.type == "cuda":
+            torch.cuda.mem_get_info(self.device)
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepOutput:
+        """Apply ``plan`` and run its forward pass; see the module docstring."""
+        resolved = resolve_plan(plan, self.sequences, self.limits)
+        for rid in resolved.finished:
+            self.sequences.pop(rid, None)
+        self.engine.forget(resolved.finished)
+        if not resolved.work:
+            self._commit(resolved, {}, {})
+            return StepOutput(step_id=plan.step_id, errors=resolved.errors)
+        started = time.perf_counter_ns()
+        forward = self.engine.run(resolved.work, self.sequences.keys())
+        sampled, errors = self._sample(forward)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter_ns() - started
+        self.engine.commit(forward)
+        finished_prompts = self._commit(resolved, sampled, forward.input_details, errors)
+        return StepOutput(
+            step_id=plan.step_id,
+            tokens=tuple(SampledToken(rid, detail) for rid, detail in sampled.items()),
+            input_tokens=finished_prompts,
+            errors=resolved.errors + tuple(errors),
+            forward_time_ns=elapsed,
+        )
+
+    def _sample(self, forward: Forward) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
+        """One token per sampling item (``sampling.sample``), with its details."""
+        logits, items = forward.logits, list(forward.sample_items)
+        if logits is None or not items:
+            return {}, []
+        bad = torch.isnan(logits).any(dim=-1).tolist()
+        errors = [
+            SequenceError(item.seq.request_id, "the model produced NaN logits")
+            for item, b in zip(items, bad, strict=True)
+            if b
+        ]
+        if errors:
+            keep = [i for i, b in enumerate(bad) if not b]
+            items = [items[i] for i in keep]
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            if not items:
+                return {}, errors
+        tokens, scores = sample(logits, self._sampling_batch(items))
+        details = token_details(
+            scores,
+            tokens,
+            [item.seq.details if item.seq.details.generated_tokens else None for item in items],
+        )
+        return {item.seq.request_id: d for item, d in zip(items, details, strict=True)}, errors
+
+    def _sampling_batch(self, items: SequenceOf[WorkItem]) -> SamplingBatch:
+        rows = [
+            SamplingRow(
+                params=item.seq.sampling,
+                token_ids=self.engine.history(item.seq),
+                num_generated=item.seq.num_generated,
+                generator=item.seq.generator,
+            )
+            for item in items
+        ]
+        return SamplingBatch(rows, self.info.eos_token_ids, self.info.vocab_size, self.device)
+
+    def _commit(
+        self,
+        resolved: ResolvedStep,
+        sampled: dict[int, TokenDetail],
+        input_details: dict[int, list[TokenDetail]],
+        errors: SequenceOf[SequenceError] = (),
+    ) -> tuple[InputTokenDetails, ...]:
+        for seq in resolved.new:
+            self.sequences[seq.request_id] = seq
+        completed: list[InputTokenDetails] = []
+        failed = {e.request_id for e in errors}
+        for item in resolved.work:
+            seq = item.seq
+            seq.block_table = list(item.block_table)
+            seq.input_details.extend(input_details.get(seq.request_id, ()))
+            seq.num_computed = item.end
+            detail = sampled.get(seq.request_id)
+            if detail is not None:
+                seq.token_ids.append(detail.token_id)
+            if item.completes_prompt and seq.details.input_tokens and seq.request_id not in failed:
+                completed.append(InputTokenDetails(seq.request_id, tuple(seq.input_details)))
+                seq.input_details = []
+        for rid in failed:
+            self.sequences.pop(rid, None)
+        self.engine.forget(failed)
+        return tuple(completed)
