@@ -9,6 +9,7 @@ only its slice of a sharded tensor (``get_sharded``, ``get_rows``).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,18 @@ class Weights:
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of ``name`` (dimension 0), reading only those rows."""
         return self._cast(self._handle(name).get_slice(name)[start:stop])
+
+    def get_row_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The rows of every [start, stop) in ``ranges`` (dimension 0), concatenated in that
+        order; reads only those rows (adjacent ranges are read as one)."""
+        merged: list[tuple[int, int]] = []
+        for start, stop in ranges:
+            if merged and merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], stop)
+            else:
+                merged.append((start, stop))
+        view = self._handle(name).get_slice(name)
+        return self._cast(torch.cat([view[start:stop] for start, stop in merged]))
 
     def get_sharded(self, name: str, dim: int) -> torch.Tensor:
         """This rank's equal part of ``name`` along ``dim`` (0 or 1); the whole tensor with

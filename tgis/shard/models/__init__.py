@@ -10,6 +10,9 @@ from tgis.shard.attention import AttentionBackend
 from tgis.shard.errors import StartupError
 from tgis.shard.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.model_config import ModelConfig
+from tgis.shard.models.falcon import FalconForCausalLM
+from tgis.shard.models.gpt_bigcode import GPTBigCodeForCausalLM
+from tgis.shard.models.gpt_neox import GPTNeoXForCausalLM
 from tgis.shard.models.llama import LlamaForCausalLM
 from tgis.shard.weights import Weights
 
@@ -49,13 +52,30 @@ class ModelFactory(Protocol):
     ) -> CausalLM: ...
 
 
-# Hugging Face ``architectures[0]`` → implementation.
+# Hugging Face ``architectures[0]`` → implementation. Granite and Qwen2 are Llama with a
+# few options, chosen by ``model_type`` (``LlamaArgs``).
 ARCHITECTURES: dict[str, ModelFactory] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
+    "RWForCausalLM": FalconForCausalLM,  # Falcon's original remote-code checkpoints
 }
 # Fallback when a config names no architecture.
-MODEL_TYPES: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "falcon": "FalconForCausalLM",
+    "RefinedWeb": "RWForCausalLM",
+    "RefinedWebModel": "RWForCausalLM",
+}
 
 
 def model_class(config: ModelConfig) -> ModelFactory:

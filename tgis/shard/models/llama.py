@@ -1,14 +1,18 @@
-"""The Llama architecture (also Mistral without sliding window) on flattened varlen inputs.
+"""The Llama architecture and its close relatives on flattened varlen inputs.
 
 Own implementation, reading Hugging Face checkpoints by their parameter names: token
 embedding, per layer RMSNorm → attention (fused q/k/v projection, RoPE, grouped-query
 attention over the paged cache, o projection) → residual → RMSNorm → SwiGLU MLP → residual,
 then a final RMSNorm and the LM head (tied to the embedding when the config says so).
+
+The same code runs the families that differ from Llama only in a few options
+(``LlamaArgs``): Mistral (without sliding window), Granite (embedding, residual and logits
+multipliers, its own softmax scale) and Qwen2 (biases on q/k/v but not o).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -16,29 +20,32 @@ import torch.nn.functional as F
 
 from tgis.shard.attention import AttentionBackend
 from tgis.shard.errors import StartupError
-from tgis.shard.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.model_config import ModelConfig
-from tgis.shard.models.rotary import (
-    RotaryEmbedding,
-    apply_rotary,
-    inverse_frequencies,
-    rope_parameters,
+from tgis.shard.models.layers import (
+    Attention,
+    DecoderLM,
+    Heads,
+    RMSNorm,
+    StepContext,
+    load_lm_head,
 )
+from tgis.shard.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
 from tgis.shard.parallel.layers import (
     ColumnLinear,
-    LMHead,
     VocabEmbedding,
     column_linear,
-    head_range,
     heads_rows,
     row_linear,
 )
 from tgis.shard.weights import Weights
 
+# Architectures of the Llama relatives whose config may lack ``model_type``.
+_ARCHITECTURE_TYPES = {"GraniteForCausalLM": "granite", "Qwen2ForCausalLM": "qwen2"}
+
 
 @dataclass(frozen=True)
 class LlamaArgs:
-    """The fields of a Llama/Mistral ``config.json`` the implementation uses."""
+    """The fields of a Llama-family ``config.json`` the implementation uses."""
 
     vocab_size: int
     hidden_size: int
@@ -50,9 +57,14 @@ class LlamaArgs:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_bias: bool
     mlp_bias: bool
     rope: dict[str, Any]
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None  # softmax scale; None: 1/sqrt(head_dim)
+    logits_scaling: float = 1.0  # logits are divided by it
 
     @classmethod
     def from_config(cls, config: ModelConfig, max_sequence_length: int) -> LlamaArgs:
@@ -61,42 +73,69 @@ class LlamaArgs:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise StartupError(f"{config.architecture}: unsupported hidden_act '{act}'")
-        window = raw.get("sliding_window")
-        windowed = bool(raw.get("use_sliding_window", True))
-        if windowed and window is not None and int(window) < max_sequence_length:
+        window = sliding_window(raw)
+        if window is not None and window < max_sequence_length:
             raise StartupError(
                 f"{config.architecture}: sliding-window attention ({window}) is not "
                 f"implemented; it is only accepted when >= --max-sequence-length"
             )
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        if heads % kv_heads:
-            raise StartupError(f"num_attention_heads {heads} not divisible by {kv_heads} KV heads")
-        head_dim = int(raw.get("head_dim") or hidden // heads)
-        max_positions = config.max_position_embeddings
-        return cls(
+        attention_bias = bool(raw.get("attention_bias", False))
+        args = cls(
             vocab_size=config.vocab_size,
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=max_positions,
+            max_position_embeddings=config.max_position_embeddings,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             rope=rope_parameters(raw),
         )
+        return _with_family_options(args, config)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, as Hugging Face's LlamaRMSNorm."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+def sliding_window(raw: dict[str, Any]) -> int | None:
+    """The window of the config's sliding-window layers; None when no layer slides."""
+    window = raw.get("sliding_window")
+    if window is None or not raw.get("use_sliding_window", True):
+        return None
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    # Qwen2 without layer_types: layers from max_window_layers on slide.
+    first_sliding = raw.get("max_window_layers")
+    if first_sliding is not None and int(first_sliding) >= int(raw["num_hidden_layers"]):
+        return None
+    return int(window)
+
+
+def _with_family_options(args: LlamaArgs, config: ModelConfig) -> LlamaArgs:
+    """``args`` with the options of the config's family where it departs from Llama."""
+    family = config.model_type or _ARCHITECTURE_TYPES.get(config.architecture, "")
+    raw = config.raw
+    if family == "granite":
+        return replace(
+            args,
+            embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+            attention_scale=float(raw.get("attention_multiplier", 1.0)),
+            logits_scaling=float(raw.get("logits_scaling", 1.0)),
+        )
+    if family == "qwen2":
+        return replace(args, qkv_bias=True, o_bias=False)
+    return args
+
+
+def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x * factor``, skipping the multiplication when ``factor`` is 1."""
+    return x if factor == 1.0 else x * factor
 
 
 class LlamaLayer:
@@ -106,58 +145,44 @@ class LlamaLayer:
     gate/up are column-parallel, o and down row-parallel (one all-reduce each).
     """
 
-    def __init__(self, args: LlamaArgs, weights: Weights, index: int) -> None:
+    def __init__(self, args: LlamaArgs, heads: Heads, weights: Weights, index: int) -> None:
         prefix = f"model.layers.{index}"
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
-        tp = weights.tp
-        self.index = index
         self.eps = args.rms_norm_eps
-        self.head_dim = args.head_dim
-        q_first, q_last = head_range(args.num_heads, tp, "num_attention_heads")
-        kv_first, kv_last = head_range(args.num_kv_heads, tp, "num_key_value_heads")
-        self.num_heads, self.num_kv_heads = q_last - q_first, kv_last - kv_first
-        self.q_size = self.num_heads * args.head_dim
-        self.kv_size = self.num_kv_heads * args.head_dim
-        self.input_norm = weights.get(f"{prefix}.input_layernorm.weight")
-        self.post_norm = weights.get(f"{prefix}.post_attention_layernorm.weight")
-        heads = {"q": args.num_heads, "k": args.num_kv_heads, "v": args.num_kv_heads}
-        what = {"q": "num_attention_heads", "k": "num_key_value_heads", "v": "num_key_value_heads"}
-
-        def rows(p: str, kind: str) -> torch.Tensor:
-            name = f"{attn}.{p}_proj.{kind}"
-            return heads_rows(weights, name, heads[p], args.head_dim, what[p])
-
-        qkv_bias = torch.cat([rows(p, "bias") for p in "qkv"]) if args.attention_bias else None
-        self.qkv = ColumnLinear(torch.cat([rows(p, "weight") for p in "qkv"]), qkv_bias)
-        self.o = row_linear(weights, f"{attn}.o_proj", args.attention_bias)
+        self.residual_multiplier = args.residual_multiplier
+        self.input_norm = RMSNorm(weights, f"{prefix}.input_layernorm.weight", self.eps)
+        self.post_norm = RMSNorm(weights, f"{prefix}.post_attention_layernorm.weight", self.eps)
+        self.attn = Attention(
+            index,
+            heads,
+            _separate_qkv(weights, attn, args),
+            row_linear(weights, f"{attn}.o_proj", args.o_bias),
+            args.attention_scale,
+        )
         self.gate_up = column_linear(weights, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], args.mlp_bias)
         self.down = row_linear(weights, f"{mlp}.down_proj", args.mlp_bias)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention: AttentionBackend,
-        kv_cache: KVCache,
-        attn_metadata: Any,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``x``: [tokens, hidden] → [tokens, hidden]."""
-        tokens = x.shape[0]
-        h = rms_norm(x, self.input_norm, self.eps)
-        q, k, v = self.qkv(h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(tokens, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache.layer(self.index)
-        attn = attention.forward(q, k, v, k_cache, v_cache, attn_metadata)
-        x = x + self.o(attn.reshape(tokens, self.q_size))
-        h = rms_norm(x, self.post_norm, self.eps)
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x = x + _scaled(self.attn(self.input_norm(x), ctx), self.residual_multiplier)
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        return x + _scaled(self.down(F.silu(gate) * up), self.residual_multiplier)
 
 
-class LlamaForCausalLM:
+def _separate_qkv(weights: Weights, attn: str, args: LlamaArgs) -> ColumnLinear:
+    """This rank's heads of the separate q/k/v projections, fused into one."""
+    heads = {"q": args.num_heads, "k": args.num_kv_heads, "v": args.num_kv_heads}
+    what = {"q": "num_attention_heads", "k": "num_key_value_heads", "v": "num_key_value_heads"}
+
+    def rows(p: str, kind: str) -> torch.Tensor:
+        name = f"{attn}.{p}_proj.{kind}"
+        return heads_rows(weights, name, heads[p], args.head_dim, what[p])
+
+    bias = torch.cat([rows(p, "bias") for p in "qkv"]) if args.qkv_bias else None
+    return ColumnLinear(torch.cat([rows(p, "weight") for p in "qkv"]), bias)
+
+
+class LlamaForCausalLM(DecoderLM):
     """Llama decoder stack plus LM head, over flattened tokens and the paged KV cache."""
 
     def __init__(
@@ -171,43 +196,20 @@ class LlamaForCausalLM:
         self.args = args
         self.dtype = weights.dtype
         self.attention = attention
+        self.heads = Heads.split(args.num_heads, args.num_kv_heads, args.head_dim, weights.tp)
         self.embed = VocabEmbedding(weights, "model.embed_tokens.weight")
-        self.layers = [LlamaLayer(args, weights, i) for i in range(args.num_layers)]
-        self.norm = weights.get("model.norm.weight")
-        if args.tie_word_embeddings or "lm_head.weight" not in weights:
-            if not args.tie_word_embeddings:
-                raise StartupError("lm_head.weight missing and tie_word_embeddings is false")
-            self.lm_head = LMHead.tied(self.embed, args.vocab_size)
-        else:
-            self.lm_head = LMHead.load(weights, "lm_head.weight")
-        self.num_kv_heads = self.layers[0].num_kv_heads if self.layers else args.num_kv_heads
+        self.layers = [LlamaLayer(args, self.heads, weights, i) for i in range(args.num_layers)]
+        self.final_norm = RMSNorm(weights, "model.norm.weight", args.rms_norm_eps)
+        self.lm_head = load_lm_head(weights, self.embed, args.vocab_size, args.tie_word_embeddings)
         inv_freq = inverse_frequencies(args.rope, args.head_dim, args.max_position_embeddings)
         self.rotary = RotaryEmbedding(inv_freq, weights.device)
 
-    @property
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """The shape of one KV-cache block for this model."""
-        return KVCacheSpec(
-            num_layers=self.args.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.args.head_dim,
-            dtype=self.dtype,
-        )
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: Any,
-    ) -> torch.Tensor:
-        """Final (normed) hidden states [tokens, hidden] for flattened ``input_ids``."""
-        x = self.embed(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer.forward(x, cos, sin, self.attention, kv_cache, attn_metadata)
-        return rms_norm(x, self.norm, self.args.rms_norm_eps)
+    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, times Granite's ``embedding_multiplier``."""
+        return _scaled(super().embed_tokens(input_ids, positions), self.args.embedding_multiplier)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab] for selected rows of ``forward``'s output."""
-        return self.lm_head(hidden)
+        """float32 logits [rows, vocab], divided by Granite's ``logits_scaling``."""
+        logits = super().compute_logits(hidden)
+        scaling = self.args.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling

@@ -71,7 +71,15 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ([tokens, heads, head_dim]) by the position angles."""
+    """Rotate ``x`` ([tokens, heads, head_dim]) by the position angles, NeoX style (halves).
+
+    With partial rotary (``cos``/``sin`` narrower than the head, as GPT-NeoX's
+    ``rotary_pct``), only the first ``cos.shape[-1]`` dimensions turn; the rest pass.
+    """
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        turned = apply_rotary(x[..., :rotary_dim], cos, sin)
+        return torch.cat((turned, x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -1,0 +1,308 @@
+"""Every supported model family against its transformers implementation.
+
+For each family (and the config variants that change its code path) a tiny random model is
+built from its transformers config class and saved; the shard's loader and runner then
+generate greedily for a batch of prompts of different lengths (prefilled together, decoded
+together, and with chunked prefill joining a running decode) and must match
+``generate(do_sample=False)`` token for token, with logprobs within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from conftest import EOS, VOCAB, Router, TinyModel
+
+from tgis.shard.config import ShardConfig
+from tgis.shard.errors import StartupError
+from tgis.shard.loader import load_runner
+from tgis.shard.messages import DetailOptions
+from tgis.shard.model_runner import ModelRunner
+
+NEW_TOKENS = 10
+MAX_SEQUENCE_LENGTH = 256
+LOGPROBS = DetailOptions(logprobs=True, ranks=True, generated_tokens=True)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    """A random prompt of token ids (avoiding the special ids 0-2)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+PROMPTS = {1: prompt_of(3, 11), 2: prompt_of(12, 12), 3: prompt_of(29, 13)}
+
+_COMMON: dict[str, Any] = dict(vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=1)
+_LLAMA_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One config variant: its transformers config and model classes and parameters."""
+
+    config_class: str
+    model_class: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, path: Path, seed: int = 0) -> Any:
+        """Build, randomise and save the model to ``path``; return the HF reference."""
+        config = getattr(transformers, self.config_class)(**_COMMON, **self.params)
+        torch.manual_seed(seed)
+        model = getattr(transformers, self.model_class)(config).eval()
+        _randomise(model)
+        model.save_pretrained(path)
+        model.generation_config.eos_token_id = None  # the reference never stops early
+        return model
+
+
+def _randomise(model: torch.nn.Module) -> None:
+    """Weights far from the default init, so that logits have no near-ties, and non-zero
+    biases and norm parameters, so that a dropped or misplaced one shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:  # norm weights
+                p.normal_(1.0, 0.1)
+
+
+FAMILIES: dict[str, Family] = {
+    "granite": Family(
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            _LLAMA_SHAPE,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.4,
+            logits_scaling=2.5,
+        ),
+    ),
+    "qwen2-biases": Family(
+        "Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA_SHAPE, tie_word_embeddings=False)
+    ),
+    "qwen2-tied": Family(
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(_LLAMA_SHAPE, tie_word_embeddings=True, num_key_value_heads=1),
+    ),
+    "gpt-bigcode-mqa": Family(
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, multi_query=True),
+    ),
+    "gpt-bigcode-mha": Family(
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, multi_query=False, n_inner=96),
+    ),
+    "gpt-neox-parallel": Family(
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            use_parallel_residual=True,
+            rotary_pct=0.25,
+            rotary_emb_base=5000,
+        ),
+    ),
+    "gpt-neox-sequential": Family(
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            use_parallel_residual=False,
+            rotary_pct=0.5,
+        ),
+    ),
+    "falcon-new-gqa": Family(
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "falcon-old-mqa": Family(
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            new_decoder_architecture=False,
+            multi_query=True,
+            parallel_attn=True,
+        ),
+    ),
+    "falcon-old-sequential-bias": Family(
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            new_decoder_architecture=False,
+            multi_query=False,
+            parallel_attn=False,
+            bias=True,
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """One saved tiny model per family variant, with its HF reference."""
+    path = tmp_path_factory.mktemp(request.param)
+    return TinyModel(path, FAMILIES[request.param].build(path))
+
+
+def make_runner(path: Path, **kwargs: Any) -> ModelRunner:
+    """A fresh ModelRunner for the model directory ``path``."""
+    kwargs.setdefault("kv_cache_blocks", 64)
+    kwargs.setdefault("max_sequence_length", MAX_SEQUENCE_LENGTH)
+    return load_runner(ShardConfig(model_name=str(path), **kwargs))
+
+
+def test_batched_greedy_matches_hf(family_model: TinyModel) -> None:
+    router = Router(make_runner(family_model.path))
+    for rid, prompt in PROMPTS.items():
+        router.add(rid, prompt, details=LOGPROBS)
+    router.step({rid: len(p) for rid, p in PROMPTS.items()})
+    for _ in range(NEW_TOKENS - 1):
+        router.decode(PROMPTS)
+
+    for rid, prompt in PROMPTS.items():
+        expected, logits = family_model.greedy(prompt, NEW_TOKENS)
+        assert router.generated[rid] == expected, f"request {rid}"
+        details = [t.token for o in router.outputs for t in o.tokens if t.request_id == rid]
+        for detail, step_logits in zip(details, logits, strict=True):
+            ref = torch.log_softmax(step_logits, dim=-1)[detail.token_id].item()
+            assert abs(detail.logprob - ref) < 1e-4
+
+
+def test_chunked_prefill_joining_a_decode_matches_hf(family_model: TinyModel) -> None:
+    router = Router(make_runner(family_model.path), seed=1)
+    router.add(2, PROMPTS[2])
+    router.step({2: len(PROMPTS[2])})
+    router.add(3, PROMPTS[3])
+    for chunk in (10, 10, 9):  # prompt 3 in chunks while 2 decodes
+        router.step({2: 1, 3: chunk})
+    for _ in range(NEW_TOKENS - 1):
+        router.decode([2, 3])
+    assert router.generated[3] == family_model.greedy(PROMPTS[3], NEW_TOKENS)[0]
+    assert router.generated[2] == family_model.greedy(PROMPTS[2], NEW_TOKENS + 3)[0]
+
+
+def test_kv_cache_spec_reports_kv_heads(tmp_path: Path) -> None:
+    expected = {"gpt-bigcode-mqa": 1, "falcon-new-gqa": 2, "falcon-old-mqa": 1, "qwen2-tied": 1}
+    for name, kv_heads in expected.items():
+        FAMILIES[name].build(tmp_path / name)
+        spec = make_runner(tmp_path / name).model.kv_cache_spec  # type: ignore[attr-defined]
+        assert (spec.num_layers, spec.num_kv_heads) == (2, kv_heads), name
+
+
+def _rewrite_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    edit(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_refinedweb_config_names_load_as_falcon(tmp_path: Path) -> None:
+    """Falcon-40B's original (remote-code) config.json: RW names for the same weights."""
+    hf = FAMILIES["falcon-new-gqa"].build(tmp_path / "falcon")
+
+    def to_refinedweb(config: dict[str, Any]) -> None:
+        config.update(architectures=["RWForCausalLM"], model_type="RefinedWeb")
+        config["n_head"] = config.pop("num_attention_heads")
+        config["n_layer"] = config.pop("num_hidden_layers")
+        config["n_head_kv"] = config.pop("num_kv_heads")
+        del config["new_decoder_architecture"]
+
+    path = _rewrite_config(tmp_path / "falcon", tmp_path / "rw", to_refinedweb)
+    router = Router(make_runner(path))
+    router.add(1, PROMPTS[2])
+    router.step({1: len(PROMPTS[2])})
+    for _ in range(NEW_TOKENS - 1):
+        router.decode([1])
+    assert router.generated[1] == TinyModel(path, hf).greedy(PROMPTS[2], NEW_TOKENS)[0]
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "kwargs", "message"),
+    [
+        (
+            "falcon-old-mqa",
+            lambda c: c.update(alibi=True),
+            {},
+            "FalconForCausalLM: ALiBi position biases",
+        ),
+        (
+            "gpt-bigcode-mqa",
+            lambda c: None,
+            {"max_sequence_length": 1024},
+            "--max-sequence-length 1024 exceeds the model's 512 learned positions",
+        ),
+        (
+            "qwen2-biases",
+            lambda c: c.update(
+                use_sliding_window=True,
+                sliding_window=64,
+                layer_types=["full_attention", "sliding_attention"],
+            ),
+            {},
+            r"sliding-window attention \(64\) is not implemented",
+        ),
+        (
+            "gpt-neox-parallel",
+            lambda c: c.update(hidden_act="gelu_python_bogus"),
+            {},
+            "GPTNeoXForCausalLM: unsupported activation 'gelu_python_bogus'",
+        ),
+    ],
+    ids=["falcon-alibi", "bigcode-positions", "qwen2-sliding-window", "neox-activation"],
+)
+def test_unsupported_configs_are_refused_at_start_up(
+    tmp_path: Path,
+    name: str,
+    edit: Callable[[dict[str, Any]], None],
+    kwargs: dict[str, Any],
+    message: str,
+) -> None:
+    FAMILIES[name].build(tmp_path / "model")
+    path = _rewrite_config(tmp_path / "model", tmp_path / "edited", edit)
+    with pytest.raises(StartupError, match=message):
+        make_runner(path, **kwargs)
