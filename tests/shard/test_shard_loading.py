@@ -128,8 +128,9 @@ def fail(args: list[str], tmp_path: Path, **env: str) -> str:
 
 def test_startup_failures_are_one_line(tiny_model: TinyModel, tmp_path: Path) -> None:
     model = str(tiny_model.path)
-    assert fail([model], tmp_path, WORLD_SIZE="2") == (
-        "tensor parallelism (num_shard > 1) is not implemented yet"
+    assert fail([model], tmp_path, WORLD_SIZE="2") == "WORLD_SIZE=2 needs --sharded"
+    assert "MASTER_ADDR and MASTER_PORT must be set" in fail(
+        [model, "--sharded"], tmp_path, WORLD_SIZE="2", MASTER_ADDR="", MASTER_PORT=""
     )
     assert "unsupported --dtype 'int4'" in fail([model, "--dtype", "int4"], tmp_path)
     assert fail([model, "--quantize", "gptq"], tmp_path) == (

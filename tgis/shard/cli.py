@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import click
 
@@ -57,6 +58,8 @@ def serve(
     from tgis.model_files import ModelNotFoundError
     from tgis.shard.errors import StartupError
     from tgis.shard.loader import load_runner
+    from tgis.shard.parallel.distributed import init_distributed
+    from tgis.shard.parallel.serving import native_runner, serve_rank
     from tgis.shard.server import ShardServer
 
     try:
@@ -77,13 +80,15 @@ def serve(
             kv_cache_blocks=env_optional_int("TGIS_KV_CACHE_BLOCKS"),
         )
         config.validate()
-        if config.world_size > 1:
-            fail_startup("tensor parallelism (num_shard > 1) is not implemented yet")
-        runner = load_runner(config)
+        tp = init_distributed(config.rank, config.world_size)
+        runner = load_runner(config, tp)
+        ranked = native_runner(runner) if tp.is_parallel else None
     except (StartupError, ModelNotFoundError) as e:
         fail_startup(_one_line(str(e)))
     except Exception as e:
         fail_startup(_one_line(f"failed to load model '{model_name}': {type(e).__name__}: {e}"))
+    if ranked is not None:  # tensor parallelism: rank 0 serves and drives the others
+        sys.exit(asyncio.run(serve_rank(ranked, tp, config.socket_path)))
     asyncio.run(ShardServer(runner, config.socket_path, config.rank).serve_until_signal())
 
 

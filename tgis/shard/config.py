@@ -54,6 +54,12 @@ class ShardConfig:
                 raise StartupError(f"{name} must be at least 1")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise StartupError(f"invalid RANK={self.rank} for WORLD_SIZE={self.world_size}")
+        if self.sharded != (self.world_size > 1):
+            raise StartupError(
+                f"--sharded needs WORLD_SIZE > 1 (got WORLD_SIZE={self.world_size})"
+                if self.sharded
+                else f"WORLD_SIZE={self.world_size} needs --sharded"
+            )
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise StartupError("TGIS_KV_CACHE_BLOCKS must be a positive integer")
 

@@ -9,19 +9,26 @@ from tgis.shard.attention import select_attention_backend
 from tgis.shard.config import ShardConfig
 from tgis.shard.device import dtype_name, select_device, select_dtype
 from tgis.shard.engines import select_engine
+from tgis.shard.errors import StartupError
 from tgis.shard.kv_cache import BLOCK_SIZE, KVCache, num_blocks_for
 from tgis.shard.messages import ModelKind, ShardInfo
 from tgis.shard.model_config import ModelConfig
 from tgis.shard.model_runner import ModelRunner
 from tgis.shard.models import model_class
+from tgis.shard.parallel.distributed import min_over_ranks
+from tgis.shard.parallel.group import SINGLE, TensorParallel
 from tgis.shard.runner import Runner
 from tgis.shard.weights import Weights
 
 log = logging.getLogger(__name__)
 
 
-def load_runner(config: ShardConfig) -> Runner:
+def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     """Load the model named by ``config`` onto this rank's device and size its KV cache.
+
+    With tensor parallelism (``tp`` from ``parallel.distributed.init_distributed``) this
+    rank reads only its slice of each tensor and every rank gets the same number of KV
+    blocks (the smallest that fits on all of them).
 
     Raises StartupError (or ModelNotFoundError) with a one-line message on any problem.
     """
@@ -36,7 +43,9 @@ def load_runner(config: ShardConfig) -> Runner:
     device = select_device(config.rank, config.world_size, config.cuda_process_memory_fraction)
     dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
     attention = select_attention_backend(device, BLOCK_SIZE)
-    weights = Weights(model_dir, device, dtype)
+    if tp.world_size != config.world_size:
+        raise StartupError(f"{tp.world_size} ranks joined but WORLD_SIZE={config.world_size}")
+    weights = Weights(model_dir, device, dtype, tp=tp)
     model = factory(model_config, weights, attention, config.max_sequence_length)
     weights.close()
     spec = model.kv_cache_spec
@@ -48,6 +57,7 @@ def load_runner(config: ShardConfig) -> Runner:
         batch_safety_margin=config.batch_safety_margin,
         override=config.kv_cache_blocks,
     )
+    num_blocks = min_over_ranks(tp, num_blocks)
     kv_cache = KVCache(spec, num_blocks, device)
     info = ShardInfo(
         model_kind=ModelKind.CAUSAL_LM,

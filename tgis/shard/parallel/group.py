@@ -20,6 +20,8 @@ class TensorParallel:
     world_size: int = 1
     group: Any = None
     """The process group for tensor collectives (NCCL on GPU, gloo on CPU); None = default."""
+    control_group: Any = None
+    """A gloo group for Python objects (rank 0's commands), without a collective timeout."""
 
     @property
     def is_parallel(self) -> bool:

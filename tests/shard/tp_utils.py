@@ -1,0 +1,363 @@
+"""Run the same Step plans on any model directory with 1 or N tensor-parallel ranks (gloo).
+
+For model-family tests::
+
+    from tp_utils import Request, assert_same_outputs, make_plans, run_plans
+
+    plans = make_plans([Request(1, prompt, max_new_tokens=6)], block_size=16)
+    single = run_plans(model_dir, plans, world_size=1)
+    double = run_plans(model_dir, plans, world_size=2)
+    assert_same_outputs(single[0].outputs, double[0].outputs, atol=1e-4)
+
+`run_plans` with N > 1 starts N Python processes (this file as a script), each joining a gloo
+group through `init_distributed` and loading the model with its `TensorParallel`; rank 0
+drives the plans through the real `LockstepRunner` and the others run the real `run_worker`
+loop, exactly as `text-generation-server serve --sharded` does. With N = 1 the plans run in
+this process on a plain `ModelRunner`. Every rank reports what it read from the safetensors
+files (elements per tensor name, counted at the safetensors calls) and its KV-cache shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pickle
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tgis.shard.config import ShardConfig
+from tgis.shard.loader import load_runner
+from tgis.shard.messages import (
+    DetailOptions,
+    NewSequence,
+    SamplingParams,
+    ScheduledSequence,
+    StepOutput,
+    StepPlan,
+)
+from tgis.shard.model_runner import ModelRunner
+from tgis.shard.weights import Weights
+
+RANK_TIMEOUT_S = 90.0
+LOGPROB_ATOL = 1e-4
+
+
+@dataclass(frozen=True)
+class Request:
+    """A sequence for `make_plans`: prompt, how many tokens to generate, when it arrives."""
+
+    request_id: int
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    details: DetailOptions = field(default_factory=DetailOptions)
+    arrives: int = 0  # the step index at which it is announced
+    chunk: int | None = None  # prefill chunk size (None: the whole prompt at once)
+
+
+def make_plans(
+    requests: Sequence[Request], block_size: int = 16, num_blocks: int = 64, seed: int = 0
+) -> list[StepPlan]:
+    """The Steps a router would send: chunked prefill, decodes, finishes, reused blocks.
+
+    Plans do not depend on the sampled tokens (nothing stops early), so they are made up
+    front and can be replayed on any number of ranks.
+    """
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables: dict[int, list[int]] = {}
+    computed: dict[int, int] = {}
+    sampled: dict[int, int] = {}
+    finished: list[int] = []
+    plans: list[StepPlan] = []
+    pending = sorted(requests, key=lambda r: r.arrives)
+    active: list[Request] = []
+    while pending or active:
+        index = len(plans)
+        new = [r for r in pending if r.arrives <= index]
+        pending = [r for r in pending if r.arrives > index]
+        active += new
+        scheduled = []
+        for r in active:
+            prompt_left = len(r.prompt) - computed.get(r.request_id, 0)
+            n = min(prompt_left, r.chunk or prompt_left) if prompt_left > 0 else 1
+            done = computed.get(r.request_id, 0) + n
+            need = math.ceil(done / block_size) - len(tables.setdefault(r.request_id, []))
+            blocks = [free.pop() for _ in range(max(need, 0))]
+            tables[r.request_id] += blocks
+            computed[r.request_id] = done
+            if done >= len(r.prompt):
+                sampled[r.request_id] = sampled.get(r.request_id, 0) + 1
+            scheduled.append(ScheduledSequence(r.request_id, n, tuple(blocks)))
+        plans.append(
+            StepPlan(
+                step_id=index + 1,
+                new_sequences=tuple(
+                    NewSequence(r.request_id, r.prompt, r.sampling, r.details) for r in new
+                ),
+                scheduled=tuple(scheduled),
+                finished_request_ids=tuple(finished),
+            )
+        )
+        finished = [r.request_id for r in active if sampled.get(r.request_id) == r.max_new_tokens]
+        for rid in finished:
+            free += tables.pop(rid)
+        active = [r for r in active if r.request_id not in finished]
+    return plans
+
+
+@dataclass
+class RankReport:
+    """What one rank did: rank 0's Step outputs (or "ErrorType: message" per failed Step),
+    the elements it read per tensor name, its KV-cache shape and its Info."""
+
+    rank: int
+    outputs: list[StepOutput | str] = field(default_factory=list)
+    reads: dict[str, int] = field(default_factory=dict)
+    kv_shape: tuple[int, ...] = ()
+    num_blocks: int = 0
+    world_size: int = 1
+    worker_error: str | None = None  # a rank > 0 that left its loop with an error
+
+
+def run_plans(
+    model_dir: Path | str,
+    plans: Sequence[StepPlan],
+    world_size: int = 1,
+    *,
+    diverge_at: int | None = None,
+    timeout_s: float = RANK_TIMEOUT_S,
+    **config: Any,
+) -> list[RankReport]:
+    """Run `plans` on `world_size` ranks of the model at `model_dir`; one report per rank.
+
+    `config` goes to `ShardConfig` (default `kv_cache_blocks=64`). `diverge_at` (tests of
+    the lock-step check) makes rank 1 fail after running that Step index.
+    """
+    config.setdefault("kv_cache_blocks", 64)
+    spec = {
+        "model_dir": str(model_dir),
+        "plans": list(plans),
+        "config": config,
+        "diverge_at": diverge_at,
+    }
+    if world_size == 1:
+        return [_run_rank(spec, 0, 1)]
+    with tempfile.TemporaryDirectory(prefix="tgis-tp-") as tmp:
+        spec_path = Path(tmp) / "spec.pkl"
+        spec_path.write_bytes(pickle.dumps(spec))
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(world_size),
+            "TGIS_DISTRIBUTED_TIMEOUT_S": "30",
+            "OMP_NUM_THREADS": "1",
+        }
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, str(spec_path), str(rank)],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            for rank in range(world_size)
+        ]
+        logs = _wait_all(procs, timeout_s)
+        reports = []
+        for rank, proc in enumerate(procs):
+            out = Path(tmp) / f"rank-{rank}.pkl"
+            if proc.returncode != 0 or not out.is_file():
+                raise AssertionError(f"rank {rank} exited {proc.returncode}:\n{logs[rank]}")
+            reports.append(pickle.loads(out.read_bytes()))
+        return reports
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[str]:
+    """Wait for every process (kill all on timeout); their combined output."""
+    logs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout_s)
+            logs.append(out.decode(errors="replace")[-4000:])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise AssertionError(f"ranks still running after {timeout_s:g} s (deadlock?)") from None
+    return logs
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on (for MASTER_PORT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def assert_same_outputs(
+    expected: Sequence[StepOutput | str],
+    got: Sequence[StepOutput | str],
+    atol: float = LOGPROB_ATOL,
+    ignore_requests: Collection[int] = (),
+) -> None:
+    """Same tokens, errors and detail token ids step by step; logprobs within `atol`.
+
+    `ignore_requests`: ids whose sampled tokens may differ (e.g. sampled without a seed)."""
+    assert len(expected) == len(got)
+    for step, (a, b) in enumerate(zip(expected, got, strict=True)):
+        if isinstance(a, str) or isinstance(b, str):
+            assert a == b, f"step {step}"
+            continue
+        assert [t.request_id for t in a.tokens] == [t.request_id for t in b.tokens]
+        assert a.errors == b.errors, f"step {step}"
+        for ta, tb in zip(a.tokens, b.tokens, strict=True):
+            if ta.request_id in ignore_requests:
+                continue
+            _assert_detail(ta.token, tb.token, atol, f"step {step} request {ta.request_id}")
+        assert [i.request_id for i in a.input_tokens] == [i.request_id for i in b.input_tokens]
+        for ia, ib in zip(a.input_tokens, b.input_tokens, strict=True):
+            assert len(ia.tokens) == len(ib.tokens)
+            for pos, (da, db) in enumerate(zip(ia.tokens, ib.tokens, strict=True)):
+                _assert_detail(da, db, atol, f"step {step} input {ia.request_id}[{pos}]")
+
+
+def _assert_detail(a: Any, b: Any, atol: float, where: str) -> None:
+    assert a.token_id == b.token_id, f"{where}: token {a.token_id} != {b.token_id}"
+    assert a.rank == b.rank, where
+    both_nan = math.isnan(a.logprob) and math.isnan(b.logprob)  # the first prompt token's
+    assert both_nan or math.isclose(a.logprob, b.logprob, abs_tol=atol), (
+        f"{where}: logprob {a.logprob} vs {b.logprob}"
+    )
+    assert [t.token_id for t in a.top_tokens] == [t.token_id for t in b.top_tokens], where
+    for x, y in zip(a.top_tokens, b.top_tokens, strict=True):
+        assert math.isclose(x.logprob, y.logprob, abs_tol=atol), f"{where}: top {x} vs {y}"
+
+
+# ---- what each rank runs -------------------------------------------------------------------
+
+
+class _CountingSlice:
+    def __init__(self, view: Any, name: str, reads: dict[str, int]) -> None:
+        self._view, self._name, self._reads = view, name, reads
+
+    def get_shape(self) -> Any:
+        return self._view.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        tensor = self._view[index]
+        self._reads[self._name] = self._reads.get(self._name, 0) + tensor.numel()
+        return tensor
+
+
+class _CountingHandle:
+    """A safe_open handle that counts the elements each call reads from the file."""
+
+    def __init__(self, handle: Any, reads: dict[str, int]) -> None:
+        self._handle, self._reads = handle, reads
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        tensor = self._handle.get_tensor(name)
+        self._reads[name] = self._reads.get(name, 0) + tensor.numel()
+        return tensor
+
+    def get_slice(self, name: str) -> _CountingSlice:
+        return _CountingSlice(self._handle.get_slice(name), name, self._reads)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._handle, attr)
+
+
+@contextlib.contextmanager
+def count_reads() -> Iterator[dict[str, int]]:
+    """Elements read per tensor name by every `Weights` while the context is open."""
+    reads: dict[str, int] = {}
+    original = Weights._handle
+
+    def counting(self: Weights, name: str) -> Any:
+        return _CountingHandle(original(self, name), reads)
+
+    Weights._handle = counting  # type: ignore[method-assign]
+    try:
+        yield reads
+    finally:
+        Weights._handle = original  # type: ignore[method-assign]
+
+
+def _run_rank(spec: dict[str, Any], rank: int, world_size: int) -> RankReport:
+    from tgis.shard.parallel.distributed import destroy, init_distributed
+    from tgis.shard.parallel.lockstep import LockstepRunner, run_worker
+
+    tp = init_distributed(rank, world_size)
+    config = ShardConfig(
+        model_name=spec["model_dir"],
+        rank=rank,
+        world_size=world_size,
+        sharded=world_size > 1,
+        **spec["config"],
+    )
+    with count_reads() as reads:
+        runner = load_runner(config, tp)
+    report = RankReport(
+        rank=rank,
+        reads=dict(reads),
+        kv_shape=tuple(runner.kv_cache.k[0].shape),
+        num_blocks=runner.info.num_blocks,
+        world_size=runner.info.world_size,
+    )
+    if rank > 0:
+        _sabotage(runner, spec["diverge_at"])
+        try:
+            run_worker(runner, tp)
+        except Exception as e:
+            report.worker_error = f"{type(e).__name__}: {e}"
+        destroy()
+        return report
+    driver: ModelRunner | LockstepRunner = LockstepRunner(runner, tp) if tp.is_parallel else runner
+    for plan in spec["plans"]:
+        try:
+            report.outputs.append(driver.step(plan))
+        except Exception as e:
+            report.outputs.append(f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    if isinstance(driver, LockstepRunner):
+        driver.close()
+    destroy()
+    return report
+
+
+def _sabotage(runner: ModelRunner, diverge_at: int | None) -> None:
+    """Make this rank raise after running Step index `diverge_at` (rank 0 does not)."""
+    if diverge_at is None:
+        return
+    step = runner.step
+
+    def failing(plan: StepPlan) -> StepOutput:
+        output = step(plan)
+        if plan.step_id == diverge_at + 1:
+            raise RuntimeError("injected failure on this rank only")
+        return output
+
+    runner.step = failing  # type: ignore[method-assign]
+
+
+def _main() -> None:
+    spec_path, rank = Path(sys.argv[1]), int(sys.argv[2])
+    torch.set_num_threads(1)
+    spec = pickle.loads(spec_path.read_bytes())
+    report = _run_rank(spec, rank, int(os.environ["WORLD_SIZE"]))
+    (spec_path.parent / f"rank-{rank}.pkl").write_bytes(pickle.dumps(report))
+
+
+if __name__ == "__main__":
+    import tp_utils  # this file as a module, so the reports unpickle as tp_utils.RankReport
+
+    tp_utils._main()

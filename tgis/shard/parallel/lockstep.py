@@ -1,0 +1,211 @@
+"""Rank 0 drives the other ranks: every command is broadcast, run everywhere, then checked.
+
+Only rank 0 talks to the router. For each Step (and Reset, Health, and the final Stop) it
+broadcasts a `Message` over the object group; every rank — rank 0 included — runs the same
+`ModelRunner` call (`resolve_plan` first, so a plan that fails validation fails on every rank
+before any collective), then all ranks exchange a small `Outcome` (the error, if any, and the
+sampled token ids). Identical outcomes are the normal case, failures included: rank 0 returns
+its own result or raises its own error, and the workers wait for the next command. Different
+outcomes mean the replicas no longer hold the same state: every rank stops (`LockstepError`),
+and the launcher sees a shard exit and stops the server.
+
+The order of collectives is the same on every rank because rank 0 issues commands one at a
+time (a lock) and each command's tensor collectives happen inside the same model code.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import NoReturn
+
+import torch
+
+from tgis.shard.messages import ShardInfo, StepOutput, StepPlan
+from tgis.shard.model_runner import ModelRunner
+from tgis.shard.parallel.distributed import broadcast_object, gather_objects
+from tgis.shard.parallel.group import TensorParallel
+
+log = logging.getLogger(__name__)
+
+
+class Command(Enum):
+    """What rank 0 asks every rank to do."""
+
+    STEP = "step"
+    RESET = "reset"
+    HEALTH = "health"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Message:
+    """One broadcast command (pickled)."""
+
+    command: Command
+    plan: StepPlan | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a rank reports after a command; equal on every rank unless they diverged."""
+
+    error: str | None = None  # "ExceptionType: message"
+    tokens: tuple[tuple[int, int], ...] = ()  # (request id, sampled token id)
+    failed: tuple[int, ...] = ()  # request ids with a per-sequence error
+
+
+class LockstepError(RuntimeError):
+    """The ranks are no longer in lock-step (different outcomes, or a rank is gone)."""
+
+
+def execute(runner: ModelRunner, message: Message) -> tuple[StepOutput | None, Exception | None]:
+    """Run one command on this rank's replica → (step output, the exception raised)."""
+    try:
+        if message.command is Command.STEP:
+            assert message.plan is not None
+            return runner.step(message.plan), None
+        if message.command is Command.RESET:
+            runner.reset()
+        elif message.command is Command.HEALTH:
+            runner.health()
+        return None, None
+    except Exception as e:
+        return None, e
+
+
+def outcome_of(output: StepOutput | None, error: Exception | None) -> Outcome:
+    """The summary every rank compares."""
+    if error is not None:
+        return Outcome(error=f"{type(error).__name__}: {error}")
+    if output is None:
+        return Outcome()
+    return Outcome(
+        tokens=tuple((t.request_id, t.token.token_id) for t in output.tokens),
+        failed=tuple(e.request_id for e in output.errors),
+    )
+
+
+def divergence(command: Command, outcomes: list[Outcome]) -> str | None:
+    """None when the ranks agree; else a one-line description. Health may differ (a rank's
+    own device), and is reported by rank 0 instead."""
+    if command is Command.HEALTH or all(o == outcomes[0] for o in outcomes):
+        return None
+    parts = [f"rank {r}: {o.error or f'{len(o.tokens)} tokens'}" for r, o in enumerate(outcomes)]
+    return f"ranks diverged on {command.value} ({'; '.join(parts)})"
+
+
+def with_seeds(plan: StepPlan) -> StepPlan:
+    """Give every sampled new sequence without a seed one, so all ranks draw alike."""
+    if all(ns.sampling.is_greedy or ns.sampling.seed is not None for ns in plan.new_sequences):
+        return plan
+    seeded = tuple(
+        ns
+        if ns.sampling.is_greedy or ns.sampling.seed is not None
+        else replace(ns, sampling=replace(ns.sampling, seed=random.getrandbits(63)))
+        for ns in plan.new_sequences
+    )
+    return replace(plan, new_sequences=seeded)
+
+
+class LockstepRunner:
+    """Rank 0's runner: the servicer's Runner, running every call on all ranks.
+
+    `on_fatal` is called (once) when the ranks leave lock-step; the caller should shut the
+    process down with a failure.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tp: TensorParallel,
+        on_fatal: Callable[[], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.tp = tp
+        self.on_fatal = on_fatal
+        self.failed = False
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def info(self) -> ShardInfo:
+        """Rank 0's facts (world_size says how many ranks serve the model)."""
+        return self.runner.info
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        """Run `plan` on every rank; rank 0's output (or error)."""
+        output = self._run(Message(Command.STEP, with_seeds(plan)))
+        assert output is not None
+        return output
+
+    def reset(self) -> None:
+        """Forget every sequence on every rank."""
+        self._run(Message(Command.RESET))
+
+    def health(self) -> None:
+        """Raise unless every rank answers and its device is healthy."""
+        self._run(Message(Command.HEALTH))
+
+    def close(self) -> None:
+        """Tell the other ranks to stop (once; skipped after a failure)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self.failed:
+                return
+            try:
+                broadcast_object(self.tp, Message(Command.STOP))
+            except Exception as e:
+                log.warning("could not tell the other ranks to stop: %s", e)
+
+    def _run(self, message: Message) -> StepOutput | None:
+        with self._lock:
+            if self.failed or self._closed:
+                raise LockstepError("the tensor-parallel ranks are stopped")
+            try:
+                broadcast_object(self.tp, message)
+                output, error = execute(self.runner, message)
+                outcomes = gather_objects(self.tp, outcome_of(output, error))
+            except Exception as e:
+                self._fail(f"lost contact with the other ranks: {e}")
+            problem = divergence(message.command, outcomes)
+            if problem is not None:
+                self._fail(problem)
+        if message.command is Command.HEALTH:
+            bad = [f"rank {r}: {o.error}" for r, o in enumerate(outcomes) if o.error]
+            if bad:
+                raise RuntimeError("; ".join(bad))
+        if error is not None:
+            raise error
+        return output
+
+    def _fail(self, problem: str) -> NoReturn:
+        self.failed = True
+        log.error("Tensor parallelism failed, stopping: %s", problem)
+        if self.on_fatal is not None:
+            self.on_fatal()
+        raise LockstepError(problem)
+
+
+def run_worker(runner: ModelRunner, tp: TensorParallel) -> None:
+    """A rank > 0: run rank 0's commands until Stop.
+
+    Raises LockstepError when the ranks diverge, and c10d's error when rank 0 is gone.
+    """
+    if runner.device.type == "cuda":
+        torch.cuda.set_device(runner.device)  # this thread's current device
+    while True:
+        message: Message = broadcast_object(tp)
+        if message.command is Command.STOP:
+            log.info("Rank %d: stop received from rank 0", tp.rank)
+            return
+        output, error = execute(runner, message)
+        problem = divergence(message.command, gather_objects(tp, outcome_of(output, error)))
+        if problem is not None:
+            raise LockstepError(problem)
