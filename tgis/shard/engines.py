@@ -48,7 +48,7 @@ def select_engine(
     if requested == "hf":
         engine = "hf"
     elif requested == "native":
-        model_class(model_config)  # StartupError naming the supported architectures
+        _require_native(model_config)
         engine = "native"
     else:
         engine = "native" if has_native(model_config) else "hf"
@@ -61,6 +61,18 @@ def select_engine(
         model_config.architecture or model_config.model_type,
     )
     return engine
+
+
+def _require_native(model_config: ModelConfig) -> None:
+    """StartupError naming the supported architectures and the way to the fallback."""
+    try:
+        model_class(model_config)
+    except StartupError as e:
+        raise StartupError(
+            f"{e}; the native engine was asked for (TGIS_ENGINE=native or deployment "
+            f"framework tgis_native): use hf_transformers or TGIS_ENGINE=hf for the "
+            f"transformers fallback"
+        ) from None
 
 
 def has_native(model_config: ModelConfig) -> bool:

@@ -99,7 +99,9 @@ def model_kind(model_dir: Path) -> tuple[ModelKind, Any]:
             model_dir, local_files_only=True, trust_remote_code=_trust_remote_code()
         )
     except Exception as e:
-        raise StartupError(f"transformers cannot read {model_dir}/config.json: {e}") from None
+        raise StartupError(
+            f"transformers cannot read {model_dir}/config.json: {_one_line(e)}"
+        ) from None
     seq2seq = type(hf_config) in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
     if getattr(hf_config, "is_encoder_decoder", False) and seq2seq:
         return ModelKind.SEQ2SEQ_LM, hf_config
@@ -143,7 +145,7 @@ def _from_pretrained(
         name = model_config.architecture or model_config.model_type
         raise StartupError(
             f"transformers cannot load model architecture '{name}' from {model_dir}: "
-            f"{type(e).__name__}: {e}"
+            f"{type(e).__name__}: {_one_line(e)}"
         ) from None
 
 
@@ -152,8 +154,8 @@ def _warm_up_causal(model: Any, device: torch.device, model_config: ModelConfig)
     from transformers import DynamicCache
 
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-    out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
-    keys, values = _checked_tensors(out.past_key_values, model_config)
+    out = _warm_up(model, model_config, input_ids=ids, past_key_values=DynamicCache())
+    keys, values = _checked_tensors(getattr(out, "past_key_values", None), model_config)
     warm = KVBatch((0,), keys, values, torch.ones(1, 2, dtype=torch.long, device=device), True)
     return empty_rows(warm, ())
 
@@ -170,13 +172,14 @@ def _seq2seq_engine(model: Any, device: torch.device, model_config: ModelConfig)
         raise StartupError(f"{model_config.model_dir}/config.json has no decoder_start_token_id")
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-    out = model(
+    out = _warm_up(
+        model,
+        model_config,
         input_ids=ids,
         decoder_input_ids=torch.full((1, 1), int(start), dtype=torch.long, device=device),
         past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()),
-        use_cache=True,
     )
-    cache = out.past_key_values
+    cache = getattr(out, "past_key_values", None)
     if not isinstance(cache, EncoderDecoderCache):
         raise StartupError(f"unsupported cache type {type(cache).__name__} for the fallback")
     keys, values = _checked_tensors(cache.self_attention_cache, model_config)
@@ -191,6 +194,22 @@ def _seq2seq_engine(model: Any, device: torch.device, model_config: ModelConfig)
         relative_positions=model_config.model_type in RELATIVE_POSITION_DECODERS,
     )
     return HfSeq2SeqEngine(model, device, spec, empty_rows(warm, ()))
+
+
+def _warm_up(model: Any, model_config: ModelConfig, **inputs: Any) -> Any:
+    """One forward with a cache; StartupError (one line) if the model cannot run it."""
+    try:
+        return model(**inputs, use_cache=True)
+    except Exception as e:
+        name = model_config.architecture or model_config.model_type
+        raise StartupError(
+            f"model architecture '{name}' failed its warm-up forward with transformers: "
+            f"{type(e).__name__}: {_one_line(e)}"
+        ) from None
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
 
 
 def _checked_tensors(
