@@ -306,3 +306,54 @@ def test_unsupported_configs_are_refused_at_start_up(
     path = _rewrite_config(tmp_path / "model", tmp_path / "edited", edit)
     with pytest.raises(StartupError, match=message):
         make_runner(path, **kwargs)
+
+
+# ---- tensor parallelism: 2 ranks (gloo, CPU) against 1 ----------------------------------
+
+# Variant → KV heads each of 2 ranks caches (a single KV head is replicated).
+TP_VARIANTS = {
+    "granite": 1,
+    "qwen2-biases": 1,
+    "gpt-bigcode-mqa": 1,
+    "gpt-neox-parallel": 2,
+    "falcon-new-gqa": 1,
+    "falcon-old-mqa": 1,
+}
+TP_DETAILS = DetailOptions(logprobs=True, ranks=True, top_n=2, generated_tokens=True)
+
+
+@pytest.mark.parametrize("name", sorted(TP_VARIANTS))
+def test_two_ranks_match_one(name: str, tmp_path: Path) -> None:
+    from tp_utils import Request, assert_same_outputs, make_plans, run_plans
+
+    FAMILIES[name].build(tmp_path)
+    plans = make_plans(
+        [
+            Request(1, tuple(PROMPTS[3]), 5, details=TP_DETAILS, chunk=12),
+            Request(2, tuple(PROMPTS[2]), 4, details=TP_DETAILS, arrives=1),
+        ]
+    )
+    config = {"max_sequence_length": MAX_SEQUENCE_LENGTH}
+    single = run_plans(tmp_path, plans, world_size=1, **config)[0]
+    reports = run_plans(tmp_path, plans, world_size=2, **config)
+    assert not any(isinstance(o, str) for o in single.outputs), single.outputs
+    assert sum(len(o.tokens) for o in reports[0].outputs if not isinstance(o, str)) == 9
+    assert_same_outputs(single.outputs, reports[0].outputs)
+    assert reports[1].worker_error is None
+    for report in reports:
+        assert report.kv_shape[2] == TP_VARIANTS[name], f"rank {report.rank} KV heads"
+    _check_matrices_are_split(tmp_path, reports)
+
+
+def _check_matrices_are_split(path: Path, reports: list[Any]) -> None:
+    """Each rank reads only part of every matrix, and the ranks together all of it."""
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118
+    for name, shape in shapes.items():
+        if len(shape) == 2:
+            per_rank = [report.reads.get(name, 0) for report in reports]
+            numel = shape[0] * shape[1]
+            assert all(0 < n < numel for n in per_rank), f"{name}: {per_rank} of {numel}"
+            assert sum(per_rank) >= numel, f"{name}: {per_rank} of {numel}"
