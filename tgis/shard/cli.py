@@ -8,7 +8,13 @@ import sys
 import click
 
 from tgis.log import setup_logging
-from tgis.shard.config import DEFAULT_UDS_PATH, ShardConfig, env_int, env_optional_int
+from tgis.shard.config import (
+    DEFAULT_UDS_PATH,
+    ShardConfig,
+    canonical_dtype,
+    env_int,
+    env_optional_int,
+)
 from tgis.termination import fail_startup
 
 
@@ -20,7 +26,9 @@ def main() -> None:
 @main.command()
 @click.argument("model_name", default="")
 @click.argument("deployment_framework", required=False)
-@click.option("--dtype", default=None, help="float32, float16 or bfloat16.")
+@click.option(
+    "--dtype", default=None, help="float32, float16 or bfloat16 (or fp32/float, fp16/half, bf16)."
+)
 @click.option("--max-sequence-length", type=int, default=2048, show_default=True)
 @click.option("--max-new-tokens", type=int, default=1024, show_default=True)
 @click.option("--max-batch-size", type=int, default=12, show_default=True)
@@ -67,7 +75,7 @@ def serve(
             model_name=model_name,
             revision=revision,
             deployment_framework=deployment_framework,
-            dtype=dtype,
+            dtype=canonical_dtype(dtype),
             max_sequence_length=max_sequence_length,
             max_new_tokens=max_new_tokens,
             max_batch_size=max_batch_size,
@@ -90,6 +98,82 @@ def serve(
     if ranked is not None:  # tensor parallelism: rank 0 serves and drives the others
         sys.exit(asyncio.run(serve_rank(ranked, tp, config.socket_path)))
     asyncio.run(ShardServer(runner, config.socket_path, config.rank).serve_until_signal())
+
+
+@main.command("download-weights")
+@click.argument("model_name")
+@click.option("--revision", default=None, help="Branch, tag or commit of a Hub model.")
+@click.option("--token", default=None, help="Hugging Face token (default: HF_TOKEN / saved login).")
+@click.option(
+    "--extension",
+    default=".safetensors",
+    show_default=True,
+    help="Comma-separated weight file extensions to fetch.",
+)
+@click.option(
+    "--auto-convert/--no-auto-convert",
+    default=True,
+    show_default=True,
+    help="Convert PyTorch .bin weights to safetensors when the model has no .safetensors.",
+)
+def download_weights(
+    model_name: str, revision: str | None, token: str | None, extension: str, auto_convert: bool
+) -> None:
+    """Put MODEL_NAME's weights in the local HF cache (or prepare a local directory).
+
+    Weights already in the cache are used as they are; otherwise they are downloaded from
+    the Hugging Face Hub (never when HF_HUB_OFFLINE=1).
+    """
+    from tgis.shard.hub import WeightsError
+    from tgis.shard.hub import download_weights as download
+
+    try:
+        download(
+            model_name,
+            revision=revision,
+            extension=extension,
+            auto_convert=auto_convert,
+            token=token,
+            report=click.echo,
+        )
+    except WeightsError as e:
+        fail_startup(_one_line(str(e)))
+    except Exception as e:
+        fail_startup(_one_line(f"download-weights '{model_name}' failed: {type(e).__name__}: {e}"))
+
+
+@main.command("convert-to-safetensors")
+@click.argument("model_name")
+@click.option("--revision", default=None, help="Revision of a model in the local HF cache.")
+def convert_to_safetensors(model_name: str, revision: str | None) -> None:
+    """Convert MODEL_NAME's PyTorch .bin weights to .safetensors next to them.
+
+    MODEL_NAME is a local directory or a model id in the local HF cache; nothing is
+    downloaded. Tensors are verified to read back equal; tied duplicates are dropped.
+    """
+    from tgis.shard.hub import (
+        AlreadyConverted,
+        WeightsError,
+        bin_sources,
+        resolve_existing_model_dir,
+    )
+
+    try:
+        model_dir = resolve_existing_model_dir(model_name, revision)
+        bin_sources(model_dir)  # the cheap checks, before importing torch
+        from tgis.shard.convert import convert_directory
+
+        converted = convert_directory(model_dir, report=click.echo)
+    except AlreadyConverted as e:
+        click.echo(_one_line(str(e)))  # as TGIS: nothing to do is not a failure
+        return
+    except WeightsError as e:
+        fail_startup(_one_line(str(e)))
+    except Exception as e:
+        fail_startup(
+            _one_line(f"convert-to-safetensors '{model_name}' failed: {type(e).__name__}: {e}")
+        )
+    click.echo(f"Converted {len(converted)} .bin file(s) to safetensors in {model_dir}")
 
 
 def _one_line(message: str) -> str:

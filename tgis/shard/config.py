@@ -8,6 +8,14 @@ from dataclasses import dataclass
 from tgis.shard.errors import StartupError
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+# The launcher's aliases (tgis/launcher/config.py), accepted by `serve --dtype` too.
+DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+}
 DEFAULT_UDS_PATH = "/tmp/text-generation-server"
 
 
@@ -62,6 +70,14 @@ class ShardConfig:
             )
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise StartupError("TGIS_KV_CACHE_BLOCKS must be a positive integer")
+
+
+def canonical_dtype(value: str | None) -> str | None:
+    """``fp16`` → ``float16``; canonical names pass; unknown values are left for validate()."""
+    if value is None:
+        return None
+    name = value.strip().lower()
+    return DTYPE_ALIASES.get(name, name if name in DTYPE_NAMES else value)
 
 
 def env_int(name: str, default: int) -> int:
