@@ -269,6 +269,18 @@ def test_causal_batch_matches_generate(causal: HfModel) -> None:
     assert all(o.forward_time_ns > 0 for o in router.outputs)
 
 
+@pytest.mark.parametrize("ratio", [0, 1000], ids=["split-forwards", "one-padded-forward"])
+def test_mixed_steps_in_one_or_two_forwards(
+    gpt2: HfModel, ratio: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 0: decode rows and prompt chunks always run apart; 1000: always one padded forward
+    # (decode rows then carry masked holes into the next step, which packs them).
+    monkeypatch.setattr("tgis.shard.hf_causal.MAX_PADDING_RATIO", ratio)
+    router = Router(gpt2.runner())
+    run_batch_with_late_joiner(router, PROMPTS)
+    assert_matches_generate(router, gpt2, PROMPTS)
+
+
 def test_unscheduled_finished_and_reused_ids(gpt2: HfModel) -> None:
     router = Router(gpt2.runner())
     router.add(1, PROMPTS[2])

@@ -3,6 +3,8 @@
 One forward per step for every scheduled sequence. The batch is a ``KVBatch``: each row's
 cache left-padded to the longest, then this step's new tokens (a decode token, a prompt
 chunk or a whole prompt) in ``[rows, N]`` columns, right-padded to the longest ``N``.
+(When padding many decode rows to a long prompt chunk would more than double the work,
+the decode rows and the prompt chunks run as two forwards instead.)
 The attention mask hides every padding column, explicit ``position_ids`` give each token
 its true position (models without them, e.g. BLOOM, derive ALiBi from the mask), and
 padding queries always see their row's own tokens, so no attention row is fully masked.
@@ -22,14 +24,17 @@ from typing import Any
 
 import torch
 
-from tgis.shard.hf_engine import Forward, carried_rows, forget_rows, in_batch_order
-from tgis.shard.hf_kv import KVBatch, cache_tensors, concat, select
+from tgis.shard.hf_engine import Forward, Part, combine, forget_rows, in_batch_order
+from tgis.shard.hf_kv import KVBatch, cache_tensors, select
 from tgis.shard.messages import TokenDetail
 from tgis.shard.sequence import Sequence as ShardSequence
 from tgis.shard.step_plan import WorkItem
 from tgis.shard.token_details import first_input_detail, token_details
 
 PAD_ID = 0  # any valid id: padding columns are masked
+# A step pads every row to its longest; past this many padded tokens per real token,
+# decode rows and prompt chunks run as separate forwards.
+MAX_PADDING_RATIO = 2
 
 
 @dataclass(frozen=True)
@@ -109,17 +114,31 @@ class HfCausalEngine:
         return seq.token_ids
 
     def run(self, work: Sequence[WorkItem], live: Collection[int]) -> Forward:
-        """One forward over every item of ``work``."""
+        """Compute every item of ``work``: one forward, or two when padding would cost more
+        than it saves (see ``_groups``)."""
+        parts = [self._run_group(group) for group in self._groups(work)]
+        return combine(parts, self._batch, live)
+
+    def _groups(self, work: Sequence[WorkItem]) -> list[list[WorkItem]]:
+        """All items in one forward, unless padding the decode rows to the longest prompt
+        chunk would more than double the tokens computed: then decode rows and prompt
+        chunks run as two forwards."""
         items = in_batch_order(work, self._batch)
-        rows = [item.seq.request_id for item in items]
+        decode = [item for item in items if item.num_tokens == 1]
+        chunks = [item for item in items if item.num_tokens > 1]
+        total = sum(item.num_tokens for item in items)
+        padded = len(items) * max(item.num_tokens for item in items)
+        if not decode or not chunks or padded <= MAX_PADDING_RATIO * total:
+            return [items]
+        return [decode, chunks]
+
+    def _run_group(self, items: Sequence[WorkItem]) -> Part:
+        """One forward over ``items``."""
+        rows = tuple(item.seq.request_id for item in items)
         cached = self._cached_rows(items)
         layout = _Layout.build(items, cached, self.device)
         logits, cache = self._forward(layout, cached)
         keys, values = cache_tensors(cache)
-        after = KVBatch(tuple(rows), keys, values, layout.attention_mask, layout.packed)
-        carried = carried_rows(self._batch, live, rows)
-        if carried:
-            after = concat([after, select(self._batch, carried)])
         column = {c: i for i, c in enumerate(layout.keep)}
         samples = [(r, item) for r, item in enumerate(items) if item.samples]
         sample_logits = None
@@ -129,10 +148,10 @@ class HfCausalEngine:
                 [column[item.num_tokens - 1] for _, item in samples], device=self.device
             )
             sample_logits = logits[row_index, col_index].float()
-        return Forward(
+        return Part(
             sample_items=tuple(item for _, item in samples),
             logits=sample_logits,
-            batch=after,
+            batch=KVBatch(rows, keys, values, layout.attention_mask, layout.packed),
             input_details=self._input_details(items, logits, column),
         )
 

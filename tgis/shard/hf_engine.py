@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from tgis.shard.hf_kv import KVBatch
+from tgis.shard.hf_kv import KVBatch, concat, select
 from tgis.shard.messages import TokenDetail
 from tgis.shard.sequence import Sequence as ShardSequence
 from tgis.shard.step_plan import WorkItem
@@ -31,6 +31,33 @@ class Forward:
     logits: torch.Tensor | None  # float32 [len(sample_items), vocab]
     batch: KVBatch  # the engine's cache after this step
     input_details: dict[int, list[TokenDetail]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One forward's share of a step: its sampling items, their logits, its cache rows."""
+
+    sample_items: tuple[WorkItem, ...]
+    logits: torch.Tensor | None  # float32 [len(sample_items), vocab]
+    batch: KVBatch
+    input_details: dict[int, list[TokenDetail]] = field(default_factory=dict)
+
+
+def combine(parts: Sequence[Part], previous: KVBatch, live: Collection[int]) -> Forward:
+    """The step's ``Forward`` from its parts; rows of ``previous`` whose sequences are alive
+    but were not computed this step are carried over (packed), the others dropped."""
+    batches = [part.batch for part in parts]
+    handled = {r for batch in batches for r in batch.rows}
+    carried = [r for r in previous.rows if r in live and r not in handled]
+    if carried:
+        batches.append(select(previous, carried))
+    logits = [part.logits for part in parts if part.logits is not None]
+    return Forward(
+        sample_items=tuple(item for part in parts for item in part.sample_items),
+        logits=torch.cat(logits) if logits else None,
+        batch=concat(batches) if batches else select(previous, ()),
+        input_details={rid: d for part in parts for rid, d in part.input_details.items()},
+    )
 
 
 class HfEngine(Protocol):
@@ -74,8 +101,3 @@ def in_batch_order(items: Sequence[WorkItem], batch: KVBatch) -> list[WorkItem]:
     if len(by_id) == len(batch.rows) and set(by_id) == set(batch.rows):
         return [by_id[r] for r in batch.rows]
     return list(items)
-
-
-def carried_rows(batch: KVBatch, live: Collection[int], handled: Collection[int]) -> list[int]:
-    """Rows of ``batch`` whose sequences are alive but were not computed this step."""
-    return [r for r in batch.rows if r in live and r not in handled]

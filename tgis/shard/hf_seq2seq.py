@@ -30,8 +30,8 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
-from tgis.shard.hf_engine import Forward, carried_rows, forget_rows, in_batch_order
-from tgis.shard.hf_kv import CrossKV, KVBatch, cache_tensors, concat, select
+from tgis.shard.hf_engine import Forward, Part, combine, forget_rows, in_batch_order
+from tgis.shard.hf_kv import CrossKV, KVBatch, cache_tensors, select
 from tgis.shard.messages import TokenDetail
 from tgis.shard.sequence import Sequence as ShardSequence
 from tgis.shard.step_plan import WorkItem
@@ -49,15 +49,6 @@ class Seq2SeqSpec:
     pad_token_id: int
     encoder_width: int  # hidden size of the encoder output
     relative_positions: bool
-
-
-@dataclass(frozen=True)
-class _Part:
-    """The result of one forward: its items (all sampling), logits and cache rows."""
-
-    items: tuple[WorkItem, ...]
-    logits: torch.Tensor  # [rows, vocab] float32
-    batch: KVBatch
 
 
 class HfSeq2SeqEngine:
@@ -93,18 +84,7 @@ class HfSeq2SeqEngine:
         parts = [self._decode(group) for group in self._groups(decoding)]
         if starting:
             parts.append(self._start(starting))
-        handled = {item.seq.request_id for part in parts for item in part.items}
-        batches = [part.batch for part in parts]
-        carried = carried_rows(self._batch, live, handled)
-        if carried:
-            batches.append(select(self._batch, carried))
-        items = tuple(item for part in parts for item in part.items)
-        return Forward(
-            sample_items=items,
-            logits=torch.cat([part.logits for part in parts]) if parts else None,
-            batch=concat(batches) if batches else self._empty,
-            input_details=self._input_details(starting),
-        )
+        return combine(parts, self._batch, live)
 
     def _groups(self, decoding: Sequence[WorkItem]) -> list[list[WorkItem]]:
         """Decode rows that can share a forward (all of them, or those of equal length)."""
@@ -117,7 +97,7 @@ class HfSeq2SeqEngine:
             by_length.setdefault(item.start - item.seq.prompt_len, []).append(item)
         return list(by_length.values())
 
-    def _start(self, items: Sequence[WorkItem]) -> _Part:
+    def _start(self, items: Sequence[WorkItem]) -> Part:
         """Encoder over each whole prompt plus the first decoder step, one batch."""
         prompts = [item.seq.token_ids[: item.seq.prompt_len] for item in items]
         width = max(len(p) for p in prompts)
@@ -150,9 +130,14 @@ class HfSeq2SeqEngine:
             packed=True,
             cross=CrossKV(cross_keys, cross_values, enc_mask),
         )
-        return _Part(tuple(items), out.logits[:, -1].float(), batch)
+        return Part(
+            sample_items=tuple(items),
+            logits=out.logits[:, -1].float(),
+            batch=batch,
+            input_details=self._input_details(items),
+        )
 
-    def _decode(self, items: Sequence[WorkItem]) -> _Part:
+    def _decode(self, items: Sequence[WorkItem]) -> Part:
         """One decoder step of ``items`` (each has its last sampled token to feed)."""
         cached = select(self._batch, [item.seq.request_id for item in items])
         if cached.cross is None:
@@ -180,7 +165,7 @@ class HfSeq2SeqEngine:
         )
         keys, values = cache_tensors(out.past_key_values.self_attention_cache)
         batch = KVBatch(cached.rows, keys, values, dec_mask, packed=True, cross=cached.cross)
-        return _Part(tuple(items), out.logits[:, -1].float(), batch)
+        return Part(tuple(items), out.logits[:, -1].float(), batch)
 
     @staticmethod
     def _input_details(starting: Sequence[WorkItem]) -> dict[int, list[TokenDetail]]:
