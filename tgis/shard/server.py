@@ -1,7 +1,8 @@
 """The gRPC server of a rank: ``ShardService`` on ``unix://{uds_path}-{rank}``.
 
-Rank 0 alone serves the router. (With tensor parallelism, which is not implemented yet,
-rank 0 would broadcast each StepPlan to the other ranks, which run the same step.)
+Rank 0 alone serves the router. With tensor parallelism its runner is a
+``parallel.lockstep.LockstepRunner`` that broadcasts each StepPlan to the other ranks, whose
+own servers answer only Info and Health (``parallel/serving.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,127 @@
+"""`text-generation-launcher --num-shard 2` on CPU (gloo): the same text as one shard, and
+SIGTERM stops every rank cleanly."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.e2e.server import LauncherProcess, children_of, is_alive, start_launcher
+from tgis.embedded_model import MODEL_DIR as EMBEDDED_MODEL_DIR
+from tgis.pb import generation_pb2 as pb
+from tgis.pb import generation_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["Return the number of", "The file is", "A"]
+NEW_TOKENS = 12
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random float32 Llama (GQA: 4 query heads, 2 KV heads) with the embedded tokenizer."""
+    path = tmp_path_factory.mktemp("tp-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # peaked logits: no near-ties between the two summation orders
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(EMBEDDED_MODEL_DIR / name, path / name)
+    return path
+
+
+def start(log_dir: Path, model: Path, num_shard: int) -> LauncherProcess:
+    return start_launcher(
+        log_dir,
+        ["--model-name", str(model), "--num-shard", str(num_shard), "--max-sequence-length", "256"],
+    )
+
+
+def generate(launcher: LauncherProcess) -> list[str]:
+    """Greedy texts of PROMPTS in one batch, then one seeded sampled text."""
+    stopping = pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    greedy = pb.Parameters(method=pb.GREEDY, stopping=stopping)
+    sampled = pb.Parameters(
+        method=pb.SAMPLE,
+        sampling=pb.SamplingParameters(temperature=0.9, top_k=40, seed=7),
+        stopping=stopping,
+    )
+    with grpc.insecure_channel(launcher.grpc_target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        texts = []
+        for params, prompts in ((greedy, PROMPTS), (sampled, PROMPTS[:1])):
+            request = pb.BatchedGenerationRequest(
+                requests=[pb.GenerationRequest(text=p) for p in prompts], params=params
+            )
+            response = stub.Generate(request, timeout=60)
+            assert all(r.generated_token_count == NEW_TOKENS for r in response.responses)
+            texts += [r.text for r in response.responses]
+    return texts
+
+
+@pytest.fixture(scope="module")
+def single_shard_texts(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    launcher = start(tmp_path_factory.mktemp("tp1"), model_dir, 1)
+    try:
+        launcher.wait_healthy()
+        return generate(launcher)
+    finally:
+        assert launcher.stop() == 0, launcher.log_tail()
+
+
+@pytest.fixture
+def two_shards(model_dir: Path, tmp_path: Path) -> Iterator[LauncherProcess]:
+    launcher = start(tmp_path, model_dir, 2)
+    try:
+        launcher.wait_healthy()
+        yield launcher
+    finally:
+        launcher.stop()
+
+
+def test_two_shards_generate_the_same_text_and_stop_cleanly(
+    two_shards: LauncherProcess, single_shard_texts: list[str]
+) -> None:
+    launcher = two_shards
+    assert generate(launcher) == single_shard_texts
+    sockets = sorted(p.name for p in launcher.socket_dir.glob("shard-*"))
+    assert sockets == ["shard-0", "shard-1"]
+    children = children_of(launcher.proc.pid)
+    assert len(children) >= 3, "expected two shards and a router"
+
+    launcher.proc.send_signal(signal.SIGTERM)
+    assert launcher.proc.wait(60) == 0, launcher.log_tail()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(is_alive(p) for p in children):
+        time.sleep(0.1)
+    assert not [p for p in children if is_alive(p)]
+    assert not list(launcher.socket_dir.glob("shard-*")), "shard sockets left behind"
+    log = launcher.log_tail(20000)
+    for rank in (0, 1):
+        assert f"Shard {rank} stopped: exit status: 0" in log, log
+    assert "killing it" not in log, log
+    assert "stop received from rank 0" in log, log
