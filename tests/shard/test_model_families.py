@@ -26,7 +26,9 @@ from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
 from tgis.shard.messages import DetailOptions
+from tgis.shard.model_config import ModelConfig
 from tgis.shard.model_runner import ModelRunner
+from tgis.shard.models import check_config
 
 NEW_TOKENS = 10
 MAX_SEQUENCE_LENGTH = 256
@@ -306,6 +308,14 @@ def test_unsupported_configs_are_refused_at_start_up(
     path = _rewrite_config(tmp_path / "model", tmp_path / "edited", edit)
     with pytest.raises(StartupError, match=message):
         make_runner(path, **kwargs)
+    (path / "model.safetensors").unlink()  # the check alone reads no weights
+    max_sequence_length = kwargs.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
+    with pytest.raises(StartupError, match=message):
+        check_config(ModelConfig.from_dir(path), max_sequence_length)
+
+
+def test_supported_configs_pass_the_check(family_model: TinyModel) -> None:
+    check_config(ModelConfig.from_dir(family_model.path), MAX_SEQUENCE_LENGTH)
 
 
 # ---- tensor parallelism: 2 ranks (gloo, CPU) against 1 ----------------------------------

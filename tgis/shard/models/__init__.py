@@ -41,7 +41,7 @@ class CausalLM(Protocol):
 
 
 class ModelFactory(Protocol):
-    """A model class's constructor."""
+    """A model class: its constructor, and the check of a config before any weight is read."""
 
     def __call__(
         self,
@@ -50,6 +50,10 @@ class ModelFactory(Protocol):
         attention: AttentionBackend,
         max_sequence_length: int,
     ) -> CausalLM: ...
+
+    def check_config(self, config: ModelConfig, max_sequence_length: int) -> None:
+        """StartupError for a variant of the architecture the class cannot run."""
+        ...
 
 
 # Hugging Face ``architectures[0]`` → implementation. Granite and Qwen2 are Llama with a
@@ -89,3 +93,10 @@ def model_class(config: ModelConfig) -> ModelFactory:
             f"supported: {', '.join(sorted(ARCHITECTURES))}"
         )
     return factory
+
+
+def check_config(config: ModelConfig, max_sequence_length: int) -> None:
+    """StartupError, before any weight is read, when the native implementation cannot run
+    ``config``: an unknown architecture or an unsupported variant of a known one (ALiBi,
+    sliding window, a rope type, ...). Loading raises the same error."""
+    model_class(config).check_config(config, max_sequence_length)

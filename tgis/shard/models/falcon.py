@@ -69,9 +69,10 @@ class FalconArgs:
         return self.hidden_size // self.num_heads
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> FalconArgs:
+    def from_config(cls, config: ModelConfig, max_sequence_length: int) -> FalconArgs:
         """Parse and check ``config.raw`` (also RefinedWeb's key names); StartupError for
         what this class cannot run."""
+        del max_sequence_length  # rotary positions have no limit
         raw = config.raw
         if raw.get("alibi"):
             raise StartupError(
@@ -165,6 +166,8 @@ class FalconLayer:
 class FalconForCausalLM(DecoderLM):
     """Falcon decoder stack plus LM head, over flattened tokens and the paged KV cache."""
 
+    parse_args = FalconArgs.from_config
+
     def __init__(
         self,
         config: ModelConfig,
@@ -172,8 +175,7 @@ class FalconForCausalLM(DecoderLM):
         attention: AttentionBackend,
         max_sequence_length: int,
     ) -> None:
-        del max_sequence_length  # rotary positions have no limit
-        args = FalconArgs.from_config(config)
+        args = FalconArgs.from_config(config, max_sequence_length)
         self.args = args
         self.dtype = weights.dtype
         self.attention = attention

@@ -110,6 +110,8 @@ class GPTBigCodeLayer:
 class GPTBigCodeForCausalLM(DecoderLM):
     """GPT-BigCode decoder stack plus LM head, over flattened tokens and the paged KV cache."""
 
+    parse_args = GPTBigCodeArgs.from_config
+
     def __init__(
         self,
         config: ModelConfig,

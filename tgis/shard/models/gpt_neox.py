@@ -61,8 +61,9 @@ class GPTNeoXArgs:
         return self.hidden_size // self.num_heads
 
     @classmethod
-    def from_config(cls, config: ModelConfig) -> GPTNeoXArgs:
+    def from_config(cls, config: ModelConfig, max_sequence_length: int) -> GPTNeoXArgs:
         """Parse and check ``config.raw``; StartupError for what this class cannot run."""
+        del max_sequence_length  # rotary positions have no limit
         raw = config.raw
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
@@ -122,6 +123,8 @@ class GPTNeoXLayer:
 class GPTNeoXForCausalLM(DecoderLM):
     """GPT-NeoX decoder stack plus LM head, over flattened tokens and the paged KV cache."""
 
+    parse_args = GPTNeoXArgs.from_config
+
     def __init__(
         self,
         config: ModelConfig,
@@ -129,8 +132,7 @@ class GPTNeoXForCausalLM(DecoderLM):
         attention: AttentionBackend,
         max_sequence_length: int,
     ) -> None:
-        del max_sequence_length  # rotary positions have no limit
-        args = GPTNeoXArgs.from_config(config)
+        args = GPTNeoXArgs.from_config(config, max_sequence_length)
         self.args = args
         self.dtype = weights.dtype
         self.attention = attention

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tgis.shard.attention import AttentionBackend
 from tgis.shard.errors import StartupError
 from tgis.shard.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.model_config import ModelConfig
 from tgis.shard.models.rotary import RotaryEmbedding, apply_rotary
 from tgis.shard.parallel.group import TensorParallel
 from tgis.shard.parallel.layers import (
@@ -265,14 +266,23 @@ class DecoderLayer(Protocol):
         ...
 
 
+class ConfigParser(Protocol):
+    """A family's ``<Family>Args.from_config``: parses and checks, StartupError if it cannot
+    run the config."""
+
+    def __call__(self, config: ModelConfig, max_sequence_length: int) -> object: ...
+
+
 class DecoderLM:
     """What every family's model class shares (the ``CausalLM`` protocol): embed, run the
     layers over one ``StepContext``, final norm, LM head, and the KV-cache spec.
 
-    Subclasses set, in their constructor, every attribute annotated here; they override
-    ``embed_tokens`` to add position embeddings or multipliers.
+    Subclasses name their config parser (``parse_args``) and set, in their constructor,
+    every other attribute annotated here; they override ``embed_tokens`` to add position
+    embeddings or multipliers.
     """
 
+    parse_args: ClassVar[ConfigParser]
     attention: AttentionBackend
     dtype: torch.dtype
     heads: Heads
@@ -281,6 +291,11 @@ class DecoderLM:
     final_norm: Callable[[torch.Tensor], torch.Tensor]
     lm_head: LMHead
     rotary: RotaryEmbedding | None = None
+
+    @classmethod
+    def check_config(cls, config: ModelConfig, max_sequence_length: int) -> None:
+        """StartupError for a config this class cannot run (reads no weights)."""
+        cls.parse_args(config, max_sequence_length)
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:

@@ -185,6 +185,8 @@ def _separate_qkv(weights: Weights, attn: str, args: LlamaArgs) -> ColumnLinear:
 class LlamaForCausalLM(DecoderLM):
     """Llama decoder stack plus LM head, over flattened tokens and the paged KV cache."""
 
+    parse_args = LlamaArgs.from_config
+
     def __init__(
         self,
         config: ModelConfig,
