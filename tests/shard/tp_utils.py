@@ -2,9 +2,13 @@
 
 For model-family tests::
 
-    from tp_utils import Request, assert_same_outputs, make_plans, run_plans
+    from tp_utils import Request, assert_tensor_parallel_matches, make_plans
 
     plans = make_plans([Request(1, prompt, max_new_tokens=6)], block_size=16)
+    reports = assert_tensor_parallel_matches(model_dir, plans, world_size=2)
+
+or, step by step::
+
     single = run_plans(model_dir, plans, world_size=1)
     double = run_plans(model_dir, plans, world_size=2)
     assert_same_outputs(single[0].outputs, double[0].outputs, atol=1e-4)
@@ -181,6 +185,22 @@ def run_plans(
                 raise AssertionError(f"rank {rank} exited {proc.returncode}:\n{logs[rank]}")
             reports.append(pickle.loads(out.read_bytes()))
         return reports
+
+
+def assert_tensor_parallel_matches(
+    model_dir: Path | str,
+    plans: Sequence[StepPlan],
+    world_size: int = 2,
+    atol: float = LOGPROB_ATOL,
+    ignore_requests: Collection[int] = (),
+    **config: Any,
+) -> list[RankReport]:
+    """Run `plans` on 1 and on `world_size` ranks, assert the same outputs (see
+    `assert_same_outputs`); the multi-rank reports (e.g. to check what each rank read)."""
+    single = run_plans(model_dir, plans, 1, **config)[0]
+    reports = run_plans(model_dir, plans, world_size, **config)
+    assert_same_outputs(single.outputs, reports[0].outputs, atol, ignore_requests)
+    return reports
 
 
 def _wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> list[str]:
