@@ -34,6 +34,7 @@ from transformers import (
 from tgis.shard.config import ShardConfig
 from tgis.shard.engines import select_engine
 from tgis.shard.errors import InvalidStepError, StartupError
+from tgis.shard.hf_kv import KVBatch, concat, select
 from tgis.shard.hf_runner import HfRunner
 from tgis.shard.loader import load_runner
 from tgis.shard.messages import (
@@ -252,6 +253,26 @@ def assert_matches_generate(router: Router, model: HfModel, prompts: dict[int, l
             reference = torch.log_softmax(step_logits, dim=-1)[detail.token_id].item()
             assert abs(detail.logprob - reference) < 1e-4, f"request {rid}"
             assert detail.rank == 1
+
+
+# ---- batched caches ------------------------------------------------------------------------
+
+
+def test_select_packs_rows_and_concat_pads() -> None:
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
+    keys = (torch.arange(3)[:, None] * 10 + torch.arange(5)).float()[:, None, :, None]
+    batch = KVBatch((7, 8, 9), (keys,), (-keys,), mask, packed=False)
+    picked = select(batch, [9, 5, 7])  # reordered, 5 unknown, 8 dropped, 7's hole squeezed
+    assert picked.rows == (9, 5, 7) and picked.packed
+    assert picked.mask.tolist() == [[0, 1, 1], [0, 0, 0], [1, 1, 1]]
+    assert picked.keys[0][:, 0, :, 0].tolist() == [[0, 23, 24], [0, 0, 0], [1, 2, 4]]
+    assert picked.values[0][:, 0, :, 0].tolist() == [[0, -23, -24], [0, 0, 0], [-1, -2, -4]]
+    assert select(picked, [9, 5, 7]) is picked  # unchanged rows: no copy
+    both = concat([picked, select(batch, [8])])
+    assert both.rows == (9, 5, 7, 8)
+    assert both.mask.tolist() == [[0, 0, 0, 1, 1], [0] * 5, [0, 0, 1, 1, 1], [1] * 5]
+    assert both.keys[0][0, 0, :, 0].tolist() == [0, 0, 0, 23, 24]
+    assert both.keys[0][3, 0, :, 0].tolist() == [10, 11, 12, 13, 14]
 
 
 # ---- decoder-only families ----------------------------------------------------------------

@@ -104,19 +104,9 @@ def select(batch: KVBatch, rows: Sequence[int]) -> KVBatch:
     device = batch.mask.device
     src_rows = torch.tensor([where.get(r, 0) for r in rows], dtype=torch.long, device=device)
     present = torch.tensor([r in where for r in rows], device=device)
-    mask = batch.mask[src_rows] * present[:, None]  # [B, W]
-    lengths = mask.sum(dim=1)
-    width = int(lengths.max().item()) if rows else 0
-    # Column of each cached token in the new layout: right-aligned, holes squeezed out.
-    dest = width - lengths[:, None] + mask.cumsum(dim=1) - 1
-    r_idx, c_idx = mask.nonzero(as_tuple=True)
-    d_idx = dest[r_idx, c_idx]
-    src_cols = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    src_cols[r_idx, d_idx] = c_idx
-    new_mask = torch.zeros(len(rows), width, dtype=torch.long, device=device)
-    new_mask[r_idx, d_idx] = 1
+    src_cols, new_mask = _packed_columns(batch.mask[src_rows] * present[:, None])
     keep = new_mask.bool()[:, None, :, None]
-    index = (src_rows[:, None].expand(-1, width), src_cols)
+    index = (src_rows[:, None].expand_as(src_cols), src_cols)
 
     def gather(t: torch.Tensor) -> torch.Tensor:
         # t[b, :, c, :] for every (b, c) of the new layout → [B, width, heads, dim] → permute.
@@ -131,6 +121,21 @@ def select(batch: KVBatch, rows: Sequence[int]) -> KVBatch:
         packed=True,
         cross=_select_cross(batch.cross, src_rows, present) if batch.cross else None,
     )
+
+
+def _packed_columns(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a ``[B, W]`` mask of cached tokens: the source column of every column of the
+    packed layout (tokens right-aligned in order, holes squeezed out) and its mask."""
+    lengths = mask.sum(dim=1)
+    width = int(lengths.max().item()) if len(mask) else 0
+    dest = width - lengths[:, None] + mask.cumsum(dim=1) - 1
+    r_idx, c_idx = mask.nonzero(as_tuple=True)
+    d_idx = dest[r_idx, c_idx]
+    src_cols = torch.zeros(len(mask), width, dtype=torch.long, device=mask.device)
+    src_cols[r_idx, d_idx] = c_idx
+    new_mask = torch.zeros(len(mask), width, dtype=torch.long, device=mask.device)
+    new_mask[r_idx, d_idx] = 1
+    return src_cols, new_mask
 
 
 def empty_rows(like: KVBatch, rows: Sequence[int]) -> KVBatch:
