@@ -316,6 +316,7 @@ def count_reads() -> Iterator[dict[str, int]]:
 def _run_rank(spec: dict[str, Any], rank: int, world_size: int) -> RankReport:
     from tgis.shard.parallel.distributed import destroy, init_distributed
     from tgis.shard.parallel.lockstep import LockstepRunner, run_worker
+    from tgis.shard.parallel.serving import native_runner
 
     tp = init_distributed(rank, world_size)
     config = ShardConfig(
@@ -326,7 +327,7 @@ def _run_rank(spec: dict[str, Any], rank: int, world_size: int) -> RankReport:
         **spec["config"],
     )
     with count_reads() as reads:
-        runner = load_runner(config, tp)
+        runner = native_runner(load_runner(config, tp))
     report = RankReport(
         rank=rank,
         reads=dict(reads),
