@@ -32,8 +32,8 @@ from tgis.shard.step_plan import WorkItem
 from tgis.shard.token_details import first_input_detail, token_details
 
 PAD_ID = 0  # any valid id: padding columns are masked
-# A step pads every row to its longest; past this many padded tokens per real token,
-# decode rows and prompt chunks run as separate forwards.
+# A step pads every row to its longest; when that would compute more than this many tokens
+# (padding included) per real token, decode rows and prompt chunks run as two forwards.
 MAX_PADDING_RATIO = 2
 
 
