@@ -27,7 +27,7 @@ import torch
 
 from tgis.shard.messages import ShardInfo, StepOutput, StepPlan
 from tgis.shard.model_runner import ModelRunner
-from tgis.shard.parallel.distributed import broadcast_object, gather_objects
+from tgis.shard.parallel.distributed import broadcast_object, first_line, gather_objects
 from tgis.shard.parallel.group import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ class LockstepRunner:
             try:
                 broadcast_object(self.tp, Message(Command.STOP))
             except Exception as e:
-                log.warning("could not tell the other ranks to stop: %s", e)
+                log.warning("could not tell the other ranks to stop: %s", first_line(e))
 
     def _run(self, message: Message) -> StepOutput | None:
         with self._lock:
@@ -173,7 +173,7 @@ class LockstepRunner:
                 output, error = execute(self.runner, message)
                 outcomes = gather_objects(self.tp, outcome_of(output, error))
             except Exception as e:
-                self._fail(f"lost contact with the other ranks: {e}")
+                self._fail(f"lost contact with the other ranks: {first_line(e)}")
             problem = divergence(message.command, outcomes)
             if problem is not None:
                 self._fail(problem)
