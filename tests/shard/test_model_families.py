@@ -197,21 +197,31 @@ def make_runner(path: Path, **kwargs: Any) -> ModelRunner:
     return load_runner(ShardConfig(model_name=str(path), **kwargs))
 
 
-def test_batched_greedy_matches_hf(family_model: TinyModel) -> None:
-    router = Router(make_runner(family_model.path))
-    for rid, prompt in PROMPTS.items():
+def generate_batch(path: Path, prompts: dict[int, list[int]]) -> Router:
+    """Prefill ``prompts`` in one step, then decode them together (with logprobs)."""
+    router = Router(make_runner(path))
+    for rid, prompt in prompts.items():
         router.add(rid, prompt, details=LOGPROBS)
-    router.step({rid: len(p) for rid, p in PROMPTS.items()})
+    router.step({rid: len(p) for rid, p in prompts.items()})
     for _ in range(NEW_TOKENS - 1):
-        router.decode(PROMPTS)
+        router.decode(prompts)
+    return router
 
-    for rid, prompt in PROMPTS.items():
-        expected, logits = family_model.greedy(prompt, NEW_TOKENS)
+
+def assert_matches_hf(router: Router, model: TinyModel, prompts: dict[int, list[int]]) -> None:
+    """The router's greedy tokens are HF's, their logprobs within 1e-4 of HF's."""
+    for rid, prompt in prompts.items():
+        expected, logits = model.greedy(prompt, NEW_TOKENS)
         assert router.generated[rid] == expected, f"request {rid}"
         details = [t.token for o in router.outputs for t in o.tokens if t.request_id == rid]
         for detail, step_logits in zip(details, logits, strict=True):
             ref = torch.log_softmax(step_logits, dim=-1)[detail.token_id].item()
-            assert abs(detail.logprob - ref) < 1e-4
+            assert abs(detail.logprob - ref) < 1e-4, f"request {rid}"
+
+
+def test_batched_greedy_matches_hf(family_model: TinyModel) -> None:
+    router = generate_batch(family_model.path, PROMPTS)
+    assert_matches_hf(router, family_model, PROMPTS)
 
 
 def test_chunked_prefill_joining_a_decode_matches_hf(family_model: TinyModel) -> None:
@@ -243,24 +253,44 @@ def _rewrite_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]
     return dst
 
 
-def test_refinedweb_config_names_load_as_falcon(tmp_path: Path) -> None:
-    """Falcon-40B's original (remote-code) config.json: RW names for the same weights."""
-    hf = FAMILIES["falcon-new-gqa"].build(tmp_path / "falcon")
+def _refinedweb(model_type: str) -> Callable[[dict[str, Any]], None]:
+    """Falcon's original remote-code config.json names for the same weights."""
 
-    def to_refinedweb(config: dict[str, Any]) -> None:
-        config.update(architectures=["RWForCausalLM"], model_type="RefinedWeb")
+    def edit(config: dict[str, Any]) -> None:
+        config.update(architectures=["RWForCausalLM"], model_type=model_type)
         config["n_head"] = config.pop("num_attention_heads")
         config["n_layer"] = config.pop("num_hidden_layers")
-        config["n_head_kv"] = config.pop("num_kv_heads")
-        del config["new_decoder_architecture"]
+        kv_heads = config.pop("num_kv_heads")
+        if config.pop("new_decoder_architecture"):
+            config["n_head_kv"] = kv_heads
 
-    path = _rewrite_config(tmp_path / "falcon", tmp_path / "rw", to_refinedweb)
-    router = Router(make_runner(path))
-    router.add(1, PROMPTS[2])
-    router.step({1: len(PROMPTS[2])})
-    for _ in range(NEW_TOKENS - 1):
-        router.decode([1])
-    assert router.generated[1] == TinyModel(path, hf).greedy(PROMPTS[2], NEW_TOKENS)[0]
+    return edit
+
+
+def _neox_v4(config: dict[str, Any]) -> None:
+    """transformers v4's GPT-NeoX rotary settings (Pythia's config.json)."""
+    rope = config.pop("rope_parameters")
+    config.update(rotary_pct=rope["partial_rotary_factor"], rotary_emb_base=rope["rope_theta"])
+    del config["attention_bias"]
+
+
+@pytest.mark.parametrize(
+    ("name", "edit"),
+    [
+        ("falcon-new-gqa", _refinedweb("RefinedWeb")),
+        ("falcon-old-mqa", _refinedweb("RefinedWebModel")),
+        ("gpt-neox-parallel", _neox_v4),
+        ("gpt-neox-sequential", _neox_v4),
+    ],
+    ids=["refinedweb-40b", "refinedwebmodel-7b", "gpt-neox-v4-base", "gpt-neox-v4-pct"],
+)
+def test_older_config_names_match_hf(
+    name: str, edit: Callable[[dict[str, Any]], None], tmp_path: Path
+) -> None:
+    hf = FAMILIES[name].build(tmp_path / "model")
+    path = _rewrite_config(tmp_path / "model", tmp_path / "older", edit)
+    prompts = {3: PROMPTS[3]}
+    assert_matches_hf(generate_batch(path, prompts), TinyModel(path, hf), prompts)
 
 
 @pytest.mark.parametrize(
