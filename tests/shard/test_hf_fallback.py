@@ -474,8 +474,45 @@ def _model_config(path: Path, config: dict[str, Any]) -> ModelConfig:
 def test_engine_selection(
     tmp_path: Path, env: str, framework: str | None, arch: str, expected: str
 ) -> None:
-    config = _model_config(tmp_path / "m", {"architectures": [arch], "model_type": "x"})
+    config = _model_config(
+        tmp_path / "m", {"architectures": [arch], "model_type": "x", **LLAMA_SHAPE}
+    )
     assert select_engine(framework, config, env={"TGIS_ENGINE": env}) == expected
+
+
+LLAMA_SHAPE = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+
+
+FALCON = {
+    "architectures": ["FalconForCausalLM"],
+    "model_type": "falcon",
+    "hidden_size": 16,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "multi_query": True,
+    "parallel_attn": True,
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({**FALCON, "alibi": False}, "native"),
+        ({**FALCON, "alibi": True}, "hf"),  # a variant the native Falcon refuses
+        ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", **LLAMA_SHAPE}, "native"),
+        ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "hf"),  # incomplete
+    ],
+)
+def test_auto_falls_back_for_variants_the_native_engine_cannot_run(
+    tmp_path: Path, config: dict[str, Any], expected: str
+) -> None:
+    model_config = _model_config(tmp_path / "m", config)
+    assert select_engine("hf_transformers", model_config, env={}) == expected
 
 
 def test_engine_selection_errors(tmp_path: Path) -> None:

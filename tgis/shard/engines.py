@@ -20,7 +20,7 @@ from typing import Literal
 
 from tgis.shard.errors import StartupError
 from tgis.shard.model_config import ModelConfig
-from tgis.shard.models import model_class
+from tgis.shard.models import check_config, model_class
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ def select_engine(
     model_config: ModelConfig,
     world_size: int = 1,
     env: Mapping[str, str] | None = None,
+    max_sequence_length: int = 2048,
 ) -> Engine:
     """The engine to load ``model_config`` with; StartupError for an impossible choice."""
     environ = os.environ if env is None else env
@@ -51,7 +52,7 @@ def select_engine(
         _require_native(model_config)
         engine = "native"
     else:
-        engine = "native" if has_native(model_config) else "hf"
+        engine = "native" if has_native(model_config, max_sequence_length) else "hf"
     log.info(
         "Engine: %s (%s=%s, deployment framework %s, architecture %s)",
         "native paged" if engine == "native" else "transformers fallback",
@@ -75,10 +76,12 @@ def _require_native(model_config: ModelConfig) -> None:
         ) from None
 
 
-def has_native(model_config: ModelConfig) -> bool:
-    """Whether the native registry implements the model's architecture."""
+def has_native(model_config: ModelConfig, max_sequence_length: int) -> bool:
+    """Whether the native registry implements the model's architecture *and* this variant of
+    it (an ALiBi Falcon or a yarn-scaled Qwen2 go to the fallback instead of failing)."""
     try:
-        model_class(model_config)
-    except StartupError:
+        check_config(model_config, max_sequence_length)
+    except StartupError as e:
+        log.info("native engine cannot run this model (%s)", e)
         return False
     return True

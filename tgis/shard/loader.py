@@ -35,7 +35,13 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     config.validate()
     model_dir = resolve_model_dir(config.model_name, config.revision)
     model_config = ModelConfig.from_dir(model_dir)
-    if select_engine(config.deployment_framework, model_config, config.world_size) == "hf":
+    engine = select_engine(
+        config.deployment_framework,
+        model_config,
+        config.world_size,
+        max_sequence_length=config.max_sequence_length,
+    )
+    if engine == "hf":
         from tgis.shard.hf_loader import load_hf_runner  # imports transformers
 
         return load_hf_runner(config, model_dir, model_config)

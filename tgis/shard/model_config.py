@@ -51,11 +51,32 @@ class ModelConfig:
             model_type=model_type,
             architecture=str(architectures[0]) if architectures else "",
             vocab_size=vocab_size,
-            max_position_embeddings=int(raw.get("max_position_embeddings") or 0),
+            max_position_embeddings=_max_positions(raw),
             eos_token_ids=eos,
             torch_dtype=str(dtype) if dtype else None,
             raw=raw,
         )
+
+
+# Keys that hold the longest supported sequence, in TGIS's order of preference.
+_POSITION_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+
+def _max_positions(raw: dict[str, Any]) -> int:
+    """The first integer among TGIS's max-sequence-length keys (0 if none)."""
+    for key in _POSITION_KEYS:
+        value = raw.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

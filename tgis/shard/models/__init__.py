@@ -99,4 +99,10 @@ def check_config(config: ModelConfig, max_sequence_length: int) -> None:
     """StartupError, before any weight is read, when the native implementation cannot run
     ``config``: an unknown architecture or an unsupported variant of a known one (ALiBi,
     sliding window, a rope type, ...). Loading raises the same error."""
-    model_class(config).check_config(config, max_sequence_length)
+    try:
+        model_class(config).check_config(config, max_sequence_length)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, StartupError):
+            raise
+        name = config.architecture or config.model_type
+        raise StartupError(f"{name}: config.json is missing or has a bad value for {e}") from e
