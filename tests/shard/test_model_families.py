@@ -329,11 +329,15 @@ def test_older_config_names_match_hf(
 )
 def test_unsupported_configs_are_refused_at_start_up(
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     name: str,
     edit: Callable[[dict[str, Any]], None],
     kwargs: dict[str, Any],
     message: str,
 ) -> None:
+    # The native engine refuses these; under the default TGIS_ENGINE=auto they would be
+    # served by the transformers fallback instead (tests/shard/test_hf_fallback.py).
+    monkeypatch.setenv("TGIS_ENGINE", "native")
     FAMILIES[name].build(tmp_path / "model")
     path = _rewrite_config(tmp_path / "model", tmp_path / "edited", edit)
     with pytest.raises(StartupError, match=message):
