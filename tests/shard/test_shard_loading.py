@@ -91,7 +91,11 @@ def test_mistral_without_sliding_window_matches_hf(tmp_path: Path) -> None:
     raw["sliding_window"] = 128
     config_path.write_text(json.dumps(raw))
     with pytest.raises(StartupError, match="sliding-window"):
-        load_runner(ShardConfig(model_name=str(tmp_path)))
+        load_runner(ShardConfig(model_name=str(tmp_path), deployment_framework="tgis_native"))
+    # With the default engine choice the transformers fallback serves it instead.
+    assert load_runner(ShardConfig(model_name=str(tmp_path))).info.attention_backend == (
+        "hf_transformers"
+    )
 
 
 def test_bfloat16_runs_on_cpu(tiny_model: TinyModel) -> None:
