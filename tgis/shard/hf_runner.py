@@ -31,10 +31,9 @@ from tgis.shard.messages import (
     StepPlan,
     TokenDetail,
 )
-from tgis.shard.sampling import SamplingBatch, SamplingRow, sample
 from tgis.shard.sequence import Sequence
-from tgis.shard.step_plan import PlanLimits, ResolvedStep, WorkItem, resolve_plan
-from tgis.shard.token_details import token_details
+from tgis.shard.step_plan import PlanLimits, ResolvedStep, resolve_plan
+from tgis.shard.step_results import commit_step, sample_tokens
 
 
 class HfRunner:
@@ -89,41 +88,10 @@ class HfRunner:
         )
 
     def _sample(self, forward: Forward) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
-        """One token per sampling item (``sampling.sample``), with its details."""
-        logits, items = forward.logits, list(forward.sample_items)
-        if logits is None or not items:
+        """One token per sampling item, with its details (``step_results.sample_tokens``)."""
+        if forward.logits is None or not forward.sample_items:
             return {}, []
-        bad = torch.isnan(logits).any(dim=-1).tolist()
-        errors = [
-            SequenceError(item.seq.request_id, "the model produced NaN logits")
-            for item, b in zip(items, bad, strict=True)
-            if b
-        ]
-        if errors:
-            keep = [i for i, b in enumerate(bad) if not b]
-            items = [items[i] for i in keep]
-            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-            if not items:
-                return {}, errors
-        tokens, scores = sample(logits, self._sampling_batch(items))
-        details = token_details(
-            scores,
-            tokens,
-            [item.seq.details if item.seq.details.generated_tokens else None for item in items],
-        )
-        return {item.seq.request_id: d for item, d in zip(items, details, strict=True)}, errors
-
-    def _sampling_batch(self, items: SequenceOf[WorkItem]) -> SamplingBatch:
-        rows = [
-            SamplingRow(
-                params=item.seq.sampling,
-                token_ids=self.engine.history(item.seq),
-                num_generated=item.seq.num_generated,
-                generator=item.seq.generator,
-            )
-            for item in items
-        ]
-        return SamplingBatch(rows, self.info.eos_token_ids, self.info.vocab_size, self.device)
+        return sample_tokens(forward.logits, forward.sample_items, self.info, self.engine.history)
 
     def _commit(
         self,
@@ -132,22 +100,6 @@ class HfRunner:
         input_details: dict[int, list[TokenDetail]],
         errors: SequenceOf[SequenceError] = (),
     ) -> tuple[InputTokenDetails, ...]:
-        for seq in resolved.new:
-            self.sequences[seq.request_id] = seq
-        completed: list[InputTokenDetails] = []
-        failed = {e.request_id for e in errors}
-        for item in resolved.work:
-            seq = item.seq
-            seq.block_table = list(item.block_table)
-            seq.input_details.extend(input_details.get(seq.request_id, ()))
-            seq.num_computed = item.end
-            detail = sampled.get(seq.request_id)
-            if detail is not None:
-                seq.token_ids.append(detail.token_id)
-            if item.completes_prompt and seq.details.input_tokens and seq.request_id not in failed:
-                completed.append(InputTokenDetails(seq.request_id, tuple(seq.input_details)))
-                seq.input_details = []
-        for rid in failed:
-            self.sequences.pop(rid, None)
-        self.engine.forget(failed)
-        return tuple(completed)
+        completed = commit_step(self.sequences, resolved, sampled, input_details, errors)
+        self.engine.forget({e.request_id for e in errors})
+        return completed

@@ -24,7 +24,6 @@ import torch
 from tgis.shard.attention import AttentionBackend, BatchLayout
 from tgis.shard.kv_cache import KVCache
 from tgis.shard.messages import (
-    InputTokenDetails,
     SampledToken,
     SequenceError,
     ShardInfo,
@@ -33,9 +32,9 @@ from tgis.shard.messages import (
     TokenDetail,
 )
 from tgis.shard.models import CausalLM
-from tgis.shard.sampling import SamplingBatch, SamplingRow, sample
 from tgis.shard.sequence import Sequence
-from tgis.shard.step_plan import PlanLimits, ResolvedStep, WorkItem, resolve_plan
+from tgis.shard.step_plan import PlanLimits, WorkItem, resolve_plan
+from tgis.shard.step_results import commit_step, sample_tokens
 from tgis.shard.token_details import first_input_detail, token_details
 
 # Prompt positions whose logits are materialised at once for input-token details.
@@ -95,18 +94,18 @@ class ModelRunner:
         for rid in resolved.finished:
             self.sequences.pop(rid, None)
         if not resolved.work:
-            self._commit(resolved, {}, {})
+            commit_step(self.sequences, resolved, {}, {})
             return StepOutput(step_id=plan.step_id, errors=resolved.errors)
         started = time.perf_counter_ns()
         batch = self._flatten(resolved.work)
         metadata = self.attention.prepare(batch.layout, self.device)
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, metadata)
         sampled, errors = self._sample(hidden, batch)
-        input_details = self._input_details(hidden, batch)
+        input_details = self._input_details(hidden, batch, resolved.work)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter_ns() - started
-        finished_prompts = self._commit(resolved, sampled, input_details, errors)
+        finished_prompts = commit_step(self.sequences, resolved, sampled, input_details, errors)
         return StepOutput(
             step_id=plan.step_id,
             tokens=tuple(SampledToken(rid, detail) for rid, detail in sampled.items()),
@@ -159,46 +158,18 @@ class ModelRunner:
             return {}, []
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        items = list(batch.sample_items)
-        errors: list[SequenceError] = []
-        bad = torch.isnan(logits).any(dim=-1).tolist()
-        if any(bad):
-            errors = [
-                SequenceError(item.seq.request_id, "the model produced NaN logits")
-                for item, b in zip(items, bad, strict=True)
-                if b
-            ]
-            keep = [i for i, b in enumerate(bad) if not b]
-            items = [items[i] for i in keep]
-            logits = logits[torch.tensor(keep, dtype=torch.long, device=self.device)]
-            if not items:
-                return {}, errors
-        sampling = SamplingBatch(
-            [
-                SamplingRow(
-                    params=item.seq.sampling,
-                    token_ids=item.seq.token_ids,
-                    num_generated=item.seq.num_generated,
-                    generator=item.seq.generator,
-                )
-                for item in items
-            ],
-            self.info.eos_token_ids,
-            self.info.vocab_size,
-            self.device,
-        )
-        tokens, scores = sample(logits, sampling)
-        details = token_details(
-            scores,
-            tokens,
-            [item.seq.details if item.seq.details.generated_tokens else None for item in items],
-        )
-        return {item.seq.request_id: d for item, d in zip(items, details, strict=True)}, errors
+        return sample_tokens(logits, batch.sample_items, self.info, lambda seq: seq.token_ids)
 
     def _input_details(
-        self, hidden: torch.Tensor, batch: _FlatBatch
+        self, hidden: torch.Tensor, batch: _FlatBatch, work: SequenceOf[WorkItem]
     ) -> dict[int, list[TokenDetail]]:
+        """Details of the prompt positions computed this step, for sequences that asked;
+        the first prompt token (no logits score it) gets a NaN/zero entry."""
         result: dict[int, list[TokenDetail]] = {}
+        for item in work:
+            if item.start == 0 and item.seq.details.input_tokens:
+                detail = first_input_detail(item.seq.token_ids[0], item.seq.details)
+                result[item.seq.request_id] = [detail]
         for item, row, count in batch.detail_spans:
             seq = item.seq
             details: list[TokenDetail] = []
@@ -211,33 +182,5 @@ class ModelRunner:
                     seq.token_ids[first : first + n], dtype=torch.long, device=self.device
                 )
                 details += token_details(logits, targets, [seq.details] * n)
-            result[seq.request_id] = details
+            result.setdefault(seq.request_id, []).extend(details)
         return result
-
-    def _commit(
-        self,
-        resolved: ResolvedStep,
-        sampled: dict[int, TokenDetail],
-        input_details: dict[int, list[TokenDetail]],
-        errors: SequenceOf[SequenceError] = (),
-    ) -> tuple[InputTokenDetails, ...]:
-        for seq in resolved.new:
-            self.sequences[seq.request_id] = seq
-        completed: list[InputTokenDetails] = []
-        failed = {e.request_id for e in errors}
-        for item in resolved.work:
-            seq = item.seq
-            seq.block_table = list(item.block_table)
-            if seq.details.input_tokens and item.start == 0:
-                seq.input_details = [first_input_detail(seq.token_ids[0], seq.details)]
-            seq.input_details.extend(input_details.get(seq.request_id, ()))
-            seq.num_computed = item.end
-            detail = sampled.get(seq.request_id)
-            if detail is not None:
-                seq.token_ids.append(detail.token_id)
-            if item.completes_prompt and seq.details.input_tokens and seq.request_id not in failed:
-                completed.append(InputTokenDetails(seq.request_id, tuple(seq.input_details)))
-                seq.input_details = []
-        for rid in failed:
-            self.sequences.pop(rid, None)
-        return tuple(completed)

@@ -1,0 +1,91 @@
+"""What both engines do with a forward pass's logits: sample, then commit the step.
+
+`sample_tokens` turns the logits of the sequences whose prompt is complete into one token
+each (rows with NaN logits fail on their own); `commit_step` applies a successful step to
+the sequences' state. Shared by the native `ModelRunner` and the transformers `HfRunner`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
+
+import torch
+
+from tgis.shard.messages import InputTokenDetails, SequenceError, ShardInfo, TokenDetail
+from tgis.shard.sampling import SamplingBatch, SamplingRow, sample
+from tgis.shard.sequence import Sequence
+from tgis.shard.step_plan import ResolvedStep, WorkItem
+from tgis.shard.token_details import token_details
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    items: SequenceOf[WorkItem],
+    info: ShardInfo,
+    history: Callable[[Sequence], SequenceOf[int]],
+) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
+    """One token (with its requested details) per row of ``logits`` / item of ``items``.
+
+    ``history`` gives the ids the repetition penalty considers for a sequence.
+    """
+    items = list(items)
+    errors: list[SequenceError] = []
+    bad = torch.isnan(logits).any(dim=-1).tolist()
+    if any(bad):
+        errors = [
+            SequenceError(item.seq.request_id, "the model produced NaN logits")
+            for item, b in zip(items, bad, strict=True)
+            if b
+        ]
+        keep = [i for i, b in enumerate(bad) if not b]
+        items = [items[i] for i in keep]
+        logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+        if not items:
+            return {}, errors
+    rows = [
+        SamplingRow(
+            params=item.seq.sampling,
+            token_ids=history(item.seq),
+            num_generated=item.seq.num_generated,
+            generator=item.seq.generator,
+        )
+        for item in items
+    ]
+    batch = SamplingBatch(rows, info.eos_token_ids, info.vocab_size, logits.device)
+    tokens, scores = sample(logits, batch)
+    details = token_details(
+        scores,
+        tokens,
+        [item.seq.details if item.seq.details.generated_tokens else None for item in items],
+    )
+    return {item.seq.request_id: d for item, d in zip(items, details, strict=True)}, errors
+
+
+def commit_step(
+    sequences: dict[int, Sequence],
+    resolved: ResolvedStep,
+    sampled: dict[int, TokenDetail],
+    input_details: dict[int, list[TokenDetail]],
+    errors: SequenceOf[SequenceError] = (),
+) -> tuple[InputTokenDetails, ...]:
+    """Register new sequences, advance the scheduled ones, forget the failed ones; return the
+    input-token details of every prompt this step completed."""
+    for seq in resolved.new:
+        sequences[seq.request_id] = seq
+    completed: list[InputTokenDetails] = []
+    failed = {e.request_id for e in errors}
+    for item in resolved.work:
+        seq = item.seq
+        seq.block_table = list(item.block_table)
+        seq.input_details.extend(input_details.get(seq.request_id, ()))
+        seq.num_computed = item.end
+        detail = sampled.get(seq.request_id)
+        if detail is not None:
+            seq.token_ids.append(detail.token_id)
+        if item.completes_prompt and seq.details.input_tokens and seq.request_id not in failed:
+            completed.append(InputTokenDetails(seq.request_id, tuple(seq.input_details)))
+            seq.input_details = []
+    for rid in failed:
+        sequences.pop(rid, None)
+    return tuple(completed)
