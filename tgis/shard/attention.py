@@ -209,10 +209,11 @@ def select_attention_backend(device: torch.device, block_size: int) -> Attention
     """The attention implementation for this device, chosen once at start-up.
 
     ``TGIS_ATTENTION_BACKEND`` (one of ``BACKENDS``) forces a choice. Otherwise: on CUDA,
-    flash-attn's varlen kernel when the package is installed, else one PyTorch SDPA call
-    per step; on CPU the reference. TGIS's ``FLASH_ATTENTION=true`` asks for flash-attn
-    (a warning and the SDPA path when it is missing); ``PAGED_ATTENTION`` needs nothing:
-    the KV cache is always paged.
+    flash-attn's varlen kernel when the package is installed, else the reference (whose
+    prefills use PyTorch's causal SDPA kernels and whose decodes share one SDPA call); on
+    CPU the reference, which BENCHMARKS.md measures faster there than the padded
+    ``sdpa_varlen``. TGIS's ``FLASH_ATTENTION=true`` asks for flash-attn (a warning when it
+    is missing); ``PAGED_ATTENTION`` needs nothing: the KV cache is always paged.
     """
     from tgis.shard.attention_varlen import FlashVarlenAttention, SdpaVarlenAttention
 
@@ -222,8 +223,8 @@ def select_attention_backend(device: torch.device, block_size: int) -> Attention
     if not choice and device.type == "cuda":
         has_flash = importlib.util.find_spec("flash_attn") is not None
         if _env_true("FLASH_ATTENTION") and not has_flash:
-            log.warning("FLASH_ATTENTION=true but flash-attn is not installed: using SDPA")
-        choice = "flash_varlen" if has_flash else "sdpa_varlen"
+            log.warning("FLASH_ATTENTION=true but flash-attn is not installed")
+        choice = "flash_varlen" if has_flash else "torch_paged"
     if choice == "flash_varlen":
         return FlashVarlenAttention(block_size)
     if choice == "sdpa_varlen":

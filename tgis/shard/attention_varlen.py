@@ -37,7 +37,7 @@ class VarlenMetadata:
     max_seqlen_k: int
     # SDPA only: padded layout.
     query_index: torch.Tensor  # [seqs, max_q] row of q (or of a zero pad row) per position
-    key_index: torch.Tensor  # [seqs, max_k] row of the packed keys per position
+    padded_slots: torch.Tensor  # [seqs, max_k] cache slot of each padded key position
     mask: torch.Tensor  # [seqs, 1, max_q, max_k] True where attention is allowed
     query_rows: torch.Tensor  # [tokens] flat index into [seqs * max_q] of each real query
 
@@ -77,6 +77,7 @@ def prepare_varlen(layout: BatchLayout, block_size: int, device: torch.device) -
     q_valid = q_pos[None, :] < q_lens[:, None]
     # Pad positions point at row `total_q`, a zero row appended to q in `forward`.
     query_index = torch.where(q_valid, q_starts[:, None] + q_pos[None, :], total_q)
+    context_slots = torch.cat(slot_parts)
     key_index = torch.clamp(k_starts[:, None] + k_pos[None, :], max=max(cu_k[-1] - 1, 0))
     # Absolute position of each query row, aligned to the end of the context.
     q_abs = (k_lens - q_lens)[:, None] + q_pos[None, :]
@@ -94,13 +95,13 @@ def prepare_varlen(layout: BatchLayout, block_size: int, device: torch.device) -
 
     return VarlenMetadata(
         slot_mapping=on(torch.tensor(layout.slot_mapping)),
-        context_slots=on(torch.cat(slot_parts)),
+        context_slots=on(context_slots),
         cu_seqlens_q=on(torch.tensor(cu_q), torch.int32),
         cu_seqlens_k=on(torch.tensor(cu_k), torch.int32),
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,
         query_index=on(query_index),
-        key_index=on(key_index),
+        padded_slots=on(context_slots[key_index]),
         mask=on(allowed[:, None], torch.bool),
         query_rows=on(query_rows),
     )
@@ -128,8 +129,8 @@ class SdpaVarlenAttention:
         scale: float | None = None,
     ) -> torch.Tensor:
         flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        keys = flat_k[metadata.context_slots][metadata.key_index].to(q.dtype)
-        values = flat_v[metadata.context_slots][metadata.key_index].to(q.dtype)
+        keys = flat_k[metadata.padded_slots].to(q.dtype)  # one gather, straight to padded
+        values = flat_v[metadata.padded_slots].to(q.dtype)
         padded_q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[metadata.query_index]
         out = F.scaled_dot_product_attention(
             padded_q.transpose(1, 2),  # [seqs, heads, max_q, dim]
