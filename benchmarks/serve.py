@@ -815,13 +815,19 @@ def write_plot(levels: list[LevelStats], path: Path, title: str) -> None:
         for name, attr in series:
             xs = [s.output_throughput for s in sweep]
             ys = [getattr(s, attr) for s in sweep]
-            ax.plot(xs, ys, marker="o", label=name)
+            (line,) = ax.plot(xs, ys, marker="o", label=name)
             for s, x, y in zip(sweep, xs, ys, strict=True):
                 ax.annotate(s.label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
             for s in baseline:
-                ax.plot([s.output_throughput], [getattr(s, attr)], marker="s", color="grey", ls="")
-        if baseline:
-            ax.plot([], [], marker="s", color="grey", ls="", label="sequential")
+                ax.plot(
+                    [s.output_throughput],
+                    [getattr(s, attr)],
+                    marker="s",
+                    markerfacecolor="none",
+                    color=line.get_color(),
+                    ls="",
+                    label=f"{name}, sequential",
+                )
         ax.set_xlabel("output tokens/s")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
