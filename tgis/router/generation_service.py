@@ -59,14 +59,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         arrival = time.monotonic()
         count = len(request.requests)
         kind = "single" if count == 1 else "batch"
-        self.metrics.counter("request_count").inc(kind)
+        self.metrics.request_received(kind, count)
         if count == 0:
             return pb.BatchedGenerationResponse()
-        self.metrics.counter("request_input_count").inc(amount=count)
         await self._acquire(count, context)
         states: list[RequestState] = []
         try:
-            validated = await self._validate(request, [r.text for r in request.requests], context)
+            validated = await self._validate(
+                request, [r.text for r in request.requests], arrival, context
+            )
             states = [self.engine.submit(v, arrival) for v in validated]
             responses = await _all_or_nothing(
                 [self._collect_unary(s, kind, arrival, i, count) for i, s in enumerate(states)]
@@ -85,14 +86,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.SingleGenerationRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerationResponse]:
         arrival = time.monotonic()
-        self.metrics.counter("request_count").inc("stream")
-        self.metrics.counter("request_input_count").inc()
+        self.metrics.request_received("stream", 1)
         await self._acquire(1, context)
         state: RequestState | None = None
         try:
             if not request.HasField("request"):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing request")
-            (validated,) = await self._validate(request, [request.request.text], context)
+            (validated,) = await self._validate(request, [request.request.text], arrival, context)
             state = self.engine.submit(validated, arrival)
             async for message in self._stream(state, validated, arrival):
                 yield message
@@ -109,8 +109,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.BatchedTokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.BatchedTokenizeResponse:
         started = time.monotonic()
-        self.metrics.counter("tokenize_count").inc()
-        self.metrics.counter("tokenize_inputs").inc(amount=len(request.requests))
+        self.metrics.tokenize_received(len(request.requests))
         try:
             results = await self.tokenizer.tokenize_async(
                 [r.text for r in request.requests],
@@ -129,8 +128,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             )
             for r in results
         ]
-        self.metrics.tokenize_tokens.observe(sum(r.token_count for r in results))
-        self.metrics.tokenize_duration.observe(time.monotonic() - started)
+        self.metrics.tokenize_done(sum(r.token_count for r in results), time.monotonic() - started)
         return pb.BatchedTokenizeResponse(responses=responses)
 
     async def ModelInfo(
@@ -155,9 +153,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "Model is overloaded")
 
     async def _validate(
-        self, request: Any, texts: list[str], context: grpc.aio.ServicerContext
+        self, request: Any, texts: list[str], arrival: float, context: grpc.aio.ServicerContext
     ) -> list[ValidatedRequest]:
-        """Convert and check params, tokenize and check every input (first error wins)."""
+        """Convert and check params, tokenize and check every input (first error wins).
+
+        Metrics as TGIS: the raw length of every tokenized input (also of inputs rejected
+        afterwards), then for a valid request each input's length and requested
+        max_new_tokens and, once, the validation time since the RPC arrived.
+        """
         try:
             params = convert_params(
                 request.params if request.HasField("params") else None,
@@ -166,6 +169,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             )
             validate_params(params, self.limits)
             if request.HasField("prefix_id"):
+                # No prompt prefixes are stored: every lookup fails as a missing one.
+                self.metrics.prompt_load_failed()
                 prefix = request.prefix_id
                 raise ValidationError(
                     f"can't retrieve prompt prefix with id '{prefix}': "
@@ -175,6 +180,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 encoded = await self.tokenizer.encode_batch_async(texts)
             except Exception as err:
                 raise ValidationError(f"tokenizer error {err}") from err
+            for ids in encoded:
+                self.metrics.input_tokenized(len(ids))
             validated = validate_inputs(
                 texts, encoded, params, self.limits, bos_token_id=self.tokenizer.bos_token_id
             )
@@ -183,7 +190,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
             raise
         for v in validated:
-            self.metrics.input_length.observe(v.input_length)
+            # The requested max_new_tokens (params), not the one lowered to fit (TOKEN_LIMIT).
+            self.metrics.input_validated(v.input_length, v.params.stopping.max_new_tokens)
+        self.metrics.validation_done(time.monotonic() - arrival)
         return validated
 
     async def _collect_unary(
@@ -281,11 +290,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> None:
         now = time.monotonic()
         reason = StopReason(event.stop_reason)
-        self.metrics.counter("request_success").inc(reason.name, kind)
-        self.metrics.generated_tokens.observe(event.generated_token_count)
-        self.metrics.request_duration.observe(now - arrival)
+        # A request that timed out while queued was never admitted: no inference time.
+        started = state.started_at if state.started_at is not None else now
+        self.metrics.request_succeeded(
+            stop_reason=reason.name,
+            kind=kind,
+            input_length=state.request.input_length,
+            generated_tokens=event.generated_token_count,
+            duration=now - arrival,
+            inference_seconds=now - started,
+        )
         if state.started_at is not None:
-            self.metrics.queue_duration.observe(state.started_at - arrival)
+            # Until the engine calls Metrics.request_admitted at admission (TGIS records the
+            # queue time then, for every admitted request); delete this call when it does.
+            self.metrics.request_admitted(state.started_at - arrival)
         who = {"single": "Request", "stream": "Streaming response"}.get(
             kind, f"Sub-request {index} from batch of {count}"
         )
