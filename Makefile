@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint format protos tiny-model clean
+.PHONY: install run test lint format protos tiny-model clean prometheus-tools
 
 install: $(VENV)/.installed tgis/pb/generation_pb2.py
 
@@ -28,8 +28,29 @@ protos: tgis/pb/generation_pb2.py
 run: install
 	$(BIN)/text-generation-launcher
 
-test: install
+test: install prometheus-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# promtool and prometheus for tests/e2e/test_prometheus.py: Debian's `prometheus` package,
+# installed only when either binary is missing (as root, else with passwordless sudo). Without
+# them that test skips, or fails under CI=true.
+prometheus-tools:
+	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then \
+		exit 0; \
+	fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else sudo=none; fi; \
+	if [ "$$sudo" = none ] || ! command -v apt-get >/dev/null 2>&1; then \
+		echo "prometheus-tools: promtool/prometheus missing and cannot apt-get install prometheus" >&2; \
+		if [ "$${CI:-}" = true ]; then exit 1; fi; exit 0; \
+	fi; \
+	echo "prometheus-tools: apt-get install prometheus (promtool, prometheus)"; \
+	$$sudo apt-get update -qq && \
+	DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq --no-install-recommends \
+		prometheus >/dev/null || { \
+		echo "prometheus-tools: apt-get install prometheus failed" >&2; \
+		if [ "$${CI:-}" = true ]; then exit 1; fi; }
 
 lint: install
 	$(BIN)/ruff check tgis tests scripts
