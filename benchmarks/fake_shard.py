@@ -144,12 +144,16 @@ class FakeShardServicer(shard_pb2_grpc.ShardServiceServicer):
     async def Step(
         self, request: shard_pb2.StepRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.StepResponse:
-        """One token per sequence whose prompt is complete after this step; no forward pass."""
+        """One token per sequence whose known tokens are all computed now; no forward pass."""
         if self.config.step_delay_s > 0:
             await asyncio.sleep(self.config.step_delay_s)
         sequences = self.sequences
         for request_id in request.finished_request_ids:
             sequences.pop(request_id, None)
+        # Preempted sequences (a newer protocol field) keep their tokens and recompute them all.
+        for request_id in getattr(request, "preempted_request_ids", ()):
+            if (seq := sequences.get(request_id)) is not None:
+                seq.computed = 0
         for new in request.new_sequences:
             sequences[new.request_id] = FakeSequence(len(new.prompt_token_ids))
         ids = self.config.token_ids
@@ -160,8 +164,8 @@ class FakeShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 response.errors.add(request_id=chunk.request_id, message="unknown sequence")
                 continue
             seq.computed += chunk.num_tokens
-            if seq.computed < seq.prompt_len:
-                continue  # mid-prompt (chunked prefill): no token yet
+            if seq.computed < seq.prompt_len + seq.generated:
+                continue  # mid-prompt (chunked prefill) or mid-recompute: no token yet
             token = ids[(chunk.request_id * 7 + seq.generated) % len(ids)]
             seq.generated += 1
             response.tokens.add(request_id=chunk.request_id).token.token_id = token

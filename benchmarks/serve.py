@@ -300,7 +300,8 @@ def device_description() -> str:
 
 
 def engine_commit() -> str:
-    """``git rev-parse --short HEAD``, with ``-dirty`` when tracked files have changes."""
+    """``git rev-parse --short HEAD``, with ``-dirty`` and the changed paths when tracked files
+    have uncommitted changes."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -315,10 +316,14 @@ def engine_commit() -> str:
             capture_output=True,
             text=True,
             check=True,
-        ).stdout.strip()
+        ).stdout
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return f"{head}-dirty" if dirty else head
+    paths = [line[3:] for line in dirty.splitlines() if line.strip()]
+    if not paths:
+        return head
+    shown = ", ".join(paths[:4]) + (f", … ({len(paths)} files)" if len(paths) > 4 else "")
+    return f"{head}-dirty (uncommitted: {shown})"
 
 
 # ---- the workload -----------------------------------------------------------------------------
