@@ -11,6 +11,9 @@ from tgis.router.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+# Always the 0.0.4 text format, whatever the scraper's Accept header asks for: in OpenMetrics
+# a counter family `x` owns the sample `x_total`, so the plain-name twin `x` that TGIS's
+# dashboards query (metrics.py: DualCounter) could not be expressed there.
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
