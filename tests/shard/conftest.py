@@ -139,6 +139,7 @@ class Router:
         self.outputs: list[StepOutput] = []
         self.step_id = 0
         self._finished: list[int] = []
+        self._preempted: list[int] = []
 
     def add(
         self,
@@ -165,6 +166,14 @@ class Router:
         self.free.extend(self.tables.pop(request_id))
         self._finished.append(request_id)
 
+    def preempt(self, request_id: int) -> None:
+        """Take the sequence's blocks back; the shard drops its block table with the next
+        step, and it is resumed by scheduling all its known tokens again from position 0."""
+        self.free.extend(self.tables[request_id])
+        self.tables[request_id] = []
+        self.computed[request_id] = 0
+        self._preempted.append(request_id)
+
     def step(self, schedule: Mapping[int, int]) -> StepOutput:
         """Run one Step computing ``schedule[rid]`` tokens of each listed sequence."""
         scheduled = []
@@ -180,8 +189,9 @@ class Router:
             new_sequences=tuple(self.pending),
             scheduled=tuple(scheduled),
             finished_request_ids=tuple(self._finished),
+            preempted_request_ids=tuple(self._preempted),
         )
-        self.pending, self._finished = [], []
+        self.pending, self._finished, self._preempted = [], [], []
         output = self.runner.step(plan)
         for sampled in output.tokens:
             self.generated[sampled.request_id].append(sampled.token.token_id)

@@ -42,7 +42,28 @@ def main() -> None:
 @click.option("--revision", default=None)
 @click.option("--quantize", default=None, help="gptq or bitsandbytes (not supported yet).")
 @click.option("--sharded", is_flag=True, default=False)
-@click.option("--cuda-process-memory-fraction", type=float, default=1.0, show_default=True)
+@click.option(
+    "--cuda-process-memory-fraction",
+    "--cuda-memory-fraction",
+    "cuda_process_memory_fraction",
+    type=float,
+    default=1.0,
+    show_default=True,
+)
+@click.option(
+    "--max-batch-prefill-tokens",
+    type=int,
+    default=4096,
+    show_default=True,
+    help="Prompt tokens of the largest step; the GPU warm-up prefills this many.",
+)
+@click.option(
+    "--max-batch-total-tokens",
+    type=int,
+    default=None,
+    help="KV tokens of the running batch: the CPU cache size, a cap on the GPU one "
+    "(default: what fits).",
+)
 @click.option("--uds-path", default=DEFAULT_UDS_PATH, show_default=True)
 def serve(
     model_name: str,
@@ -56,6 +77,8 @@ def serve(
     quantize: str | None,
     sharded: bool,
     cuda_process_memory_fraction: float,
+    max_batch_prefill_tokens: int,
+    max_batch_total_tokens: int | None,
     uds_path: str,
 ) -> None:
     """Load MODEL_NAME ("" = the embedded model) and serve it on ``{uds-path}-{rank}``."""
@@ -86,6 +109,8 @@ def serve(
             rank=env_int("RANK", 0),
             world_size=env_int("WORLD_SIZE", 1),
             kv_cache_blocks=env_optional_int("TGIS_KV_CACHE_BLOCKS"),
+            max_batch_prefill_tokens=max_batch_prefill_tokens,
+            max_batch_total_tokens=max_batch_total_tokens,
         )
         config.validate()
         tp = init_distributed(config.rank, config.world_size)

@@ -37,6 +37,10 @@ class ShardConfig:
     rank: int = 0
     world_size: int = 1
     kv_cache_blocks: int | None = None  # TGIS_KV_CACHE_BLOCKS overrides the sizing
+    # The largest step's prompt tokens: the GPU warm-up prefill runs this many.
+    max_batch_prefill_tokens: int = 4096
+    # KV tokens of the whole running batch: the CPU budget, a cap on the GPU measurement.
+    max_batch_total_tokens: int | None = None
 
     @property
     def socket_path(self) -> str:
@@ -70,6 +74,16 @@ class ShardConfig:
             )
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise StartupError("TGIS_KV_CACHE_BLOCKS must be a positive integer")
+        if self.max_batch_prefill_tokens < 1:
+            raise StartupError("--max-batch-prefill-tokens must be at least 1")
+        if (
+            self.max_batch_total_tokens is not None
+            and self.max_batch_total_tokens < self.max_sequence_length
+        ):
+            raise StartupError(
+                f"--max-batch-total-tokens ({self.max_batch_total_tokens}) must be at least "
+                f"--max-sequence-length ({self.max_sequence_length})"
+            )
 
 
 def canonical_dtype(value: str | None) -> str | None:

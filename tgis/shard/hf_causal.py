@@ -79,7 +79,7 @@ def _needed_columns(item: WorkItem) -> list[int]:
 
 def _detail_count(item: WorkItem) -> int:
     """How many of this step's positions score a prompt token for input details."""
-    if not item.seq.details.input_tokens:
+    if not item.prompt_details:
         return 0
     last_scored = min(item.end, item.seq.prompt_len - 1)  # position p scores token p + 1
     return max(last_scored - item.start, 0)
@@ -184,7 +184,7 @@ class HfCausalEngine:
         result: dict[int, list[TokenDetail]] = {}
         for r, item in enumerate(items):
             seq = item.seq
-            if not seq.details.input_tokens:
+            if not item.prompt_details:
                 continue
             details = [first_input_detail(seq.token_ids[0], seq.details)] if item.start == 0 else []
             count = _detail_count(item)

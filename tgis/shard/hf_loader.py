@@ -8,20 +8,20 @@ shapes.
 
 There is no paging: ``Info`` reports 16-token blocks, enough of them for
 ``max_batch_size`` sequences of ``max_sequence_length`` tokens (or
-``TGIS_KV_CACHE_BLOCKS``), so the router's block accounting runs unchanged and bounds the
-batch the engine has to hold.
+``--max-batch-total-tokens``, or ``TGIS_KV_CACHE_BLOCKS``), so the router's block
+accounting runs unchanged and bounds the batch the engine has to hold.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tgis.shard.capacity import configured_blocks
 from tgis.shard.config import ShardConfig
 from tgis.shard.device import dtype_name, select_device, select_dtype
 from tgis.shard.errors import StartupError
@@ -57,8 +57,12 @@ def load_hf_runner(config: ShardConfig, model_dir: Path, model_config: ModelConf
         else:
             engine = HfCausalEngine(model, device, _warm_up_causal(model, device, model_config))
     text_config = hf_config.get_text_config()
-    num_blocks = config.kv_cache_blocks or config.max_batch_size * math.ceil(
-        config.max_sequence_length / BLOCK_SIZE
+    num_blocks = configured_blocks(
+        BLOCK_SIZE,
+        max_batch_size=config.max_batch_size,
+        max_sequence_length=config.max_sequence_length,
+        max_batch_total_tokens=config.max_batch_total_tokens,
+        override=config.kv_cache_blocks,
     )
     info = ShardInfo(
         model_kind=kind,

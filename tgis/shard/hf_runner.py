@@ -24,6 +24,7 @@ import torch
 from tgis.shard.hf_engine import Forward, HfEngine
 from tgis.shard.messages import (
     InputTokenDetails,
+    ModelKind,
     SampledToken,
     SequenceError,
     ShardInfo,
@@ -49,6 +50,8 @@ class HfRunner:
             num_blocks=info.num_blocks,
             block_size=info.block_size,
             device=device,
+            # The encoder-decoder engine cannot recompute a decoder's generated tokens.
+            resumes_generated=info.model_kind != ModelKind.SEQ2SEQ_LM,
         )
 
     def reset(self) -> None:
@@ -67,7 +70,9 @@ class HfRunner:
         resolved = resolve_plan(plan, self.sequences, self.limits)
         for rid in resolved.finished:
             self.sequences.pop(rid, None)
-        self.engine.forget(resolved.finished)
+        for rid in resolved.preempted:
+            self.sequences[rid].preempt()
+        self.engine.forget((*resolved.finished, *resolved.preempted))
         if not resolved.work:
             self._commit(resolved, {}, {})
             return StepOutput(step_id=plan.step_id, errors=resolved.errors)

@@ -176,5 +176,5 @@ class HfSeq2SeqEngine:
                 for t in item.seq.token_ids[: item.seq.prompt_len]
             ]
             for item in starting
-            if item.seq.details.input_tokens
+            if item.prompt_details
         }

@@ -8,12 +8,9 @@ the allocation (which block ids a sequence gets); the shard owns the tensors.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-
-from tgis.shard.errors import StartupError
 
 BLOCK_SIZE = 16
 
@@ -53,34 +50,3 @@ class KVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (K, V) block tensors of layer ``index``."""
         return self.k[index], self.v[index]
-
-
-def num_blocks_for(
-    spec: KVCacheSpec,
-    device: torch.device,
-    *,
-    max_batch_size: int,
-    max_sequence_length: int,
-    batch_safety_margin: int,
-    override: int | None = None,
-) -> int:
-    """How many blocks to allocate.
-
-    ``override`` (env ``TGIS_KV_CACHE_BLOCKS``) wins. On CPU: enough for a full batch of
-    maximum-length sequences. On GPU: the free memory (after the weights are loaded) less
-    ``batch_safety_margin`` percent, which also covers activations and logits.
-    """
-    if override is not None:
-        return override
-    per_sequence = math.ceil(max_sequence_length / spec.block_size)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return max_batch_size * per_sequence
-    free, _total = torch.cuda.mem_get_info(device)
-    usable = free * (100 - batch_safety_margin) // 100
-    num_blocks = usable // spec.bytes_per_block
-    if num_blocks < per_sequence:
-        raise StartupError(
-            f"not enough GPU memory for the KV cache: {num_blocks} blocks fit, one sequence of "
-            f"--max-sequence-length {max_sequence_length} needs {per_sequence}"
-        )
-    return int(num_blocks)

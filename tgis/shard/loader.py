@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+
+import torch
 
 from tgis.model_files import resolve_model_dir
-from tgis.shard.attention import select_attention_backend
+from tgis.shard.attention import AttentionBackend, select_attention_backend
+from tgis.shard.capacity import check_fits, configured_blocks, measure_cuda_blocks
 from tgis.shard.config import ShardConfig
 from tgis.shard.device import dtype_name, select_device, select_dtype
 from tgis.shard.engines import select_engine
 from tgis.shard.errors import StartupError
-from tgis.shard.kv_cache import BLOCK_SIZE, KVCache, num_blocks_for
+from tgis.shard.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.messages import ModelKind, ShardInfo
 from tgis.shard.model_config import ModelConfig
 from tgis.shard.model_runner import ModelRunner
-from tgis.shard.models import model_class
+from tgis.shard.models import CausalLM, model_class
 from tgis.shard.parallel.distributed import min_over_ranks
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 from tgis.shard.runner import Runner
@@ -55,22 +59,12 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     model = factory(model_config, weights, attention, config.max_sequence_length)
     weights.close()
     spec = model.kv_cache_spec
-    num_blocks = num_blocks_for(
-        spec,
-        device,
-        max_batch_size=config.max_batch_size,
-        max_sequence_length=config.max_sequence_length,
-        batch_safety_margin=config.batch_safety_margin,
-        override=config.kv_cache_blocks,
-    )
-    num_blocks = min_over_ranks(tp, num_blocks)
-    kv_cache = KVCache(spec, num_blocks, device)
     info = ShardInfo(
         model_kind=ModelKind.CAUSAL_LM,
         eos_token_ids=model_config.eos_token_ids,
         vocab_size=model_config.vocab_size,
         block_size=spec.block_size,
-        num_blocks=num_blocks,
+        num_blocks=0,  # measured next
         world_size=config.world_size,
         max_position_embeddings=model_config.max_position_embeddings,
         model_type=model_config.model_type,
@@ -78,6 +72,9 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         device=str(device),
         attention_backend=attention.name,
     )
+    num_blocks = min_over_ranks(tp, _kv_cache_blocks(config, model, spec, attention, info, device))
+    kv_cache = KVCache(spec, num_blocks, device)
+    info = replace(info, num_blocks=num_blocks)
     log.info(
         "Loaded %s (%s) from %s: %s on %s, %d KV blocks of %d tokens",
         model_config.architecture,
@@ -89,3 +86,39 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         spec.block_size,
     )
     return ModelRunner(model, kv_cache, attention, info, device)
+
+
+def _kv_cache_blocks(
+    config: ShardConfig,
+    model: CausalLM,
+    spec: KVCacheSpec,
+    attention: AttentionBackend,
+    info: ShardInfo,
+    device: torch.device,
+) -> int:
+    """This rank's KV capacity in blocks (``capacity`` explains the rules)."""
+    block_size = spec.block_size
+    if device.type != "cuda" or config.kv_cache_blocks is not None:
+        return configured_blocks(
+            block_size,
+            max_batch_size=config.max_batch_size,
+            max_sequence_length=config.max_sequence_length,
+            max_batch_total_tokens=config.max_batch_total_tokens if device.type != "cuda" else None,
+            override=config.kv_cache_blocks,
+        )
+    measured = measure_cuda_blocks(
+        model,
+        spec,
+        attention,
+        info,
+        device,
+        max_prefill_tokens=config.max_batch_prefill_tokens,
+        max_sequence_length=config.max_sequence_length,
+        memory_fraction=config.cuda_process_memory_fraction,
+        safety_margin=config.batch_safety_margin,
+    )
+    check_fits(measured, block_size, config.max_sequence_length, "GPU memory after the warm-up")
+    if config.max_batch_total_tokens is not None:
+        measured = min(measured, config.max_batch_total_tokens // block_size)
+    log.info("KV cache: %d blocks of %d tokens fit after the warm-up", measured, block_size)
+    return measured

@@ -83,6 +83,8 @@ class StepPlan:
     new_sequences: tuple[NewSequence, ...] = ()
     scheduled: tuple[ScheduledSequence, ...] = ()
     finished_request_ids: tuple[int, ...] = ()
+    # Kept (tokens, counters, generator) but their blocks dropped: recomputed when resumed.
+    preempted_request_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

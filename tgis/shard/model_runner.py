@@ -8,9 +8,10 @@
 3. logits are taken at the last computed position of every sequence whose known tokens are
    now all computed, and one token is sampled for each; sequences mid-prompt get none;
    sequences that asked for input-token details also get logits at their prompt positions;
-4. only then is the state committed (finished forgotten, new registered, block tables,
-   computed counts and tokens updated), so a step that raises changes nothing but the
-   forgetting of finished sequences and the generators' state.
+4. only then is the state committed (new registered, block tables, computed counts and
+   tokens updated), so a step that raises changes nothing but the forgetting of finished
+   sequences, the preemptions (applied first, with the forgetting) and the generators'
+   state.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class ModelRunner:
         resolved = resolve_plan(plan, self.sequences, self.limits)
         for rid in resolved.finished:
             self.sequences.pop(rid, None)
+        for rid in resolved.preempted:
+            self.sequences[rid].preempt()
         if not resolved.work:
             commit_step(self.sequences, resolved, {}, {})
             return StepOutput(step_id=plan.step_id, errors=resolved.errors)
@@ -134,7 +137,7 @@ class ModelRunner:
                 sample_items.append(item)
             # Position p's logits score prompt token p + 1.
             last_scored = min(item.end, item.seq.prompt_len - 1)
-            if item.seq.details.input_tokens and item.start < last_scored:
+            if item.prompt_details and item.start < last_scored:
                 detail_spans.append((item, row, last_scored - item.start))
         layout = BatchLayout(
             query_lens=tuple(item.num_tokens for item in work),
@@ -167,7 +170,7 @@ class ModelRunner:
         the first prompt token (no logits score it) gets a NaN/zero entry."""
         result: dict[int, list[TokenDetail]] = {}
         for item in work:
-            if item.start == 0 and item.seq.details.input_tokens:
+            if item.start == 0 and item.prompt_details:
                 detail = first_input_detail(item.seq.token_ids[0], item.seq.details)
                 result[item.seq.request_id] = [detail]
         for item, row, count in batch.detail_spans:

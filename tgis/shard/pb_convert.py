@@ -73,6 +73,7 @@ def plan_from_pb(pb: shard_pb2.StepRequest) -> StepPlan:
             for s in pb.scheduled
         ),
         finished_request_ids=tuple(pb.finished_request_ids),
+        preempted_request_ids=tuple(pb.preempted_request_ids),
     )
 
 

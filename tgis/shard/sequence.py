@@ -38,3 +38,10 @@ class Sequence:
     def num_uncomputed(self) -> int:
         """Tokens whose keys/values are not yet in the cache."""
         return len(self.token_ids) - self.num_computed
+
+    def preempt(self) -> None:
+        """Drop the block table and the computed count (the router gave the blocks away);
+        token ids, counters and the generator stay, so a recompute resumes the sequence."""
+        self.block_table = []
+        self.num_computed = 0
+        self.input_details = []

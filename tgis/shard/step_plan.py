@@ -2,8 +2,16 @@
 
 ``resolve_plan`` either raises ``InvalidStepError`` (the router broke the protocol; the
 shard's state stays as it was) or returns what the step will do: the sequences to forget,
-the new sequences to register, one ``WorkItem`` per scheduled sequence, and per-sequence
-errors for new sequences that cannot run (these are never registered).
+the sequences to preempt, the new sequences to register, one ``WorkItem`` per scheduled
+sequence, and per-sequence errors for new sequences that cannot run (these are never
+registered).
+
+Preemption: a preempted sequence keeps its token ids, sampling state and counters but loses
+its block table and computed count, so its next ``WorkItem`` starts at position 0 (a
+recompute of every known token, possibly in chunks, in the same step as the preemption or
+later). Nothing is sampled until the last known token is computed (``WorkItem.samples``),
+and the prompt-token details are computed only on the prompt's first pass
+(``WorkItem.prompt_details``), so a resumed sequence continues exactly where it stopped.
 """
 
 from __future__ import annotations
@@ -33,11 +41,22 @@ class WorkItem:
     block_table: tuple[int, ...]  # the sequence's table with this step's new blocks
     samples: bool  # every known token is computed after this step, so one is sampled
     completes_prompt: bool  # this step computes the prompt's last token
+    # Input-token details are wanted for this step's prompt positions: asked for, and the
+    # prompt's first pass (nothing generated yet; a resumed sequence sent them already).
+    prompt_details: bool = False
 
     @classmethod
-    def plan(cls, seq: Sequence, num_tokens: int, block_table: tuple[int, ...]) -> WorkItem:
-        """The work of computing ``seq``'s next ``num_tokens`` tokens."""
-        start, end = seq.num_computed, seq.num_computed + num_tokens
+    def plan(
+        cls,
+        seq: Sequence,
+        num_tokens: int,
+        block_table: tuple[int, ...],
+        start: int | None = None,
+    ) -> WorkItem:
+        """The work of computing ``seq``'s next ``num_tokens`` tokens from ``start``
+        (default: its computed count; 0 when it is resumed after a preemption)."""
+        start = seq.num_computed if start is None else start
+        end = start + num_tokens
         return cls(
             seq=seq,
             start=start,
@@ -45,6 +64,7 @@ class WorkItem:
             block_table=block_table,
             samples=end == len(seq.token_ids),
             completes_prompt=start < seq.prompt_len <= end,
+            prompt_details=seq.details.input_tokens and seq.num_generated == 0,
         )
 
     @property
@@ -58,6 +78,7 @@ class ResolvedStep:
     """What a valid StepPlan does."""
 
     finished: tuple[int, ...]
+    preempted: tuple[int, ...]  # known sequences to preempt (after forgetting finished)
     new: tuple[Sequence, ...]
     work: tuple[WorkItem, ...]
     errors: tuple[SequenceError, ...]
@@ -71,6 +92,8 @@ class PlanLimits:
     num_blocks: int
     block_size: int
     device: torch.device
+    # False for engines that cannot recompute generated tokens (encoder-decoder fallback).
+    resumes_generated: bool = True
 
 
 def resolve_plan(
@@ -78,6 +101,16 @@ def resolve_plan(
 ) -> ResolvedStep:
     """Validate ``plan`` against ``sequences`` without changing them."""
     finished = set(plan.finished_request_ids)
+    preempted = {
+        rid for rid in plan.preempted_request_ids if rid in sequences and rid not in finished
+    }
+    if not limits.resumes_generated:
+        bad_rid = next((r for r in sorted(preempted) if sequences[r].num_generated > 0), None)
+        if bad_rid is not None:
+            raise InvalidStepError(
+                f"request {bad_rid}: this engine cannot preempt a sequence that has "
+                "generated tokens"
+            )
     new: dict[int, Sequence] = {}
     errors: list[SequenceError] = []
     failed: set[int] = set()
@@ -112,9 +145,12 @@ def resolve_plan(
         seq = new.get(rid) or (sequences.get(rid) if rid not in finished else None)
         if seq is None:
             raise InvalidStepError(f"unknown request id {rid}")
-        if not 1 <= s.num_tokens <= seq.num_uncomputed:
+        restart = rid in preempted
+        computed = 0 if restart else seq.num_computed
+        uncomputed = len(seq.token_ids) - computed
+        if not 1 <= s.num_tokens <= uncomputed:
             raise InvalidStepError(
-                f"request {rid}: num_tokens {s.num_tokens} but {seq.num_uncomputed} "
+                f"request {rid}: num_tokens {s.num_tokens} but {uncomputed} "
                 f"token(s) are waiting to be computed"
             )
         bad = [b for b in s.new_block_ids if b >= limits.num_blocks]
@@ -122,16 +158,17 @@ def resolve_plan(
             raise InvalidStepError(
                 f"request {rid}: block id {bad[0]} out of range (num_blocks {limits.num_blocks})"
             )
-        table = (*seq.block_table, *s.new_block_ids)
-        needed = seq.num_computed + s.num_tokens
+        table = (*(() if restart else seq.block_table), *s.new_block_ids)
+        needed = computed + s.num_tokens
         if len(table) * limits.block_size < needed:
             raise InvalidStepError(
                 f"request {rid}: {len(table)} block(s) cannot hold {needed} tokens "
                 f"(block size {limits.block_size})"
             )
-        work.append(WorkItem.plan(seq, s.num_tokens, table))
+        work.append(WorkItem.plan(seq, s.num_tokens, table, computed))
     return ResolvedStep(
         finished=tuple(finished),
+        preempted=tuple(sorted(preempted)),
         new=tuple(new.values()),
         work=tuple(work),
         errors=tuple(errors),

@@ -83,7 +83,7 @@ def commit_step(
         detail = sampled.get(seq.request_id)
         if detail is not None:
             seq.token_ids.append(detail.token_id)
-        if item.completes_prompt and seq.details.input_tokens and seq.request_id not in failed:
+        if item.completes_prompt and item.prompt_details and seq.request_id not in failed:
             completed.append(InputTokenDetails(seq.request_id, tuple(seq.input_details)))
             seq.input_details = []
     for rid in failed:
