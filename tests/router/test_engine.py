@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -46,28 +48,45 @@ INFO = ShardInfo(
 
 
 class ScriptedShard:
-    """Returns token `100 + step` for every sequence whose prompt completes; records plans."""
+    """Returns token `300 + step` for every sequence that has caught up; records plans and
+    checks them like the real shard (a broken plan fails the step with an error)."""
 
-    def __init__(self, fail_at_step: int | None = None, eos_at_step: int | None = None):
+    def __init__(
+        self,
+        fail_at_step: int | None = None,
+        eos_at_step: int | None = None,
+        failure: ShardFailure = ShardFailure.ERROR,
+        oom_when: Callable[[StepPlan], bool] | None = None,
+    ):
         self.plans: list[StepPlan] = []
-        self.known: dict[int, int] = {}
+        self.seqs: dict[int, list[int]] = {}  # request id -> [known tokens, computed]
         self.fail_at_step = fail_at_step
         self.eos_at_step = eos_at_step
+        self.failure = failure
+        self.oom_when = oom_when
 
     async def step(self, plan: StepPlan) -> StepOutput:
         await asyncio.sleep(0.001)
         self.plans.append(plan)
-        if plan.step_id == self.fail_at_step:
-            raise ShardError(ShardFailure.OOM, "GPU out of memory")
         for rid in plan.finished_ids:
-            self.known.pop(rid, None)
+            self.seqs.pop(rid, None)
+        for rid in plan.preempted_ids:
+            if rid in self.seqs:
+                self.seqs[rid][1] = 0
+        if plan.step_id == self.fail_at_step:
+            raise ShardError(self.failure, "GPU out of memory")
+        if self.oom_when is not None and self.oom_when(plan):
+            raise ShardError(ShardFailure.OOM, "GPU out of memory")
         for seq in plan.new_sequences:
-            self.known[seq.request_id] = len(seq.prompt_token_ids)
+            assert seq.request_id not in self.seqs
+            self.seqs[seq.request_id] = [len(seq.prompt_token_ids), 0]
         tokens = {}
         for chunk in plan.scheduled:
-            self.known[chunk.request_id] -= chunk.num_tokens
-            if self.known[chunk.request_id] <= 0:
-                self.known[chunk.request_id] = 1  # the sampled token is computed next step
+            known = self.seqs[chunk.request_id]
+            assert 1 <= chunk.num_tokens <= known[0] - known[1], (chunk, known)
+            known[1] += chunk.num_tokens
+            if known[1] == known[0]:
+                known[0] += 1  # the sampled token is computed next step
                 token = EOS if plan.step_id == self.eos_at_step else 300 + plan.step_id
                 tokens[chunk.request_id] = TokenDetail(token)
         return StepOutput(tokens, {}, {}, 1000)
@@ -88,15 +107,22 @@ def request(max_new_tokens: int, deadline: float | None = None) -> ValidatedRequ
     )
 
 
-def make_engine(shard: ScriptedShard, batch_tokens: int = 4096) -> Engine:
+def make_engine(
+    shard: ScriptedShard,
+    batch_tokens: int = 4096,
+    info: ShardInfo = INFO,
+    batch_size: int = 4,
+    start: bool = True,
+) -> Engine:
     engine = Engine(
         shard=shard,  # type: ignore[arg-type]
-        info=INFO,
+        info=info,
         tokenizer=RouterTokenizer(str(MODEL_DIR / "tokenizer.json")),
-        limits=SchedulerLimits(max_batch_size=4, max_batch_tokens=batch_tokens),
-        metrics=Metrics(max_sequence_length=1024, max_new_tokens=1023, max_batch_size=4),
+        limits=SchedulerLimits(max_batch_size=batch_size, max_batch_prefill_tokens=batch_tokens),
+        metrics=Metrics(max_sequence_length=1024, max_new_tokens=1023, max_batch_size=batch_size),
     )
-    engine.start()
+    if start:
+        engine.start()
     return engine
 
 
@@ -142,7 +168,8 @@ def test_eos_stops_and_shard_failure_fails_every_request_in_the_step() -> None:
         assert isinstance(final, TokenEvent)
         assert (final.stop_reason, final.generated_token_count) == (StopReason.EOS_TOKEN, 3)
 
-        engine = make_engine(ScriptedShard(fail_at_step=2))
+        # Not out of memory (that is retried, below): every request of the step fails.
+        engine = make_engine(ScriptedShard(fail_at_step=2, failure=ShardFailure.ERROR))
         states = [engine.submit(request(10), time.monotonic()) for _ in range(2)]
         results = [await final_event(s) for s in states]
         assert engine.generation_healthy is False
@@ -150,6 +177,11 @@ def test_eos_stops_and_shard_failure_fails_every_request_in_the_step() -> None:
         for result in results:
             assert isinstance(result, GenerationError)
             assert str(result) == "Request failed during generation: GPU out of memory"
+        # A single sequence out of memory: nothing to split, it fails.
+        engine = make_engine(ScriptedShard(fail_at_step=2, failure=ShardFailure.OOM))
+        result = await final_event(engine.submit(request(10), time.monotonic()))
+        await engine.stop()
+        assert isinstance(result, GenerationError)
 
     run(scenario())
 
@@ -164,7 +196,7 @@ def test_abort_and_queue_deadline() -> None:
         await asyncio.sleep(0.02)
         assert state.finish_reason == StopReason.CANCELLED
         assert any(state.request_id in p.finished_ids for p in shard.plans)
-        assert engine.scheduler.allocator.unreserved == INFO.num_blocks
+        assert engine.scheduler.allocator.num_free == INFO.num_blocks
         expired = engine.submit(request(5, deadline=time.monotonic() - 1), time.monotonic())
         final = await final_event(expired)
         await engine.stop()
@@ -184,5 +216,122 @@ def test_chunked_prefill_under_a_small_token_budget(budget: int) -> None:
         assert isinstance(final, TokenEvent) and final.generated_token_count == 2
         chunks = [c.num_tokens for p in shard.plans for c in p.scheduled]
         assert sum(chunks[:-1]) == 3 and max(chunks) <= budget
+
+    run(scenario())
+
+
+# ---- KV pressure, preemption, out of memory --------------------------------------------------
+
+
+def gauge(engine: Engine, name: str) -> float:
+    for line in engine.metrics.render().decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not exported")
+
+
+SMALL_KV = replace(INFO, num_blocks=8, block_size=4)
+
+
+async def drained(engine: Engine, shard: ScriptedShard) -> None:
+    """Wait until the engine has told the shard to forget everything."""
+    for _ in range(200):
+        if not engine.scheduler.has_work and not shard.seqs:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"not drained: shard holds {sorted(shard.seqs)}")
+
+
+def test_requests_beyond_kv_capacity_are_preempted_and_all_finish() -> None:
+    async def scenario() -> None:
+        shard = ScriptedShard()
+        engine = make_engine(shard, info=SMALL_KV, batch_size=6)
+        # Each needs 6 blocks at the end (3 + 20 tokens), 8 blocks in all.
+        states = [engine.submit(request(20), time.monotonic()) for _ in range(6)]
+        finals = [await final_event(s) for s in states]
+        await drained(engine, shard)
+        await engine.stop()
+        for final in finals:
+            assert isinstance(final, TokenEvent)
+            assert (final.generated_token_count, final.stop_reason) == (20, StopReason.MAX_TOKENS)
+        assert engine.scheduler.preemption_count > 0
+        assert any(p.preempted_ids for p in shard.plans)
+        assert engine.scheduler.allocator.num_free == SMALL_KV.num_blocks
+        assert gauge(engine, "tgi_batch_current_size") == 0
+        assert gauge(engine, "tgi_queue_size") == 0
+        assert gauge(engine, "tgi_kv_cache_used_blocks") == 0
+
+    run(scenario())
+
+
+def test_out_of_memory_retries_without_the_younger_half() -> None:
+    async def scenario() -> None:
+        oomed: list[int] = []
+
+        def oom_once(plan: StepPlan) -> bool:
+            if not oomed and len(plan.scheduled) >= 4:
+                oomed.append(plan.step_id)
+                return True
+            return False
+
+        shard = ScriptedShard(oom_when=oom_once)
+        engine = make_engine(shard)
+        first = engine.submit(request(30), time.monotonic())
+        await asyncio.sleep(0.02)
+        others = [engine.submit(request(6), time.monotonic()) for _ in range(3)]
+        finals = [await final_event(s) for s in (first, *others)]
+        await drained(engine, shard)
+        await engine.stop()
+        assert oomed, "the scenario never ran out of memory"
+        for final, count in zip(finals, (30, 6, 6, 6), strict=True):
+            assert isinstance(final, TokenEvent) and final.generated_token_count == count
+        retry = next(p for p in shard.plans if p.step_id == oomed[0] + 1)
+        # The older half; the one the failed step announced is announced again.
+        assert [c.request_id for c in retry.scheduled] == [first.request_id, others[0].request_id]
+        assert [n.request_id for n in retry.new_sequences] == [others[0].request_id]
+        assert engine.metrics.counter("inference_failed").value("next_token", "oom") == 1
+
+    run(scenario())
+
+
+def test_out_of_memory_again_on_the_retry_fails_its_requests() -> None:
+    async def scenario() -> None:
+        shard = ScriptedShard(oom_when=lambda plan: len(plan.scheduled) >= 2)
+        engine = make_engine(shard)
+        states = [engine.submit(request(8), time.monotonic()) for _ in range(4)]
+        finals = [await final_event(s) for s in states]
+        await drained(engine, shard)
+        await engine.stop()
+        # 4 → retry 2 → fails; the 2 preempted → retry 1 → succeeds... and so on: each
+        # OOM costs at most the retried half, and nothing hangs.
+        failed = [f for f in finals if isinstance(f, GenerationError)]
+        done = [f for f in finals if isinstance(f, TokenEvent)]
+        assert failed and done
+        assert all(f.generated_token_count == 8 for f in done)  # type: ignore[union-attr]
+        assert engine.scheduler.allocator.num_free == INFO.num_blocks
+
+    run(scenario())
+
+
+def test_a_preempted_request_cancelled_or_expired_in_the_queue() -> None:
+    async def scenario() -> None:
+        engine = make_engine(ScriptedShard(), start=False)
+        now = time.monotonic()
+        cancelled = engine.submit(request(9), now)
+        expired = engine.submit(request(9, deadline=now + 100), now)
+        for state in (cancelled, expired):  # as if they had run and been preempted
+            state.known_to_shard = True
+            state.preemptions = 1
+            state.generated_ids = [300, 301]
+        engine._detokenizer(expired).push(300)
+        engine.abort(cancelled)
+        engine._drop_aborted_and_expired(now + 101)
+        assert cancelled.finish_reason == StopReason.CANCELLED
+        final = await final_event(expired)
+        assert isinstance(final, TokenEvent)
+        assert (final.stop_reason, final.generated_token_count) == (StopReason.TIME_LIMIT, 2)
+        plan = engine.scheduler.schedule(now)
+        assert sorted(plan.finished_ids) == [cancelled.request_id, expired.request_id]
+        assert not engine.scheduler.has_work
 
     run(scenario())

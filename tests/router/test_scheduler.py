@@ -1,6 +1,14 @@
-"""Block accounting and step planning (pure router logic, no processes)."""
+"""Block accounting and step planning (pure router logic, no processes, no torch).
+
+The property test at the end drives the scheduler with random workloads against a
+simulated shard that checks every plan the way the real one does (and more: no block is
+ever in two live block tables).
+"""
 
 from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -14,6 +22,7 @@ from tgis.router.request_types import (
     ValidatedRequest,
 )
 from tgis.router.scheduler import Scheduler, SchedulerLimits
+from tgis.router.step import StepPlan
 
 
 def make_state(request_id: int, prompt_len: int, max_new_tokens: int) -> RequestState:
@@ -29,35 +38,65 @@ def make_state(request_id: int, prompt_len: int, max_new_tokens: int) -> Request
     return RequestState(request_id=request_id, request=request, arrival=0.0)
 
 
+def limits(batch: int = 8, prefill: int = 1000, **kwargs: object) -> SchedulerLimits:
+    return SchedulerLimits(max_batch_size=batch, max_batch_prefill_tokens=prefill, **kwargs)  # type: ignore[arg-type]
+
+
+def token_for(request_id: int, index: int) -> int:
+    """The token the simulated shard samples at each output position of each request."""
+    return (request_id * 7919 + index * 104729) % 1000 + 3
+
+
+def complete(scheduler: Scheduler, plan: StepPlan) -> list[RequestState]:
+    """What the engine does with a successful step: count computed tokens and append the
+    token sampled for each sequence that caught up. Returns the states that got a token."""
+    by_id = {s.request_id: s for s in scheduler.running}
+    sampled = []
+    for chunk in plan.scheduled:
+        state = by_id[chunk.request_id]
+        state.num_computed += chunk.num_tokens
+        if state.uncomputed == 0:
+            state.generated_ids.append(token_for(state.request_id, len(state.generated_ids)))
+            sampled.append(state)
+    return sampled
+
+
+# ---- allocator ---------------------------------------------------------------------------
+
+
 def test_blocks_for_rounds_up() -> None:
     assert [blocks_for(n, 16) for n in (0, 1, 16, 17, 32, 33)] == [0, 1, 1, 2, 2, 3]
 
 
-def test_allocator_reserves_grows_and_releases() -> None:
+def test_allocator_allocates_grows_and_releases() -> None:
     allocator = BlockAllocator(num_blocks=4, block_size=4)
-    assert allocator.can_reserve(16) and not allocator.can_reserve(17)
-    reserved = allocator.reserve(10)
-    assert reserved == 3 and allocator.unreserved == 1
-    owned: list[int] = []
-    assert allocator.grow(owned, 5) == (0, 1)
-    assert allocator.grow(owned, 8) == ()
-    assert allocator.grow(owned, 9) == (2,)
-    assert allocator.num_free == 1
-    allocator.release(owned, reserved)
-    assert owned == [] and allocator.num_free == 4 and allocator.unreserved == 4
+    owned = allocator.allocate(1)
+    assert owned == [0]
+    assert allocator.missing(owned, 9) == 2
+    assert allocator.grow(owned, 9) == (1, 2)
+    assert allocator.grow(owned, 12) == ()
+    assert (allocator.num_free, allocator.num_used) == (1, 3)
+    with pytest.raises(RuntimeError):
+        allocator.grow(owned, 17)  # needs 2 more, 1 free: nothing is taken
+    assert allocator.num_free == 1 and len(owned) == 3
+    allocator.release(owned)
+    assert owned == [] and allocator.num_free == 4
+
+
+# ---- steps, chunks, admission --------------------------------------------------------------
 
 
 def test_new_requests_join_the_running_batch_at_the_next_step() -> None:
-    scheduler = Scheduler(BlockAllocator(64, 4), SchedulerLimits(8, 1000))
+    scheduler = Scheduler(BlockAllocator(64, 4), limits())
     first = make_state(1, prompt_len=5, max_new_tokens=10)
     scheduler.add(first)
     plan = scheduler.schedule(now=0.0)
     assert [s.request_id for s in plan.new_sequences] == [1]
+    # Admission allocates the whole prompt's blocks; the shard hears of them in the chunk.
     assert [(c.request_id, c.num_tokens, c.new_block_ids) for c in plan.scheduled] == [
         (1, 5, (0, 1))
     ]
-    first.num_computed = 5
-    first.generated_ids.append(42)
+    complete(scheduler, plan)
     second = make_state(2, prompt_len=3, max_new_tokens=4)
     scheduler.add(second)
     plan = scheduler.schedule(now=1.0)
@@ -67,36 +106,371 @@ def test_new_requests_join_the_running_batch_at_the_next_step() -> None:
     assert second.status is RequestStatus.RUNNING and second.started_at == 1.0
 
 
-def test_long_prompts_are_prefilled_in_chunks_within_the_token_budget() -> None:
-    scheduler = Scheduler(BlockAllocator(64, 4), SchedulerLimits(8, 6))
-    state = make_state(1, prompt_len=14, max_new_tokens=2)
+def test_long_prompts_are_chunked_and_decodes_do_not_count_against_the_budget() -> None:
+    scheduler = Scheduler(BlockAllocator(64, 4), limits(prefill=6))
+    decoding = make_state(1, prompt_len=2, max_new_tokens=50)
+    scheduler.add(decoding)
+    complete(scheduler, scheduler.schedule(0.0))
+    state = make_state(2, prompt_len=14, max_new_tokens=2)
     scheduler.add(state)
     chunks = []
     while state.in_prompt:
         plan = scheduler.schedule(now=0.0)
-        (chunk,) = plan.scheduled
-        chunks.append(chunk.num_tokens)
-        state.num_computed += chunk.num_tokens
+        assert plan.scheduled[0].request_id == 1 and plan.scheduled[0].num_tokens == 1
+        chunks.append(plan.scheduled[1].num_tokens)
+        complete(scheduler, plan)
     assert chunks == [6, 6, 2]
     assert len(state.block_ids) == blocks_for(14, 4)
+    assert state.generated_ids == [token_for(2, 0)]
 
 
-def test_admission_respects_batch_size_and_kv_reservation() -> None:
-    scheduler = Scheduler(BlockAllocator(8, 4), SchedulerLimits(2, 1000))
-    states = [make_state(i, prompt_len=4, max_new_tokens=8) for i in range(1, 5)]
+def test_a_budget_shared_by_chunks_admits_the_last_request_partially() -> None:
+    scheduler = Scheduler(BlockAllocator(64, 4), limits(prefill=10))
+    for rid, length in ((1, 4), (2, 9), (3, 2)):
+        scheduler.add(make_state(rid, length, 5))
+    plan = scheduler.schedule(0.0)
+    assert [(c.request_id, c.num_tokens) for c in plan.scheduled] == [(1, 4), (2, 6)]
+    assert [s.request_id for s in scheduler.waiting] == [3]
+    complete(scheduler, plan)
+    plan = scheduler.schedule(0.0)  # 1 decodes, 2 finishes its prompt, 3 is admitted
+    assert [(c.request_id, c.num_tokens) for c in plan.scheduled] == [(1, 1), (2, 3), (3, 2)]
+
+
+def test_admission_respects_batch_size_and_keeps_headroom() -> None:
+    scheduler = Scheduler(BlockAllocator(8, 4), limits(batch=2))
+    states = [make_state(i, prompt_len=8, max_new_tokens=8) for i in range(1, 5)]
     for s in states:
         scheduler.add(s)
     plan = scheduler.schedule(now=0.0)
-    # Each needs 3 blocks worst case: 2 fit in 8 blocks, and the batch size is 2 anyway.
-    assert [s.request_id for s in plan.new_sequences] == [1, 2]
-    assert len(scheduler.waiting) == 2
+    assert [s.request_id for s in plan.new_sequences] == [1, 2]  # batch size 2
     scheduler.finish(states[0])
+    assert scheduler.allocator.num_free == 6  # freed at once
     plan = scheduler.schedule(now=0.0)
     assert plan.finished_ids == (1,)
     assert [s.request_id for s in plan.new_sequences] == [3]
+    # 2 prompt blocks + 1 block of headroom must be free to admit next to others: 2 free.
+    scheduler = Scheduler(BlockAllocator(6, 4), limits())
+    for s in [make_state(i, prompt_len=8, max_new_tokens=8) for i in range(1, 4)]:
+        scheduler.add(s)
+    assert [s.request_id for s in scheduler.schedule(0.0).new_sequences] == [1, 2]
+    assert scheduler.allocator.num_free == 2 and len(scheduler.waiting) == 1
 
 
-def test_reservation_beyond_capacity_is_refused() -> None:
-    allocator = BlockAllocator(2, 4)
-    with pytest.raises(RuntimeError):
-        allocator.reserve(9)
+def test_a_lone_request_needs_no_headroom() -> None:
+    scheduler = Scheduler(BlockAllocator(4, 4), limits())
+    scheduler.add(make_state(1, prompt_len=15, max_new_tokens=1))
+    assert [s.request_id for s in scheduler.schedule(0.0).new_sequences] == [1]
+
+
+@pytest.mark.parametrize(
+    ("waiting", "ratio", "joins_at_step"),
+    [(1, 1.0, 5), (3, 1.0, 5), (4, 1.0, 1), (2, 0.5, 1), (1, 0.0, 1)],
+)
+def test_waiting_served_ratio_and_max_waiting_tokens(
+    waiting: int, ratio: float, joins_at_step: int
+) -> None:
+    scheduler = Scheduler(
+        BlockAllocator(256, 4), limits(max_waiting_tokens=5, waiting_served_ratio=ratio)
+    )
+    for rid in range(1, 5):
+        scheduler.add(make_state(rid, 3, 100))
+    complete(scheduler, scheduler.schedule(0.0))  # 4 running
+    for rid in range(5, 5 + waiting):
+        scheduler.add(make_state(rid, 3, 100))
+    for step in range(1, 8):
+        plan = scheduler.schedule(0.0)
+        complete(scheduler, plan)
+        if plan.new_sequences:
+            assert step == joins_at_step
+            assert len(plan.new_sequences) == waiting
+            return
+    pytest.fail("the waiting requests never joined")
+
+
+# ---- preemption --------------------------------------------------------------------------
+
+
+def test_decode_without_a_free_block_preempts_the_youngest() -> None:
+    scheduler = Scheduler(BlockAllocator(6, 4), limits())
+    a, b, c = (make_state(i, prompt_len=4, max_new_tokens=50) for i in (1, 2, 3))
+    for s in (a, b, c):
+        scheduler.add(s)
+    plan = scheduler.schedule(0.0)
+    assert len(plan.new_sequences) == 3  # 3 blocks + headroom: all fit
+    complete(scheduler, plan)
+    plan = scheduler.schedule(0.0)  # each decode needs its 2nd block: 3 free
+    complete(scheduler, plan)
+    assert scheduler.allocator.num_free == 0
+    for _ in range(3):
+        complete(scheduler, scheduler.schedule(0.0))
+    plan = scheduler.schedule(0.0)  # position 8: a 3rd block each, none free
+    assert plan.preempted_ids == (3,)
+    assert [x.request_id for x in scheduler.running] == [1, 2]
+    assert [x.request_id for x in scheduler.waiting] == [3]
+    assert c.block_ids == [] and c.num_computed == 0 and c.preemptions == 1
+    assert [(x.request_id, x.num_tokens) for x in plan.scheduled] == [(1, 1), (2, 1)]
+    assert not plan.new_sequences
+    complete(scheduler, plan)
+    # 3 blocks free, c needs 3 plus one of headroom next to b: not yet.
+    scheduler.finish(a)
+    plan = scheduler.schedule(0.0)
+    assert [(x.request_id, x.num_tokens) for x in plan.scheduled] == [(2, 1)]
+    complete(scheduler, plan)
+    # Resumed once enough is free: every known token recomputed, nothing new announced.
+    scheduler.finish(b)
+    plan = scheduler.schedule(0.0)
+    known = c.known_length
+    assert [(x.request_id, x.num_tokens) for x in plan.scheduled] == [(3, known)]
+    assert plan.finished_ids == (2,) and not plan.new_sequences and not plan.preempted_ids
+    sampled = complete(scheduler, plan)
+    assert c in sampled and c.generated_ids == [token_for(3, i) for i in range(6)]
+
+
+def test_the_needy_youngest_preempts_itself_and_goes_before_fresh_requests() -> None:
+    scheduler = Scheduler(BlockAllocator(4, 4), limits())
+    a, b = make_state(1, 4, 50), make_state(2, 8, 50)
+    scheduler.add(a)
+    scheduler.add(b)
+    complete(scheduler, scheduler.schedule(0.0))  # 1 + 2 blocks, 1 free
+    scheduler.add(make_state(3, 1, 1))
+    # a takes the last block for position 4; b needs one for position 8 and is the youngest.
+    plan = scheduler.schedule(0.0)
+    assert plan.preempted_ids == (2,) and [x.request_id for x in plan.scheduled] == [1]
+    assert not plan.new_sequences
+    assert [x.request_id for x in scheduler.waiting] == [2, 3]
+
+
+def test_reserve_mode_allocates_the_worst_case_and_never_preempts() -> None:
+    scheduler = Scheduler(BlockAllocator(8, 4), limits(preemption=False))
+    states = [make_state(i, prompt_len=4, max_new_tokens=8) for i in range(1, 4)]
+    for s in states:
+        scheduler.add(s)
+    plan = scheduler.schedule(0.0)
+    assert [s.request_id for s in plan.new_sequences] == [1, 2]  # 3 blocks each
+    assert plan.scheduled[0].new_block_ids == (0, 1, 2)
+    while states[0].status is RequestStatus.RUNNING:
+        plan = scheduler.schedule(0.0)
+        assert not plan.preempted_ids and all(not c.new_block_ids for c in plan.scheduled)
+        for s in complete(scheduler, plan):
+            if len(s.generated_ids) == 8:
+                scheduler.finish(s)
+
+
+def test_finished_and_cancelled_requests_free_blocks_at_once_running_or_queued() -> None:
+    scheduler = Scheduler(BlockAllocator(4, 4), limits())
+    a, b, c = make_state(1, 4, 50), make_state(2, 8, 50), make_state(3, 1, 5)
+    for s in (a, b, c):
+        scheduler.add(s)
+    complete(scheduler, scheduler.schedule(0.0))
+    assert scheduler.schedule(0.0).preempted_ids == (2,)  # queued, known to the shard
+    scheduler.finish(c)  # never admitted: nothing for the shard to forget
+    scheduler.finish(b)  # queued after preemption: the shard must forget it
+    assert scheduler.allocator.num_free == 2
+    scheduler.finish(a)
+    assert scheduler.allocator.num_free == 4
+    plan = scheduler.schedule(0.0)
+    assert sorted(plan.finished_ids) == [1, 2] and not plan.scheduled
+    assert not scheduler.has_work
+
+
+def test_a_failed_step_is_undone_and_its_messages_sent_again() -> None:
+    scheduler = Scheduler(BlockAllocator(4, 4), limits())
+    a, b = make_state(1, 4, 50), make_state(2, 8, 50)
+    scheduler.add(a)
+    scheduler.add(b)
+    complete(scheduler, scheduler.schedule(0.0))
+    plan = scheduler.schedule(0.0)
+    assert plan.preempted_ids == (2,)
+    scheduler.step_failed(plan)
+    scheduler.add(make_state(3, 2, 2))
+    again = scheduler.schedule(0.0)
+    assert again.preempted_ids == (2,)
+    assert again.scheduled == plan.scheduled  # the same work, same blocks announced
+    # A new sequence whose announcing step failed is announced again.
+    fresh = Scheduler(BlockAllocator(8, 4), limits())
+    fresh.add(make_state(1, 5, 3))
+    first = fresh.schedule(0.0)
+    fresh.step_failed(first)
+    assert fresh.schedule(0.0).new_sequences == first.new_sequences
+
+
+def test_no_starvation_a_long_head_is_admitted_before_anything_behind_it() -> None:
+    scheduler = Scheduler(BlockAllocator(16, 4), limits(prefill=64))
+    rng = random.Random(5)
+    next_id = 1
+    admitted_order: list[int] = []
+    big: RequestState | None = None
+    for step in range(400):
+        if step == 3:
+            big = make_state(next_id, 60, 2)  # needs 15 of the 16 blocks
+            scheduler.add(big)
+            next_id += 1
+        for _ in range(rng.randrange(0, 3)):  # a steady stream of small requests
+            scheduler.add(make_state(next_id, rng.randrange(1, 8), rng.randrange(1, 10)))
+            next_id += 1
+        plan = scheduler.schedule(float(step))
+        admitted_order += [s.request_id for s in plan.new_sequences]
+        for s in complete(scheduler, plan):
+            if len(s.generated_ids) >= s.request.stopping.max_new_tokens:
+                scheduler.finish(s)
+    assert big is not None and big.status is RequestStatus.FINISHED
+    assert admitted_order == sorted(admitted_order)  # FIFO: nobody overtook anybody
+
+
+# ---- property test ---------------------------------------------------------------------------
+
+
+@dataclass
+class SimSequence:
+    tokens: list[int]
+    prompt_len: int
+    computed: int = 0
+    table: list[int] = field(default_factory=list)
+
+
+class SimShard:
+    """The shard's bookkeeping, with assertions for every rule a plan must follow."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.seqs: dict[int, SimSequence] = {}
+
+    def forget_and_preempt(self, plan: StepPlan) -> None:
+        for rid in plan.finished_ids:
+            self.seqs.pop(rid, None)
+        for rid in plan.preempted_ids:
+            if rid in self.seqs:
+                self.seqs[rid].computed = 0
+                self.seqs[rid].table = []
+
+    def prefill_tokens(self, plan: StepPlan) -> int:
+        """Tokens of the plan that are prompt or recompute tokens (not decodes)."""
+        total = 0
+        for chunk in plan.scheduled:
+            seq = self.seqs.get(chunk.request_id)
+            if seq is None or seq.computed < seq.prompt_len or len(seq.tokens) - seq.computed > 1:
+                total += chunk.num_tokens
+        return total
+
+    def step(self, plan: StepPlan) -> None:
+        self.forget_and_preempt(plan)
+        for ns in plan.new_sequences:
+            assert ns.request_id not in self.seqs
+            self.seqs[ns.request_id] = SimSequence(
+                list(ns.prompt_token_ids), len(ns.prompt_token_ids)
+            )
+        seen = set()
+        for chunk in plan.scheduled:
+            assert chunk.request_id not in seen
+            seen.add(chunk.request_id)
+            seq = self.seqs[chunk.request_id]
+            assert 1 <= chunk.num_tokens <= len(seq.tokens) - seq.computed
+            seq.table += chunk.new_block_ids
+            assert len(seq.table) * self.block_size >= seq.computed + chunk.num_tokens
+            seq.computed += chunk.num_tokens
+            if seq.computed == len(seq.tokens):
+                seq.tokens.append(token_for(chunk.request_id, len(seq.tokens) - seq.prompt_len))
+        live = [b for seq in self.seqs.values() for b in seq.table]
+        assert len(live) == len(set(live)), "a block is in two block tables"
+        assert all(0 <= b < self.num_blocks for b in live)
+
+
+def plan_ids(plan: StepPlan) -> set[int]:
+    return {c.request_id for c in plan.scheduled}
+
+
+def check_invariants(scheduler: Scheduler, lim: SchedulerLimits) -> None:
+    allocator = scheduler.allocator
+    owned = [b for s in scheduler.running for b in s.block_ids]
+    assert len(owned) == len(set(owned)) == allocator.num_used <= allocator.num_blocks
+    assert all(not s.block_ids for s in scheduler.waiting)
+    assert len(scheduler.running) <= lim.max_batch_size
+    running = [s.request_id for s in scheduler.running]
+    waiting = [s.request_id for s in scheduler.waiting]
+    # The running batch is a prefix of the arrival order, the queue the rest, in order.
+    assert running == sorted(running) and waiting == sorted(waiting)
+    assert not running or not waiting or running[-1] < waiting[0]
+    for s in scheduler.running + list(scheduler.waiting):
+        assert s.generated_ids == [token_for(s.request_id, i) for i in range(len(s.generated_ids))]
+
+
+def run_random_workload(seed: int) -> Scheduler:
+    """Random arrivals (long and short), cancellations and timeouts of queued or running
+    requests, EOS, failed shard calls, tight KV capacity (so preemption happens) and
+    random limits; every step's plan is checked by ``SimShard`` and every state by
+    ``check_invariants``; then everything drains."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 16])
+    max_len = rng.randrange(8, 80)
+    num_blocks = blocks_for(max_len, block_size) + rng.randrange(0, 12)
+    lim = SchedulerLimits(
+        max_batch_size=rng.randrange(1, 10),
+        max_batch_prefill_tokens=rng.randrange(1, 3 * max_len),
+        max_waiting_tokens=rng.randrange(0, 6),
+        waiting_served_ratio=rng.choice([0.0, 0.5, 1.2, 2.0]),
+        preemption=rng.random() < 0.85,
+    )
+    scheduler = Scheduler(BlockAllocator(num_blocks, block_size), lim)
+    shard = SimShard(num_blocks, block_size)
+    states: list[RequestState] = []
+    next_id = 1
+    steps = rng.randrange(60, 300)
+    for step in range(100_000):
+        arriving = step < steps and next_id <= 80
+        if arriving:
+            for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
+                prompt = rng.randrange(1, max_len)
+                state = make_state(next_id, prompt, rng.randrange(1, max_len - prompt + 1))
+                scheduler.add(state)
+                states.append(state)
+                next_id += 1
+            for _ in range(rng.choice([0, 0, 0, 1])):  # cancel or time out anything
+                live = [s for s in states if s.status is not RequestStatus.FINISHED]
+                if live:
+                    scheduler.finish(rng.choice(live))
+        elif not scheduler.has_work:
+            break
+        plan = scheduler.schedule(float(step))
+        assert shard.prefill_tokens(plan) <= lim.max_batch_prefill_tokens
+        assert len(plan.scheduled) <= lim.max_batch_size
+        if not lim.preemption:
+            assert not plan.preempted_ids
+        if arriving and rng.random() < 0.05:  # the shard call fails
+            if rng.random() < 0.5:
+                shard.forget_and_preempt(plan)  # out of memory: forgetting happened
+            scheduler.step_failed(plan)
+            failed = sorted(
+                (s for s in scheduler.running if s.request_id in plan_ids(plan)),
+                key=lambda s: s.request_id,
+            )
+            if lim.preemption and rng.random() < 0.5:  # the engine's retry after OOM
+                for state in reversed(failed[len(failed) // 2 :]):
+                    scheduler.preempt(state)
+            else:
+                for state in failed:
+                    scheduler.finish(state)
+        else:
+            shard.step(plan)
+            for state in complete(scheduler, plan):
+                if len(state.generated_ids) >= state.request.stopping.max_new_tokens or (
+                    rng.random() < 0.03
+                ):
+                    scheduler.finish(state)
+        check_invariants(scheduler, lim)
+    else:
+        pytest.fail("the workload never drained")
+    assert scheduler.allocator.num_free == num_blocks
+    assert not shard.seqs, "the shard still holds sequences the router forgot"
+    assert all(s.status is RequestStatus.FINISHED for s in states)
+    return scheduler
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workloads_never_exceed_capacity_and_return_every_block(seed: int) -> None:
+    run_random_workload(seed)
+
+
+def test_random_workloads_preempt() -> None:
+    counts = [run_random_workload(seed).preemption_count for seed in range(8)]
+    assert sum(c > 0 for c in counts) >= 4, counts

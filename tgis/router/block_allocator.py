@@ -1,9 +1,12 @@
 """KV-cache block accounting: which of the shard's blocks each sequence owns.
 
-The shard owns the tensors; the router decides which block ids each sequence writes
-to. A sequence *reserves* enough blocks for its worst case (prompt + max_new_tokens)
-when it is admitted, so a running sequence can never run out of blocks mid-generation;
-blocks are *allocated* lazily as its length grows, and both are returned on free.
+The shard owns the tensors; the router decides which block ids each sequence writes to.
+This is a plain free list: the scheduler allocates a sequence's blocks when it admits it
+(enough for every token it knows) and one more whenever a decode crosses a block boundary,
+and frees them all at once when the sequence finishes, is cancelled or is preempted. It
+never over-commits: `allocate` and `grow` fail rather than hand out a block twice, so the
+scheduler checks `missing` against `num_free` first (and preempts when a decode needs a
+block and none is free).
 """
 
 from __future__ import annotations
@@ -22,41 +25,36 @@ class BlockAllocator:
         self.block_size = block_size
         # Pop from the end: low ids first.
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._reserved = 0
-
-    @property
-    def unreserved(self) -> int:
-        """Blocks neither allocated nor promised to a running sequence."""
-        return self.num_blocks - self._reserved
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def can_reserve(self, num_tokens: int) -> bool:
-        return blocks_for(num_tokens, self.block_size) <= self.unreserved
+    @property
+    def num_used(self) -> int:
+        """Blocks owned by some sequence (the used-KV gauge)."""
+        return self.num_blocks - len(self._free)
 
-    def reserve(self, num_tokens: int) -> int:
-        """Promise blocks for a sequence of up to `num_tokens`; returns the block count."""
-        count = blocks_for(num_tokens, self.block_size)
-        if count > self.unreserved:
-            raise RuntimeError("KV blocks over-reserved")
-        self._reserved += count
-        return count
+    def blocks_for(self, num_tokens: int) -> int:
+        return blocks_for(num_tokens, self.block_size)
+
+    def missing(self, owned: list[int], new_length: int) -> int:
+        """Blocks `owned` lacks to hold `new_length` tokens."""
+        return max(self.blocks_for(new_length) - len(owned), 0)
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` free blocks; RuntimeError (nothing taken) if fewer are free."""
+        if count > len(self._free):
+            raise RuntimeError(f"KV blocks exhausted: {count} wanted, {len(self._free)} free")
+        return [self._free.pop() for _ in range(count)]
 
     def grow(self, owned: list[int], new_length: int) -> tuple[int, ...]:
         """Allocate the blocks `owned` lacks to hold `new_length` tokens; returns the new ids."""
-        missing = blocks_for(new_length, self.block_size) - len(owned)
-        if missing <= 0:
-            return ()
-        if missing > len(self._free):
-            raise RuntimeError("KV blocks exhausted despite reservation")
-        new = tuple(self._free.pop() for _ in range(missing))
+        new = tuple(self.allocate(self.missing(owned, new_length)))
         owned.extend(new)
         return new
 
-    def release(self, owned: list[int], reserved: int) -> None:
-        """Return a finished sequence's blocks and its reservation."""
+    def release(self, owned: list[int]) -> None:
+        """Return a sequence's blocks (finished, cancelled or preempted)."""
         self._free.extend(reversed(owned))
         owned.clear()
-        self._reserved -= reserved

@@ -18,16 +18,61 @@ def _default_tokenization_workers() -> int:
 
 @click.command(context_settings={"show_default": True, "max_content_width": 100})
 @click.option("--max-concurrent-requests", envvar="MAX_CONCURRENT_REQUESTS", default=512)
-@click.option("--max-sequence-length", envvar="MAX_SEQUENCE_LENGTH", default=2048)
+@click.option(
+    "--max-sequence-length",
+    "--max-total-tokens",
+    "max_sequence_length",
+    envvar=["MAX_SEQUENCE_LENGTH", "MAX_TOTAL_TOKENS"],
+    default=2048,
+    help="Input + output tokens of one request (--max-total-tokens is TGI's name).",
+)
 @click.option("--max-new-tokens", envvar="MAX_NEW_TOKENS", default=1024)
 @click.option("--max-batch-size", envvar="MAX_BATCH_SIZE", default=12)
 @click.option("--max-prefill-padding", envvar="MAX_PREFILL_PADDING", default=0.2)
-@click.option("--max-waiting-tokens", envvar="MAX_WAITING_TOKENS", default=24)
 @click.option(
+    "--max-waiting-tokens",
+    envvar="MAX_WAITING_TOKENS",
+    default=24,
+    help="Steps after which queued requests join the running batch whatever their number "
+    "(0: at the next step).",
+)
+@click.option(
+    "--waiting-served-ratio",
+    envvar="WAITING_SERVED_RATIO",
+    default=1.2,
+    help="Queued requests join a running batch of n sequences at once when at least "
+    "floor(n × ratio) of them can.",
+)
+@click.option(
+    "--max-batch-prefill-tokens",
     "--max-batch-tokens",
-    envvar="MAX_BATCH_TOKENS",
-    default=4096,
-    help="Most tokens computed in one step; longer prompts are prefilled in chunks.",
+    "max_batch_prefill_tokens",
+    envvar=["MAX_BATCH_PREFILL_TOKENS", "MAX_BATCH_TOKENS"],
+    type=int,
+    default=None,
+    help="Prompt tokens computed per step; longer prompts are prefilled in chunks alongside "
+    "the decodes  [default: 4096, or --max-batch-total-tokens if smaller]",
+)
+@click.option(
+    "--max-batch-total-tokens",
+    envvar="MAX_BATCH_TOTAL_TOKENS",
+    type=int,
+    default=None,
+    help="KV tokens the running batch may hold  [default: the shard's capacity]",
+)
+@click.option(
+    "--max-client-batch-size",
+    envvar="MAX_CLIENT_BATCH_SIZE",
+    type=int,
+    default=None,
+    help="Most inputs in one Generate call  [default: no limit]",
+)
+@click.option(
+    "--max-input-tokens",
+    envvar="MAX_INPUT_TOKENS",
+    type=int,
+    default=None,
+    help="Longest input in tokens, after truncation  [default: max-sequence-length - 1]",
 )
 @click.option("-p", "--port", envvar="PORT", default=3000, help="HTTP port (/health, /metrics).")
 @click.option("-g", "--grpc-port", envvar="GRPC_PORT", default=8033)
@@ -55,7 +100,11 @@ def main(
     max_batch_size: int,
     max_prefill_padding: float,
     max_waiting_tokens: int,
-    max_batch_tokens: int,
+    waiting_served_ratio: float,
+    max_batch_prefill_tokens: int | None,
+    max_batch_total_tokens: int | None,
+    max_client_batch_size: int | None,
+    max_input_tokens: int | None,
     port: int,
     grpc_port: int,
     master_shard_uds_path: str,
@@ -93,7 +142,11 @@ def main(
             max_batch_size=max_batch_size,
             max_prefill_padding=max_prefill_padding,
             max_waiting_tokens=max_waiting_tokens,
-            max_batch_tokens=max_batch_tokens,
+            waiting_served_ratio=waiting_served_ratio,
+            max_batch_prefill_tokens=max_batch_prefill_tokens,
+            max_batch_total_tokens=max_batch_total_tokens,
+            max_client_batch_size=max_client_batch_size,
+            max_input_tokens=max_input_tokens,
             port=port,
             grpc_port=grpc_port,
             shard_uds_path=master_shard_uds_path,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+DEFAULT_MAX_BATCH_PREFILL_TOKENS = 4096
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -29,9 +32,18 @@ class RouterConfig:
     max_prefill_padding: float = 0.2
     """Accepted for compatibility; the paged engine never pads."""
     max_waiting_tokens: int = 24
-    """Accepted for compatibility; new requests join the running batch at the next step."""
-    max_batch_tokens: int = 4096
-    """Most tokens computed in one step (prefill chunks + decodes); longer prompts are chunked."""
+    """Steps after which queued requests join the running batch whatever their number."""
+    waiting_served_ratio: float = 1.2
+    """Queued requests join a running batch of n at once when floor(n × ratio) of them can."""
+    max_batch_prefill_tokens: int | None = None
+    """Prompt tokens computed per step (longer prompts are chunked); None: 4096, or
+    max_batch_total_tokens if that is smaller."""
+    max_batch_total_tokens: int | None = None
+    """KV tokens the running batch may hold; None: the shard's capacity."""
+    max_client_batch_size: int | None = None
+    """Most inputs in one Generate call; None: no limit."""
+    max_input_tokens: int | None = None
+    """Longest input (after truncation); None: only max_sequence_length limits it."""
     port: int = 3000
     grpc_port: int = 8033
     shard_uds_path: str = "/tmp/text-generation-server-0"
@@ -47,6 +59,12 @@ class RouterConfig:
     @property
     def effective_max_new_tokens(self) -> int:
         return min(self.max_new_tokens, self.max_sequence_length - 1)
+
+    @property
+    def effective_max_batch_prefill_tokens(self) -> int:
+        if self.max_batch_prefill_tokens is not None:
+            return self.max_batch_prefill_tokens
+        return min(DEFAULT_MAX_BATCH_PREFILL_TOKENS, self.max_batch_total_tokens or 1 << 62)
 
     def __post_init__(self) -> None:
         if self.max_concurrent_requests <= 0:
@@ -67,5 +85,56 @@ class RouterConfig:
             )
         if self.max_batch_size < 1:
             raise ValueError("max_batch_size must be > 0")
-        if self.max_batch_tokens < 1:
-            raise ValueError("max_batch_tokens must be > 0")
+        check_batching(
+            max_sequence_length=self.max_sequence_length,
+            max_waiting_tokens=self.max_waiting_tokens,
+            waiting_served_ratio=self.waiting_served_ratio,
+            max_batch_prefill_tokens=self.max_batch_prefill_tokens,
+            max_batch_total_tokens=self.max_batch_total_tokens,
+            max_client_batch_size=self.max_client_batch_size,
+            max_input_tokens=self.max_input_tokens,
+        )
+
+
+def check_batching(
+    *,
+    max_sequence_length: int | None,
+    max_waiting_tokens: int,
+    waiting_served_ratio: float | None,
+    max_batch_prefill_tokens: int | None,
+    max_batch_total_tokens: int | None,
+    max_client_batch_size: int | None,
+    max_input_tokens: int | None,
+) -> None:
+    """ValueError (one line) for inconsistent batching settings; shared with the launcher.
+    ``max_sequence_length`` None: not known yet (the checks against it are skipped)."""
+    if max_waiting_tokens < 0:
+        raise ValueError(f"max_waiting_tokens ({max_waiting_tokens}) must be >= 0")
+    if waiting_served_ratio is not None and not 0.0 <= waiting_served_ratio < math.inf:
+        raise ValueError(f"waiting_served_ratio ({waiting_served_ratio}) must be >= 0")
+    if max_batch_prefill_tokens is not None and max_batch_prefill_tokens < 1:
+        raise ValueError(f"max_batch_prefill_tokens ({max_batch_prefill_tokens}) must be > 0")
+    if max_batch_total_tokens is not None:
+        if max_sequence_length is not None and max_batch_total_tokens < max_sequence_length:
+            raise ValueError(
+                f"max_batch_total_tokens ({max_batch_total_tokens}) must be >= "
+                f"max_sequence_length ({max_sequence_length}): one request of the maximum "
+                "length must fit"
+            )
+        if max_batch_prefill_tokens is not None and max_batch_prefill_tokens > (
+            max_batch_total_tokens
+        ):
+            raise ValueError(
+                f"max_batch_prefill_tokens ({max_batch_prefill_tokens}) must be <= "
+                f"max_batch_total_tokens ({max_batch_total_tokens})"
+            )
+    if max_client_batch_size is not None and max_client_batch_size < 1:
+        raise ValueError(f"max_client_batch_size ({max_client_batch_size}) must be > 0")
+    if max_input_tokens is not None:
+        if max_input_tokens < 1:
+            raise ValueError(f"max_input_tokens ({max_input_tokens}) must be > 0")
+        if max_sequence_length is not None and max_input_tokens >= max_sequence_length:
+            raise ValueError(
+                f"max_input_tokens ({max_input_tokens}) must be < max_sequence_length "
+                f"({max_sequence_length})"
+            )

@@ -1,11 +1,19 @@
 """The engine: one asyncio task that schedules steps, calls the shard and emits token events.
 
 The engine task is the only writer of every RequestState. For each step:
-1. drop cancelled requests and expire queued ones past their deadline;
-2. `Scheduler.schedule` builds a StepPlan (decodes, prefill chunks, admissions);
+1. drop cancelled requests and expire queued ones past their deadline (their blocks are
+   free at once and the shard forgets them in the next step);
+2. `Scheduler.schedule` builds a StepPlan (decodes, prefill chunks, preemptions,
+   admissions; see scheduler.py for the policy);
 3. `ShardClient.step` runs it;
 4. each sampled token is detokenized, checked against the stopping criteria and
    emitted to its request's event queue; finished requests release their blocks.
+
+A failed step fails the requests it computed (TGIS), with one exception: when the shard
+runs out of memory on a step of several sequences, the younger half of them is preempted
+(recomputed later, output unchanged) and the rest retried at the next step with admissions
+held; only if that retry runs out of memory too do its requests fail. Either way the
+failure is logged and counted and the engine carries on.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from tgis.router.block_allocator import BlockAllocator
 from tgis.router.detokenizer import IncrementalDetokenizer
@@ -23,8 +32,8 @@ from tgis.router.errors import GenerationError
 from tgis.router.metrics import Metrics
 from tgis.router.request_state import InputTokensEvent, RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
-from tgis.router.scheduler import Scheduler, SchedulerLimits
-from tgis.router.shard_client import ShardClient, ShardError
+from tgis.router.scheduler import Scheduler, SchedulerLimits, kv_capacity_blocks
+from tgis.router.shard_client import ShardClient, ShardError, ShardFailure
 from tgis.router.step import ShardInfo, StepOutput, StepPlan, TokenDetail
 from tgis.router.stopping import StopChecker, stream_hold_back_bytes
 from tgis.router.tokenization import RouterTokenizer
@@ -48,7 +57,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.output_special_tokens = output_special_tokens
-        self.scheduler = Scheduler(BlockAllocator(info.num_blocks, info.block_size), limits)
+        if info.is_seq2seq:  # the encoder-decoder engine cannot recompute generated tokens
+            limits = replace(limits, preemption=False)
+        num_blocks = kv_capacity_blocks(limits, info)
+        self.scheduler = Scheduler(BlockAllocator(num_blocks, info.block_size), limits)
         self.generation_healthy = False
         self.on_token_generated: Callable[[], None] | None = None
         self._wakeup = asyncio.Event()
@@ -91,14 +103,40 @@ class Engine:
                 await self._wakeup.wait()
             now = time.monotonic()
             self._drop_aborted_and_expired(now)
+            preemptions = self.scheduler.preemption_count
             plan = self.scheduler.schedule(now)
-            self.metrics.queue_size.set(len(self.scheduler.waiting))
-            if plan.is_empty and not plan.finished_ids:
-                # Nothing runnable (e.g. waiting for blocks that cannot free up): wait.
+            for _ in range(self.scheduler.preemption_count - preemptions):
+                self.metrics.request_preempted()
+            self._update_gauges()
+            if not plan.has_message:
+                if self._fail_unservable_head():
+                    continue
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             await self._run_step(plan)
+            self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_size.set(len(self.scheduler.waiting))
+        self.metrics.batch_size.set(len(self.scheduler.running))
+        allocator = self.scheduler.allocator
+        self.metrics.set_kv_cache(allocator.num_used, allocator.num_blocks)
+
+    def _fail_unservable_head(self) -> bool:
+        """With nothing running, the head of the queue always fits (start-up checks one
+        max_sequence_length request against the capacity); fail it if it ever does not,
+        rather than wait forever."""
+        scheduler = self.scheduler
+        if scheduler.running or not scheduler.waiting:
+            return False
+        state = scheduler.waiting[0]
+        capacity = scheduler.allocator.num_blocks
+        log.error("request %d cannot fit in %d KV blocks", state.request_id, capacity)
+        self._finish_with_error(
+            state, GenerationError(f"the request needs more than the {capacity} KV blocks")
+        )
+        return True
 
     async def _run_step(self, plan: StepPlan) -> None:
         running = {s.request_id: s for s in self.scheduler.running}
@@ -108,12 +146,13 @@ class Engine:
             output = await self.shard.step(plan)
         except ShardError as err:
             log.error("step %d failed: %s", plan.step_id, err.detail)
-            self._fail_step(plan, running, err.failure.value, err.detail)
+            self._step_failed(plan, running, err.failure.value, err.detail)
             return
         except Exception as err:  # a bug must fail the step's requests, not the engine
             log.exception("step %d failed unexpectedly", plan.step_id)
-            self._fail_step(plan, running, "error", f"{type(err).__name__}: {err}")
+            self._step_failed(plan, running, "error", f"{type(err).__name__}: {err}")
             return
+        self.scheduler.hold_admissions = False
         self.metrics.inference_success(time.monotonic() - started, output.forward_time_ns)
         for chunk in plan.scheduled:
             running[chunk.request_id].num_computed += chunk.num_tokens
@@ -122,6 +161,42 @@ class Engine:
         except Exception as err:
             log.exception("processing the output of step %d failed", plan.step_id)
             self._fail_step(plan, running, "error", f"{type(err).__name__}: {err}")
+
+    def _step_failed(
+        self, plan: StepPlan, running: dict[int, RequestState], reason: str, detail: str
+    ) -> None:
+        """The shard call failed: nothing of the step happened on the shard."""
+        self.scheduler.step_failed(plan)
+        if reason == ShardFailure.OOM.value and self._retry_without_younger_half(plan, running):
+            self.generation_healthy = False
+            self.metrics.inference_failure(reason)
+            return
+        self.scheduler.hold_admissions = False
+        self._fail_step(plan, running, reason, detail)
+
+    def _retry_without_younger_half(self, plan: StepPlan, running: dict[int, RequestState]) -> bool:
+        """Out of memory: preempt the younger half of the step's sequences and let the next
+        step retry the rest with admissions held; False when this was already the retry,
+        a single sequence, or preemption is off."""
+        scheduler = self.scheduler
+        if scheduler.hold_admissions or not scheduler.limits.preemption:
+            return False
+        states = sorted((running[c.request_id] for c in plan.scheduled), key=lambda s: s.request_id)
+        if len(states) < 2:
+            return False
+        younger = states[len(states) // 2 :]
+        for state in reversed(younger):  # youngest first: the queue stays in arrival order
+            scheduler.preempt(state)
+            self.metrics.request_preempted()
+        scheduler.hold_admissions = True
+        log.warning(
+            "step %d ran out of memory: retrying %d of its %d sequences, %d preempted",
+            plan.step_id,
+            len(states) - len(younger),
+            len(states),
+            len(younger),
+        )
+        return True
 
     def _fail_step(
         self, plan: StepPlan, running: dict[int, RequestState], reason: str, detail: str
@@ -181,20 +256,28 @@ class Engine:
     # ---- request end ----------------------------------------------------------------------
 
     def _drop_aborted_and_expired(self, now: float) -> None:
+        """Cancelled requests (queued or running) and queued ones past their deadline leave
+        now: their blocks are free at once and the shard forgets them in the next step."""
         for state in [s for s in self.scheduler.waiting if s.aborted]:
-            self.scheduler.remove_waiting(state)
             self.metrics.request_failure("cancelled")
-            state.finish_reason = StopReason.CANCELLED
+            self._finish(state, StopReason.CANCELLED)
         for state in [s for s in self.scheduler.running if s.aborted]:
             self.metrics.request_failure("cancelled")
             self._finish(state, StopReason.CANCELLED)
         for state in list(self.scheduler.waiting):
             deadline = state.request.stopping.deadline
-            if deadline is not None and now > deadline:
-                self.scheduler.remove_waiting(state)
+            if deadline is None or now <= deadline:
+                continue
+            if state.generated_ids:
+                # Preempted after generating: it ends as a running request would.
+                detok = self._detokenizers.get(state.request_id)
+                text = detok.flush() if detok is not None else ""
+                count = len(state.generated_ids)
+                state.emit(TokenEvent(text, count, None, StopReason.TIME_LIMIT))
+            else:
                 self.metrics.request_failure("timeout")
-                state.finish_reason = StopReason.TIME_LIMIT
                 state.emit(TokenEvent("", 0, None, StopReason.TIME_LIMIT))
+            self._finish(state, StopReason.TIME_LIMIT)
 
     def _finish(self, state: RequestState, reason: StopReason) -> None:
         state.finish_reason = reason

@@ -54,9 +54,13 @@ class RequestState:
     status: RequestStatus = RequestStatus.WAITING
     generated_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
-    reserved_blocks: int = 0
+    """KV blocks this request owns (none while queued, preempted included)."""
+    blocks_sent: int = 0
+    """How many of `block_ids` the shard has been told about."""
     num_computed: int = 0
     """Tokens whose KV entries are in the shard's cache."""
+    preemptions: int = 0
+    """Times it was taken out of the running batch to be recomputed later."""
     aborted: bool = False
     """Set by the servicer when the client went away; acted on by the engine."""
     known_to_shard: bool = False
@@ -73,9 +77,21 @@ class RequestState:
         return self.num_computed < self.prompt_length
 
     @property
+    def known_length(self) -> int:
+        """Prompt plus generated tokens."""
+        return self.prompt_length + len(self.generated_ids)
+
+    @property
     def uncomputed(self) -> int:
-        """Tokens to feed the model: rest of the prompt, or the last sampled token."""
-        return self.prompt_length + len(self.generated_ids) - self.num_computed
+        """Tokens to feed the model: rest of the prompt (or of a recompute after a
+        preemption), or the last sampled token."""
+        return self.known_length - self.num_computed
+
+    @property
+    def prefilling(self) -> bool:
+        """Computing prompt tokens (or recomputing known ones), not decoding: these tokens
+        count against the step's prefill budget."""
+        return self.num_computed < self.prompt_length or self.uncomputed > 1
 
     @property
     def worst_case_length(self) -> int:

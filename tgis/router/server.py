@@ -20,8 +20,9 @@ from tgis.router.generation_service import GenerationServicer
 from tgis.router.health import LIVENESS_TEXT, GenerationHealth
 from tgis.router.http_server import start_http_server
 from tgis.router.metrics import Metrics
-from tgis.router.scheduler import SchedulerLimits
+from tgis.router.scheduler import SchedulerLimits, kv_capacity_blocks
 from tgis.router.shard_client import ShardClient
+from tgis.router.step import ShardInfo
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.validation import ServerLimits
 
@@ -69,6 +70,18 @@ def _bind(server: grpc.aio.Server, port: int, tls: TlsConfig | None) -> None:
     raise StartupError(f"gRPC server could not bind port {port}")
 
 
+def scheduler_limits(config: RouterConfig, info: ShardInfo) -> SchedulerLimits:
+    """The scheduler's budgets from the flags (capacity comes from the shard)."""
+    return SchedulerLimits(
+        max_batch_size=config.max_batch_size,
+        max_batch_prefill_tokens=config.effective_max_batch_prefill_tokens,
+        max_batch_total_tokens=config.max_batch_total_tokens,
+        max_waiting_tokens=config.max_waiting_tokens,
+        waiting_served_ratio=config.waiting_served_ratio,
+        preemption=not info.is_seq2seq,
+    )
+
+
 class Router:
     """Owns every long-lived router object; `run` serves until SIGTERM/SIGINT."""
 
@@ -96,12 +109,32 @@ class Router:
             info.block_size,
             info.world_size,
         )
+        limits = scheduler_limits(config, info)
+        capacity = kv_capacity_blocks(limits, info)
         needed = blocks_for(config.max_sequence_length, info.block_size)
-        if needed > info.num_blocks:
+        if needed > capacity:
             raise StartupError(
                 f"The provided max_sequence length ({config.max_sequence_length}) needs "
-                f"{needed} KV blocks, more than the shard's capacity ({info.num_blocks})"
+                f"{needed} KV blocks, more than the KV capacity ({capacity} blocks of "
+                f"{info.block_size} tokens)"
             )
+        total = config.max_batch_total_tokens
+        if total is not None and total // info.block_size > info.num_blocks:
+            log.warning(
+                "max_batch_total_tokens (%d) is more than the shard's KV capacity (%d tokens)",
+                total,
+                info.num_blocks * info.block_size,
+            )
+        log.info(
+            "batching: up to %d sequences and %d KV tokens, %d prompt tokens per step, "
+            "max_waiting_tokens %d, waiting_served_ratio %g, %s",
+            limits.max_batch_size,
+            capacity * info.block_size,
+            limits.max_batch_prefill_tokens,
+            limits.max_waiting_tokens,
+            limits.waiting_served_ratio,
+            "worst case reserved (encoder-decoder)" if info.is_seq2seq else "preemption",
+        )
         if config.max_new_tokens >= config.max_sequence_length:
             log.warning(
                 "adjusting max_new_tokens (%d) down to max_sequence_length - 1 (%d)",
@@ -117,7 +150,7 @@ class Router:
             shard=self.shard,
             info=info,
             tokenizer=self.tokenizer,
-            limits=SchedulerLimits(config.max_batch_size, config.max_batch_tokens),
+            limits=limits,
             metrics=metrics,
             output_special_tokens=config.output_special_tokens,
         )
@@ -125,7 +158,12 @@ class Router:
         servicer = GenerationServicer(
             engine=engine,
             tokenizer=self.tokenizer,
-            limits=ServerLimits.from_args(config.max_sequence_length, config.max_new_tokens),
+            limits=ServerLimits.from_args(
+                config.max_sequence_length,
+                config.max_new_tokens,
+                max_input_tokens=config.max_input_tokens,
+                max_client_batch_size=config.max_client_batch_size,
+            ),
             limiter=ConcurrencyLimiter(config.max_concurrent_requests),
             metrics=metrics,
             default_include_stop_seqs=config.default_include_stop_seqs,

@@ -98,6 +98,7 @@ def plan_to_pb(plan: StepPlan) -> shard_pb2.StepRequest:
             for c in plan.scheduled
         ],
         finished_request_ids=plan.finished_ids,
+        preempted_request_ids=plan.preempted_ids,
     )
 
 

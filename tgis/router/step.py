@@ -61,10 +61,17 @@ class StepPlan:
     new_sequences: tuple[NewSequence, ...]
     scheduled: tuple[ScheduledChunk, ...]
     finished_ids: tuple[int, ...]
+    preempted_ids: tuple[int, ...] = ()
+    """Keep their tokens and sampler, drop their blocks (after forgetting finished_ids)."""
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def has_message(self) -> bool:
+        """Worth sending even without work: the shard must forget or preempt something."""
+        return bool(self.scheduled or self.finished_ids or self.preempted_ids)
 
 
 @dataclass(frozen=True, slots=True)

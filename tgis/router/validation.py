@@ -74,14 +74,27 @@ class ServerLimits:
     max_new_tokens: int
     max_stop_sequences: int = MAX_STOP_SEQUENCES
     max_stop_sequence_bytes: int = MAX_STOP_SEQUENCE_BYTES
+    max_input_tokens: int | None = None
+    """``--max-input-tokens``: longer inputs (after truncation) are refused; None: no limit."""
+    max_client_batch_size: int | None = None
+    """``--max-client-batch-size``: most inputs per Generate (``limits.py``); None: no limit."""
 
     @classmethod
-    def from_args(cls, max_sequence_length: int, max_new_tokens: int) -> ServerLimits:
+    def from_args(
+        cls,
+        max_sequence_length: int,
+        max_new_tokens: int,
+        *,
+        max_input_tokens: int | None = None,
+        max_client_batch_size: int | None = None,
+    ) -> ServerLimits:
         """Limits from the router flags; ``max_new_tokens`` is capped at ``max_sequence_length - 1``
         (TGIS logs ``adjusting max_new_tokens (..) down to max_sequence_length - 1 (..)``)."""
         return cls(
             max_sequence_length=max_sequence_length,
             max_new_tokens=min(max_new_tokens, max_sequence_length - 1),
+            max_input_tokens=max_input_tokens,
+            max_client_batch_size=max_client_batch_size,
         )
 
 
@@ -276,7 +289,7 @@ def validate_input(
     prefix_length: int = 0,
     bos_token_id: int | None = None,
 ) -> ValidatedRequest:
-    """Validate one tokenized input (rules 14 and 15) and build its :class:`ValidatedRequest`.
+    """Validate one tokenized input (rules 14, 14b and 15) and build its :class:`ValidatedRequest`.
 
     Args:
         text: the original input text (echoed untruncated when ``input_text`` is requested).
@@ -295,7 +308,8 @@ def validate_input(
     kept as is (and so shared by all inputs of a batch).
 
     Raises:
-        ValidationError: rule 14 or 15 with the verbatim TGIS message.
+        ValidationError: rule 14 or 15 with the verbatim TGIS message, or rule 14b
+            (``max_input_tokens``).
     """
     ids = list(input_ids_full)
     truncate = params.truncate_input_tokens
@@ -313,6 +327,12 @@ def validate_input(
         raise ValidationError(
             f"input tokens ({input_length}) plus prefix length ({prefix_length}) "
             f"must be < {max_len}"
+        )
+    # 14b (not in TGIS, only with --max-input-tokens): the same rule with a lower limit.
+    if limits.max_input_tokens is not None and effective_length > limits.max_input_tokens:
+        raise ValidationError(
+            f"input tokens ({input_length}) plus prefix length ({prefix_length}) "
+            f"must be <= {limits.max_input_tokens} (max_input_tokens)"
         )
     # 15
     if effective_length + stopping.min_new_tokens > max_len:

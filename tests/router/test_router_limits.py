@@ -1,0 +1,173 @@
+"""Batching flags of the router: parsing (flags, env vars, aliases), start-up checks,
+--max-input-tokens and --max-client-batch-size."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import replace
+from typing import Any
+
+import grpc
+import pytest
+from click.testing import CliRunner
+
+from tgis.router import cli
+from tgis.router.config import RouterConfig
+from tgis.router.errors import ValidationError
+from tgis.router.limits import client_batch_size_error, enforce_client_batch_size
+from tgis.router.request_types import GenerationParams, ResponseOptions, SamplingParams
+from tgis.router.request_types import StoppingParams as Stopping
+from tgis.router.scheduler import kv_capacity_blocks
+from tgis.router.server import scheduler_limits
+from tgis.router.step import ShardInfo
+from tgis.router.validation import ServerLimits, validate_input
+
+INFO = ShardInfo(
+    is_seq2seq=False,
+    eos_token_ids=frozenset({2}),
+    vocab_size=100,
+    block_size=16,
+    num_blocks=100,
+    world_size=1,
+    max_position_embeddings=0,
+    model_type="llama",
+    dtype="float32",
+    device="cpu",
+    attention_backend="x",
+)
+
+
+def parse(args: list[str], env: dict[str, str] | None = None) -> RouterConfig:
+    """Run the router CLI up to the point where it would serve; return its config."""
+    seen: list[RouterConfig] = []
+
+    class FakeRouter:
+        def __init__(self, config: RouterConfig) -> None:
+            seen.append(config)
+
+        async def run(self) -> None:
+            await asyncio.sleep(0)
+
+    import tgis.router.server as server
+
+    original = server.Router
+    server.Router = FakeRouter  # type: ignore[assignment,misc]
+    try:
+        result = CliRunner().invoke(
+            cli.main, ["--tokenizer-path", "/t.json", *args], env=env or {}, catch_exceptions=False
+        )
+    finally:
+        server.Router = original  # type: ignore[misc]
+    assert result.exit_code == 0, result.output
+    return seen[0]
+
+
+def test_defaults_change_nothing_tgis_would_accept() -> None:
+    config = parse([])
+    assert config.max_batch_prefill_tokens is None
+    assert config.effective_max_batch_prefill_tokens == 4096
+    assert (config.max_batch_total_tokens, config.max_client_batch_size) == (None, None)
+    assert config.max_input_tokens is None
+    assert (config.max_waiting_tokens, config.waiting_served_ratio) == (24, 1.2)
+    limits = scheduler_limits(config, INFO)
+    assert kv_capacity_blocks(limits, INFO) == INFO.num_blocks and limits.preemption
+
+
+def test_flags_env_vars_and_aliases() -> None:
+    config = parse(
+        ["--max-total-tokens", "512", "--max-batch-tokens", "256", "--waiting-served-ratio", "0.3"],
+        {"MAX_BATCH_TOTAL_TOKENS": "800", "MAX_CLIENT_BATCH_SIZE": "4", "MAX_INPUT_TOKENS": "300"},
+    )
+    assert config.max_sequence_length == 512
+    assert config.max_batch_prefill_tokens == 256
+    assert (config.max_batch_total_tokens, config.max_client_batch_size) == (800, 4)
+    assert (config.max_input_tokens, config.waiting_served_ratio) == (300, 0.3)
+    env = {"MAX_BATCH_PREFILL_TOKENS": "64", "MAX_TOTAL_TOKENS": "100", "MAX_WAITING_TOKENS": "0"}
+    config = parse([], env)
+    assert (config.max_batch_prefill_tokens, config.max_sequence_length) == (64, 100)
+    assert config.max_waiting_tokens == 0
+    config = parse(["--max-sequence-length", "512", "--max-batch-total-tokens", "1000"])
+    limits = scheduler_limits(config, INFO)
+    assert limits.max_batch_prefill_tokens == 1000  # the default is lowered to the total
+    assert kv_capacity_blocks(limits, INFO) == 1000 // 16  # less than the shard's 100
+    seq2seq = scheduler_limits(parse([]), replace(INFO, is_seq2seq=True))
+    assert not seq2seq.preemption
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(max_batch_total_tokens=1000), "max_batch_total_tokens (1000) must be >= max_seq"),
+        (dict(max_batch_prefill_tokens=0), "max_batch_prefill_tokens (0) must be > 0"),
+        (
+            dict(max_batch_prefill_tokens=5000, max_batch_total_tokens=4096),
+            "max_batch_prefill_tokens (5000) must be <= max_batch_total_tokens (4096)",
+        ),
+        (dict(waiting_served_ratio=-1.0), "waiting_served_ratio (-1.0) must be >= 0"),
+        (dict(max_waiting_tokens=-1), "max_waiting_tokens (-1) must be >= 0"),
+        (dict(max_client_batch_size=0), "max_client_batch_size (0) must be > 0"),
+        (dict(max_input_tokens=2048), "max_input_tokens (2048) must be < max_sequence_length"),
+    ],
+)
+def test_inconsistent_values_fail_in_one_line(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        RouterConfig(tokenizer_path="t", **kwargs)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_max_input_tokens_rejects_longer_inputs_only_when_set() -> None:
+    stopping = Stopping(max_new_tokens=10)
+    params = GenerationParams(SamplingParams(), stopping, ResponseOptions())
+    default = ServerLimits.from_args(200, 100)
+    assert validate_input("x", list(range(150)), params, default).input_length == 150
+    limited = ServerLimits.from_args(200, 100, max_input_tokens=100)
+    assert validate_input("x", list(range(100)), params, limited).input_length == 100
+    with pytest.raises(ValidationError) as info:
+        validate_input("x", list(range(101)), params, limited)
+    assert info.value.message == (
+        "input tokens (101) plus prefix length (0) must be <= 100 (max_input_tokens)"
+    )
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.aborted: tuple[grpc.StatusCode, str] | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.aborted = (code, details)
+        raise _Aborted
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def request_failure(self, err: str) -> None:
+        self.failures.append(err)
+
+
+def test_max_client_batch_size() -> None:
+    assert client_batch_size_error(1000, None) is None
+    assert client_batch_size_error(4, 4) is None
+    assert client_batch_size_error(5, 4) == (
+        "batch size 5 exceeds the limit of 4 inputs per request (max_client_batch_size)"
+    )
+
+    async def call(count: int, limit: int | None) -> tuple[_Context, _Metrics]:
+        context, metrics = _Context(), _Metrics()
+        limits = ServerLimits.from_args(200, 100, max_client_batch_size=limit)
+        with contextlib.suppress(_Aborted):
+            await enforce_client_batch_size(count, limits, context, metrics)  # type: ignore[arg-type]
+        return context, metrics
+
+    context, metrics = asyncio.run(call(5, 4))
+    assert context.aborted is not None
+    assert context.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert metrics.failures == ["validation"]
+    context, metrics = asyncio.run(call(5, None))
+    assert context.aborted is None and not metrics.failures
