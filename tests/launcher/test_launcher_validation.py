@@ -132,6 +132,65 @@ CASES = [
         {"CUDA_PROCESS_MEMORY_FRACTION": "1.5"},
         "cuda_process_memory_fraction must be in range 0 < x <= 1",
     ),
+    Case(
+        "cuda-fraction-alias-env",
+        [],
+        {"CUDA_MEMORY_FRACTION": "0"},
+        "cuda_process_memory_fraction must be in range 0 < x <= 1",
+    ),
+    Case(
+        "total-below-sequence",
+        ["--max-batch-total-tokens", "200"],
+        {},
+        "max_batch_total_tokens (200) must be >= max_sequence_length (256): one request of the "
+        "maximum length must fit",
+    ),
+    Case(
+        "total-below-sequence-alias",
+        ["--max-total-tokens", "300", "--max-batch-total-tokens", "299"],
+        {},
+        "max_batch_total_tokens (299) must be >= max_sequence_length (300): one request of the "
+        "maximum length must fit",
+    ),
+    Case(
+        "prefill-above-total",
+        ["--max-batch-prefill-tokens", "600"],
+        {"MAX_BATCH_TOTAL_TOKENS": "512"},
+        "max_batch_prefill_tokens (600) must be <= max_batch_total_tokens (512)",
+    ),
+    Case(
+        "prefill-0",
+        ["--max-batch-prefill-tokens", "0"],
+        {},
+        "max_batch_prefill_tokens (0) must be > 0",
+    ),
+    Case(
+        "served-ratio",
+        [],
+        {"WAITING_SERVED_RATIO": "-0.5"},
+        "waiting_served_ratio (-0.5) must be >= 0",
+    ),
+    Case(
+        "waiting-tokens", ["--max-waiting-tokens", "-1"], {}, "max_waiting_tokens (-1) must be >= 0"
+    ),
+    Case(
+        "client-batch",
+        ["--max-client-batch-size", "0"],
+        {},
+        "max_client_batch_size (0) must be > 0",
+    ),
+    Case(
+        "input-tokens",
+        ["--max-input-tokens", "256"],
+        {},
+        "max_input_tokens (256) must be < max_sequence_length (256)",
+    ),
+    Case(
+        "total-tokens-env-alias-not-int",
+        [],
+        {"MAX_TOTAL_TOKENS": "lots"},
+        "invalid value for MAX_TOTAL_TOKENS: 'lots' is not a valid integer.",
+    ),
     Case("port-0", ["-p", "0"], {}, "port (0) must be in range 1..65535"),
     Case("grpc-port-big", ["-g", "70000"], {}, "grpc_port (70000) must be in range 1..65535"),
     Case(

@@ -60,9 +60,13 @@ def _strict_env_flag(ctx: click.Context, param: click.Parameter, value: bool) ->
     return bool(value)
 
 
-def _option(*decls: str, envvar: str | None, **kwargs: Any) -> Callable[[F], F]:
-    """A click option whose default comes from LauncherConfig and whose env var is shown."""
-    name = decls[-1].lstrip("-").replace("-", "_")
+def _option(*decls: str, envvar: str | list[str] | None, **kwargs: Any) -> Callable[[F], F]:
+    """A click option whose default comes from LauncherConfig and whose env var(s) are shown.
+
+    The LauncherConfig field is the bare name among ``decls`` if there is one (aliases),
+    else the last flag's name."""
+    bare = [d for d in decls if not d.startswith("-")]
+    name = bare[0] if bare else decls[-1].lstrip("-").replace("-", "_")
     kwargs.setdefault("default", default_of(name))
     if envvar is not None:
         kwargs["envvar"] = envvar
@@ -105,10 +109,13 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
 )
 @_option("--max-concurrent-requests", envvar="MAX_CONCURRENT_REQUESTS", type=int)
 @_option(
+    "max_sequence_length",
     "--max-sequence-length",
-    envvar="MAX_SEQUENCE_LENGTH",
+    "--max-total-tokens",
+    envvar=["MAX_SEQUENCE_LENGTH", "MAX_TOTAL_TOKENS"],
     type=int,
-    help="Default: from the model's config.json, else 2048.",
+    help="Input + output tokens of one request (--max-total-tokens is TGI's name). "
+    "Default: from the model's config.json, else 2048.",
 )
 @_option("--max-new-tokens", envvar="MAX_NEW_TOKENS", type=int)
 @_option("--max-batch-size", envvar="MAX_BATCH_SIZE", type=int)
@@ -119,7 +126,47 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
     type=int,
     help="Percentage of free GPU memory held back.",
 )
-@_option("--max-waiting-tokens", envvar="MAX_WAITING_TOKENS", type=int)
+@_option(
+    "--max-waiting-tokens",
+    envvar="MAX_WAITING_TOKENS",
+    type=int,
+    help="Steps after which queued requests join the running batch whatever their number "
+    "(0: at the next step).",
+)
+@_option(
+    "--waiting-served-ratio",
+    envvar="WAITING_SERVED_RATIO",
+    type=float,
+    help="Queued requests join a running batch of n sequences at once when at least "
+    "floor(n × ratio) of them can (default 1.2).",
+)
+@_option(
+    "--max-batch-prefill-tokens",
+    envvar="MAX_BATCH_PREFILL_TOKENS",
+    type=int,
+    help="Prompt tokens computed per step; longer prompts are prefilled in chunks alongside "
+    "the decodes (default 4096, or --max-batch-total-tokens if smaller). The GPU warm-up "
+    "runs a prefill this large.",
+)
+@_option(
+    "--max-batch-total-tokens",
+    envvar="MAX_BATCH_TOTAL_TOKENS",
+    type=int,
+    help="KV-cache tokens of the running batch (default: what fits in memory on GPU; "
+    "TGIS_KV_CACHE_BLOCKS or batch size × sequence length on CPU).",
+)
+@_option(
+    "--max-client-batch-size",
+    envvar="MAX_CLIENT_BATCH_SIZE",
+    type=int,
+    help="Most inputs in one Generate call (default: no limit).",
+)
+@_option(
+    "--max-input-tokens",
+    envvar="MAX_INPUT_TOKENS",
+    type=int,
+    help="Longest input in tokens, after truncation (default: max-sequence-length - 1).",
+)
 @_option("-p", "--port", envvar="PORT", type=int, help="Router HTTP port.")
 @_option("-g", "--grpc-port", envvar="GRPC_PORT", type=int, help="Router gRPC port.")
 @_option(
@@ -135,11 +182,14 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
 @_option("--tls-client-ca-cert-path", envvar="TLS_CLIENT_CA_CERT_PATH")
 @_flag("--output-special-tokens", "OUTPUT_SPECIAL_TOKENS", "Keep special tokens in output text.")
 @_option(
+    "cuda_process_memory_fraction",
     "-c",
     "--cuda-process-memory-fraction",
-    envvar="CUDA_PROCESS_MEMORY_FRACTION",
+    "--cuda-memory-fraction",
+    envvar=["CUDA_PROCESS_MEMORY_FRACTION", "CUDA_MEMORY_FRACTION"],
     type=float,
-    help="Fraction of GPU memory a shard may use, 0 < x <= 1.",
+    help="Fraction of GPU memory a shard may use, 0 < x <= 1 (--cuda-memory-fraction is "
+    "TGI's name).",
 )
 @_option(
     "--default-include-stop-seqs",
@@ -173,7 +223,7 @@ def error_message(error: click.ClickException) -> str:
     """One line naming the flag, or the env var when the bad value came from the environment."""
     if isinstance(error, click.BadParameter) and error.ctx and error.param and error.param.name:
         param, ctx = error.param, error.ctx
-        envvar = param.envvar if isinstance(param.envvar, str) else None
+        envvar = _envvar_used(param.envvar)
         detail = error.message
         if envvar and ctx.get_parameter_source(param.name) is ParameterSource.ENVIRONMENT:
             where = envvar
@@ -183,6 +233,13 @@ def error_message(error: click.ClickException) -> str:
             where = max(param.opts, key=len) if param.opts else param.name
         return _one_line(f"invalid value for {where}: {detail}")
     return _one_line(error.format_message())
+
+
+def _envvar_used(envvar: str | Sequence[str] | None) -> str | None:
+    """The env var a value came from: the option's only one, or the first set of several."""
+    if envvar is None or isinstance(envvar, str):
+        return envvar
+    return next((name for name in envvar if os.environ.get(name)), None)
 
 
 def parse_args(args: Sequence[str] | None = None) -> tuple[LauncherConfig, bool]:

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from tgis.launcher.config import ConfigError, ResolvedConfig
+from tgis.launcher.config import ConfigError, ResolvedConfig, effective_max_batch_prefill_tokens
 
 SHARD_PROGRAM = "text-generation-server"
 ROUTER_PROGRAM = "text-generation-router"
@@ -53,6 +53,11 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
         "--cuda-process-memory-fraction",
         str(flags.cuda_process_memory_fraction),
     ]
+    prefill = effective_max_batch_prefill_tokens(flags)
+    if prefill is not None:
+        argv += ["--max-batch-prefill-tokens", str(prefill)]
+    if flags.max_batch_total_tokens is not None:
+        argv += ["--max-batch-total-tokens", str(flags.max_batch_total_tokens)]
     if cfg.dtype:
         argv += ["--dtype", cfg.dtype]
     if flags.quantize:
@@ -120,6 +125,16 @@ def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list
         "--model-name",
         cfg.served_model_name,
     ]
+    # Batching flags TGIS does not have: passed only when set (the router's defaults).
+    for flag, value in (
+        ("--max-batch-prefill-tokens", flags.max_batch_prefill_tokens),
+        ("--max-batch-total-tokens", flags.max_batch_total_tokens),
+        ("--waiting-served-ratio", flags.waiting_served_ratio),
+        ("--max-client-batch-size", flags.max_client_batch_size),
+        ("--max-input-tokens", flags.max_input_tokens),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
     if flags.tls_cert_path and flags.tls_key_path:
         argv += ["--tls-cert-path", flags.tls_cert_path, "--tls-key-path", flags.tls_key_path]
     if flags.tls_client_ca_cert_path:

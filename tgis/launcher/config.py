@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tgis.model_files import ModelNotFoundError, resolve_model_dir
+from tgis.router.config import DEFAULT_MAX_BATCH_PREFILL_TOKENS, check_batching
 
 DEPLOYMENT_FRAMEWORKS = (
     "hf_transformers",
@@ -87,6 +88,11 @@ class LauncherConfig:
     max_prefill_padding: float = 0.2
     batch_safety_margin: int = 20
     max_waiting_tokens: int = 24
+    waiting_served_ratio: float | None = None  # router default 1.2
+    max_batch_prefill_tokens: int | None = None  # router default 4096 (or the total)
+    max_batch_total_tokens: int | None = None  # default: the shard's KV capacity
+    max_client_batch_size: int | None = None  # default: no limit
+    max_input_tokens: int | None = None  # default: max_sequence_length - 1
     port: int = 3000
     grpc_port: int = 8033
     shard_uds_path: str = "/tmp/text-generation-server"
@@ -192,8 +198,7 @@ def validate_limits(flags: LauncherConfig) -> None:
         raise ConfigError(
             f"batch_safety_margin ({flags.batch_safety_margin}) must be in range 0 <= x <= 100"
         )
-    if flags.max_waiting_tokens < 0:
-        raise ConfigError(f"max_waiting_tokens ({flags.max_waiting_tokens}) must be >= 0")
+    validate_batching(flags, max_sequence_length=flags.max_sequence_length)
     if not 0.0 < flags.cuda_process_memory_fraction <= 1.0:
         raise ConfigError("cuda_process_memory_fraction must be in range 0 < x <= 1")
     for name in ("port", "grpc_port", "master_port"):
@@ -206,6 +211,31 @@ def validate_limits(flags: LauncherConfig) -> None:
         raise ConfigError(
             f"shard_startup_timeout ({flags.shard_startup_timeout}) must be > 0 seconds"
         )
+
+
+def validate_batching(flags: LauncherConfig, max_sequence_length: int | None) -> None:
+    """The batching flags, alone and against each other (the router's own checks)."""
+    try:
+        check_batching(
+            max_sequence_length=max_sequence_length,
+            max_waiting_tokens=flags.max_waiting_tokens,
+            waiting_served_ratio=flags.waiting_served_ratio,
+            max_batch_prefill_tokens=flags.max_batch_prefill_tokens,
+            max_batch_total_tokens=flags.max_batch_total_tokens,
+            max_client_batch_size=flags.max_client_batch_size,
+            max_input_tokens=flags.max_input_tokens,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def effective_max_batch_prefill_tokens(flags: LauncherConfig) -> int | None:
+    """What the router will use when either budget is set (None: both are defaults)."""
+    if flags.max_batch_prefill_tokens is not None:
+        return flags.max_batch_prefill_tokens
+    if flags.max_batch_total_tokens is not None:
+        return min(DEFAULT_MAX_BATCH_PREFILL_TOKENS, flags.max_batch_total_tokens)
+    return None
 
 
 def validate_tls(flags: LauncherConfig) -> None:
@@ -355,6 +385,7 @@ def resolve(
         raise ConfigError(f"the embedded model is missing from {model_dir} (no config.json)")
     model_config = read_model_config(model_dir)
     max_sequence_length = resolve_max_sequence_length(flags.max_sequence_length, model_config, log)
+    validate_batching(flags, max_sequence_length=max_sequence_length)
     return ResolvedConfig(
         flags=flags,
         model_dir=model_dir,
