@@ -90,7 +90,7 @@ def test_flags_env_vars_and_aliases() -> None:
     config = parse(["--max-sequence-length", "512", "--max-batch-total-tokens", "1000"])
     limits = scheduler_limits(config, INFO)
     assert limits.max_batch_prefill_tokens == 1000  # the default is lowered to the total
-    assert kv_capacity_blocks(limits, INFO) == 1000 // 16  # less than the shard's 100
+    assert kv_capacity_blocks(limits, INFO) == 63  # 1000 tokens in whole blocks, < 100
     seq2seq = scheduler_limits(parse([]), replace(INFO, is_seq2seq=True))
     assert not seq2seq.preemption
 

@@ -29,7 +29,7 @@ def test_configured_budget_order() -> None:
     kwargs: dict[str, int | None] = dict(max_batch_size=4, max_sequence_length=100)
     assert configured_blocks(16, max_batch_total_tokens=None, override=None, **kwargs) == 4 * 7  # type: ignore[arg-type]
     assert configured_blocks(16, max_batch_total_tokens=None, override=9, **kwargs) == 9  # type: ignore[arg-type]
-    assert configured_blocks(16, max_batch_total_tokens=200, override=9, **kwargs) == 12  # type: ignore[arg-type]
+    assert configured_blocks(16, max_batch_total_tokens=200, override=9, **kwargs) == 13  # type: ignore[arg-type]
 
 
 def test_kv_budget_arithmetic() -> None:

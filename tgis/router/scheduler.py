@@ -45,7 +45,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from tgis.router.block_allocator import BlockAllocator
+from tgis.router.block_allocator import BlockAllocator, blocks_for
 from tgis.router.request_state import RequestState, RequestStatus
 from tgis.router.step import DetailOptions, NewSequence, ScheduledChunk, ShardInfo, StepPlan
 
@@ -67,10 +67,11 @@ class SchedulerLimits:
 
 
 def kv_capacity_blocks(limits: SchedulerLimits, info: ShardInfo) -> int:
-    """KV blocks the router allocates: the shard's, capped by max_batch_total_tokens."""
+    """KV blocks the router allocates: the shard's, capped by max_batch_total_tokens
+    (rounded up to whole blocks, so a total of max_sequence_length holds one request)."""
     if limits.max_batch_total_tokens is None:
         return info.num_blocks
-    return min(info.num_blocks, limits.max_batch_total_tokens // info.block_size)
+    return min(info.num_blocks, blocks_for(limits.max_batch_total_tokens, info.block_size))
 
 
 def _new_sequence(state: RequestState) -> NewSequence:

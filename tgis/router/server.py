@@ -119,7 +119,7 @@ class Router:
                 f"{info.block_size} tokens)"
             )
         total = config.max_batch_total_tokens
-        if total is not None and total // info.block_size > info.num_blocks:
+        if total is not None and blocks_for(total, info.block_size) > info.num_blocks:
             log.warning(
                 "max_batch_total_tokens (%d) is more than the shard's KV capacity (%d tokens)",
                 total,

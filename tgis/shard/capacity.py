@@ -49,7 +49,7 @@ def configured_blocks(
 ) -> int:
     """The CPU budget (see the module docstring)."""
     if max_batch_total_tokens is not None:
-        return max_batch_total_tokens // block_size
+        return blocks_for(max_batch_total_tokens, block_size)
     if override is not None:
         return override
     return max_batch_size * math.ceil(max_sequence_length / block_size)

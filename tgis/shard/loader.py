@@ -9,7 +9,7 @@ import torch
 
 from tgis.model_files import resolve_model_dir
 from tgis.shard.attention import AttentionBackend, select_attention_backend
-from tgis.shard.capacity import check_fits, configured_blocks, measure_cuda_blocks
+from tgis.shard.capacity import blocks_for, check_fits, configured_blocks, measure_cuda_blocks
 from tgis.shard.config import ShardConfig
 from tgis.shard.device import dtype_name, select_device, select_dtype
 from tgis.shard.engines import select_engine
@@ -119,6 +119,6 @@ def _kv_cache_blocks(
     )
     check_fits(measured, block_size, config.max_sequence_length, "GPU memory after the warm-up")
     if config.max_batch_total_tokens is not None:
-        measured = min(measured, config.max_batch_total_tokens // block_size)
+        measured = min(measured, blocks_for(config.max_batch_total_tokens, block_size))
     log.info("KV cache: %d blocks of %d tokens fit after the warm-up", measured, block_size)
     return measured
