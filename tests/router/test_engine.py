@@ -156,8 +156,29 @@ def test_late_request_joins_running_batch_and_all_finish() -> None:
         assert {c.request_id for c in joined.scheduled} == {long.request_id, short.request_id}
         finished_later = [p for p in shard.plans if short.request_id in p.finished_ids]
         assert len(finished_later) == 1
+        metrics = metric_samples(engine)
+        assert metrics["tgi_request_queue_duration_count"] == 2  # both admitted
+        assert metrics["tgi_request_time_to_first_token_duration_count"] == 2
+        assert metrics["tgi_request_inter_token_duration_count"] == (3 - 1) + (30 - 1)
+        assert metrics["tgi_batch_concatenation_count_total"] == 1
+        assert metrics["tgi_batch_current_size"] == 0
+        assert metrics["tgi_kv_cache_used_blocks"] == 0
+        steps = len(shard.plans)
+        prefill = metrics['tgi_batch_inference_success_total{method="prefill"}']
+        decode = metrics['tgi_batch_inference_success_total{method="next_token"}']
+        assert (prefill, prefill + decode) == (2, steps)
 
     run(scenario())
+
+
+def metric_samples(engine: Engine) -> dict[str, float]:
+    """Unlabelled samples by name, labelled ones by `name{labels}` as rendered."""
+    samples = {}
+    for line in engine.metrics.render().decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
 
 
 def test_eos_stops_and_shard_failure_fails_every_request_in_the_step() -> None:
@@ -289,7 +310,8 @@ def test_out_of_memory_retries_without_the_younger_half() -> None:
         # The older half; the one the failed step announced is announced again.
         assert [c.request_id for c in retry.scheduled] == [first.request_id, others[0].request_id]
         assert [n.request_id for n in retry.new_sequences] == [others[0].request_id]
-        assert engine.metrics.counter("inference_failed").value("next_token", "oom") == 1
+        failed = engine.metrics.counter("inference_failed")
+        assert failed.value("next_token", "oom") + failed.value("prefill", "oom") == 1
 
     run(scenario())
 

@@ -290,20 +290,25 @@ def test_step_method_labels_mixed_steps_prefill() -> None:
     assert step_method(prompt_tokens=1) == "prefill"
 
 
-def test_engine_calls_of_today_keep_working() -> None:
+def test_engine_step_calls() -> None:
     m = new_metrics()
-    m.queue_size.set(2)
-    m.batch_size.set(3)
-    m.inference_success(0.01, 5_000_000)
-    m.inference_failure("connection")
-    m.request_failure("cancelled")
+    m.set_queue_size(2)
+    m.set_batch(3, 40, 17)
+    m.step_started("next_token", 3, 0)
+    m.step_succeeded("next_token", 0.01, 0.005, generated_tokens=3)
+    m.step_started("next_token", 3, 0)
+    m.step_failed("next_token", "connection")
+    m.request_cancelled()
     m.counter("request_count").inc("single")
     exp = exposition(m)
     assert exp.value("tgi_queue_size") == 2
     assert exp.value("tgi_batch_current_size") == 3
+    assert exp.value("tgi_batch_input_tokens") == 40
+    assert exp.value("tgi_batch_max_remaining_tokens") == 17
     assert exp.value("tgi_batch_inference_count_total", method="next_token") == 2
     assert exp.value("tgi_batch_inference_success", method="next_token") == 1
     assert exp.value("tgi_batch_inference_failure", method="next_token", reason="connection") == 1
+    assert exp.value("tgi_request_failure", err="cancelled") == 1
     forward = "tgi_batch_inference_forward_duration_sum"
     assert exp.value(forward, method="next_token", makeup="single_only") == pytest.approx(0.005)
     assert exp.value("tgi_request_count", kind="single") == 1

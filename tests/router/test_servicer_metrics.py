@@ -160,7 +160,7 @@ def test_single_generate_records_request_validation_and_success(
     assert exp.value("tgi_request_duration_count") == 1
     assert exp.value("tgi_request_inference_duration_count") == 1
     assert exp.value("tgi_request_mean_time_per_token_duration_count") == 1
-    assert exp.value("tgi_request_queue_duration_sum") == pytest.approx(0.01)
+    # Queue time is recorded by the engine at admission (tests/router/test_engine.py).
     assert sum(s.value for s in exp.of("tgi_request_failure")) == 0
 
 
@@ -323,3 +323,26 @@ def test_tokenize(
     assert exp.value("tgi_tokenize_request_duration_count") == 1
     # Tokenize is no generate call.
     assert sum(s.value for s in exp.of("tgi_request_count")) == 0
+
+
+def test_max_client_batch_size_refuses_larger_batches_only(
+    engine: FakeEngine, tokenizer: RouterTokenizer, metrics: Metrics
+) -> None:
+    capped = GenerationServicer(
+        engine=engine,  # type: ignore[arg-type]
+        tokenizer=tokenizer,
+        limits=ServerLimits.from_args(MAX_SEQUENCE_LENGTH, MAX_NEW_TOKENS, max_client_batch_size=2),
+        limiter=ConcurrencyLimiter(4),
+        metrics=metrics,
+        default_include_stop_seqs=True,
+        is_seq2seq=False,
+    )
+    two = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="a")] * 2)
+    assert len(generate(capped, two).responses) == 2
+    three = pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="a")] * 3)
+    refused = generate(capped, three)
+    assert refused.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details == (
+        "batch size 3 exceeds the limit of 2 inputs per request (max_client_batch_size)"
+    )
+    assert scrape(metrics).value("tgi_request_failure", err="validation") == 1

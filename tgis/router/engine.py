@@ -29,7 +29,7 @@ from dataclasses import replace
 from tgis.router.block_allocator import BlockAllocator
 from tgis.router.detokenizer import IncrementalDetokenizer
 from tgis.router.errors import GenerationError
-from tgis.router.metrics import Metrics
+from tgis.router.metrics import Metrics, step_method
 from tgis.router.request_state import InputTokensEvent, RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
 from tgis.router.scheduler import Scheduler, SchedulerLimits, kv_capacity_blocks
@@ -75,7 +75,7 @@ class Engine:
         """Queue a validated input; its events arrive on the returned state's queue."""
         state = RequestState(request_id=next(self._ids), request=request, arrival=arrival)
         self.scheduler.add(state)
-        self.metrics.queue_size.set(len(self.scheduler.waiting))
+        self.metrics.set_queue_size(len(self.scheduler.waiting))
         self._wakeup.set()
         return state
 
@@ -107,6 +107,7 @@ class Engine:
             plan = self.scheduler.schedule(now)
             for _ in range(self.scheduler.preemption_count - preemptions):
                 self.metrics.request_preempted()
+            self._record_admissions(plan, now)
             self._update_gauges()
             if not plan.has_message:
                 if self._fail_unservable_head():
@@ -117,11 +118,28 @@ class Engine:
             await self._run_step(plan)
             self._update_gauges()
 
+    def _record_admissions(self, plan: StepPlan, now: float) -> None:
+        """Queue time of every fresh admission; a concatenation when they join a batch."""
+        if not plan.new_sequences:
+            return
+        running = {s.request_id: s for s in self.scheduler.running}
+        for seq in plan.new_sequences:
+            state = running.get(seq.request_id)
+            if state is not None:
+                self.metrics.request_admitted(now - state.arrival)
+        if len(running) > len(plan.new_sequences):
+            self.metrics.batch_concatenated()
+
     def _update_gauges(self) -> None:
-        self.metrics.queue_size.set(len(self.scheduler.waiting))
-        self.metrics.batch_size.set(len(self.scheduler.running))
-        allocator = self.scheduler.allocator
-        self.metrics.set_kv_cache(allocator.num_used, allocator.num_blocks)
+        scheduler = self.scheduler
+        self.metrics.set_queue_size(len(scheduler.waiting))
+        running = scheduler.running
+        self.metrics.set_batch(
+            len(running),
+            sum(s.prompt_length + len(s.generated_ids) for s in running),
+            sum(s.request.stopping.max_new_tokens - len(s.generated_ids) for s in running),
+        )
+        self.metrics.set_kv_cache(scheduler.allocator.num_used, scheduler.allocator.num_blocks)
 
     def _fail_unservable_head(self) -> bool:
         """With nothing running, the head of the queue always fits (start-up checks one
@@ -140,39 +158,60 @@ class Engine:
 
     async def _run_step(self, plan: StepPlan) -> None:
         running = {s.request_id: s for s in self.scheduler.running}
-        self.metrics.batch_size.set(len(running))
+        prompt_tokens = sum(
+            c.num_tokens for c in plan.scheduled if running[c.request_id].prefilling
+        )
+        method = step_method(prompt_tokens)
+        if plan.scheduled:
+            self.metrics.step_started(method, len(plan.scheduled), prompt_tokens)
         started = time.monotonic()
         try:
             output = await self.shard.step(plan)
         except ShardError as err:
             log.error("step %d failed: %s", plan.step_id, err.detail)
-            self._step_failed(plan, running, err.failure.value, err.detail)
+            self._step_failed(plan, running, method, err.failure.value, err.detail)
             return
         except Exception as err:  # a bug must fail the step's requests, not the engine
             log.exception("step %d failed unexpectedly", plan.step_id)
-            self._step_failed(plan, running, "error", f"{type(err).__name__}: {err}")
+            self._step_failed(plan, running, method, "error", f"{type(err).__name__}: {err}")
             return
         self.scheduler.hold_admissions = False
-        self.metrics.inference_success(time.monotonic() - started, output.forward_time_ns)
+        if plan.scheduled:
+            self.metrics.step_succeeded(
+                method,
+                time.monotonic() - started,
+                output.forward_time_ns / 1e9,
+                prompt_tokens=prompt_tokens,
+                generated_tokens=len(output.tokens),
+            )
         for chunk in plan.scheduled:
             running[chunk.request_id].num_computed += chunk.num_tokens
+        processing = time.monotonic()
         try:
             self._apply_output(running, output)
         except Exception as err:
             log.exception("processing the output of step %d failed", plan.step_id)
-            self._fail_step(plan, running, "error", f"{type(err).__name__}: {err}")
+            self._fail_step(plan, running, method, "error", f"{type(err).__name__}: {err}")
+            return
+        if plan.scheduled:
+            self.metrics.step_processed(method, time.monotonic() - processing)
 
     def _step_failed(
-        self, plan: StepPlan, running: dict[int, RequestState], reason: str, detail: str
+        self,
+        plan: StepPlan,
+        running: dict[int, RequestState],
+        method: str,
+        reason: str,
+        detail: str,
     ) -> None:
         """The shard call failed: nothing of the step happened on the shard."""
         self.scheduler.step_failed(plan)
         if reason == ShardFailure.OOM.value and self._retry_without_younger_half(plan, running):
             self.generation_healthy = False
-            self.metrics.inference_failure(reason)
+            self.metrics.step_failed(method, reason)
             return
         self.scheduler.hold_admissions = False
-        self._fail_step(plan, running, reason, detail)
+        self._fail_step(plan, running, method, reason, detail)
 
     def _retry_without_younger_half(self, plan: StepPlan, running: dict[int, RequestState]) -> bool:
         """Out of memory: preempt the younger half of the step's sequences and let the next
@@ -199,11 +238,16 @@ class Engine:
         return True
 
     def _fail_step(
-        self, plan: StepPlan, running: dict[int, RequestState], reason: str, detail: str
+        self,
+        plan: StepPlan,
+        running: dict[int, RequestState],
+        method: str,
+        reason: str,
+        detail: str,
     ) -> None:
         """Every request of a failed step fails; the shard forgets them at the next step."""
         self.generation_healthy = False
-        self.metrics.inference_failure(reason)
+        self.metrics.step_failed(method, reason)
         for chunk in plan.scheduled:
             state = running.get(chunk.request_id)
             if state is not None:
@@ -230,6 +274,11 @@ class Engine:
                 self.on_token_generated()
 
     def _append_token(self, state: RequestState, token: TokenDetail, now: float) -> None:
+        if state.last_token_at is None:
+            self.metrics.first_token(now - state.arrival)
+        else:
+            self.metrics.next_token(now - state.last_token_at)
+        state.last_token_at = now
         state.generated_ids.append(token.token_id)
         detok = self._detokenizer(state)
         text = detok.push(token.token_id)
@@ -259,10 +308,10 @@ class Engine:
         """Cancelled requests (queued or running) and queued ones past their deadline leave
         now: their blocks are free at once and the shard forgets them in the next step."""
         for state in [s for s in self.scheduler.waiting if s.aborted]:
-            self.metrics.request_failure("cancelled")
+            self.metrics.request_cancelled()
             self._finish(state, StopReason.CANCELLED)
         for state in [s for s in self.scheduler.running if s.aborted]:
-            self.metrics.request_failure("cancelled")
+            self.metrics.request_cancelled()
             self._finish(state, StopReason.CANCELLED)
         for state in list(self.scheduler.waiting):
             deadline = state.request.stopping.deadline
@@ -275,7 +324,7 @@ class Engine:
                 count = len(state.generated_ids)
                 state.emit(TokenEvent(text, count, None, StopReason.TIME_LIMIT))
             else:
-                self.metrics.request_failure("timeout")
+                self.metrics.request_timed_out()
                 state.emit(TokenEvent("", 0, None, StopReason.TIME_LIMIT))
             self._finish(state, StopReason.TIME_LIMIT)
 

@@ -19,6 +19,7 @@ from tgis.pb import generation_pb2, generation_pb2_grpc
 from tgis.router.concurrency import ConcurrencyLimiter
 from tgis.router.engine import Engine
 from tgis.router.errors import GenerationError, RouterError, ValidationError
+from tgis.router.limits import enforce_client_batch_size
 from tgis.router.metrics import Metrics
 from tgis.router.request_state import InputTokensEvent, RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
@@ -62,6 +63,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.metrics.request_received(kind, count)
         if count == 0:
             return pb.BatchedGenerationResponse()
+        await enforce_client_batch_size(count, self.limits, context, self.metrics)
         await self._acquire(count, context)
         states: list[RequestState] = []
         try:
@@ -300,10 +302,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             duration=now - arrival,
             inference_seconds=now - started,
         )
-        if state.started_at is not None:
-            # Until the engine calls Metrics.request_admitted at admission (TGIS records the
-            # queue time then, for every admitted request); delete this call when it does.
-            self.metrics.request_admitted(state.started_at - arrival)
         who = {"single": "Request", "stream": "Streaming response"}.get(
             kind, f"Sub-request {index} from batch of {count}"
         )

@@ -1,11 +1,8 @@
 """Per-call limits the servicer enforces before validation: ``--max-client-batch-size``.
 
-The servicer (``generation_service.py``) calls, in ``Generate`` right after counting the
-inputs and before taking concurrency permits::
-
-    await enforce_client_batch_size(count, self.limits, context, self.metrics)
-
-Unset (the default) means no limit, as in TGIS.
+``GenerationServicer.Generate`` calls ``enforce_client_batch_size`` right after counting
+the inputs and before taking concurrency permits. Unset (the default) means no limit, as
+in TGIS.
 """
 
 from __future__ import annotations

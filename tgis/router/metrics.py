@@ -576,17 +576,3 @@ class Metrics:
     def step_failed(self, method: str, reason: str) -> None:
         """A failed shard call; reason is oom, connection or error."""
         self._counters["inference_failed"].inc(method, reason)
-
-    # ---- before the engine is wired to the step_* methods (engine.py today) -------------------
-
-    def inference_success(
-        self, seconds: float, forward_ns: int, method: str = "next_token"
-    ) -> None:
-        """step_started + step_succeeded without batch size or tokens (engine.py today)."""
-        self._counters["inference_count"].inc(method)
-        self.step_succeeded(method, seconds, forward_ns / 1e9)
-
-    def inference_failure(self, reason: str, method: str = "next_token") -> None:
-        """step_started + step_failed without batch size (engine.py today)."""
-        self._counters["inference_count"].inc(method)
-        self.step_failed(method, reason)

@@ -64,6 +64,8 @@ class RequestState:
     aborted: bool = False
     """Set by the servicer when the client went away; acted on by the engine."""
     known_to_shard: bool = False
+    last_token_at: float | None = None
+    """time.monotonic() of the latest generated token (inter-token latency)."""
     started_at: float | None = None
     """time.monotonic() when the request was first scheduled."""
     finish_reason: StopReason | None = None
