@@ -130,7 +130,6 @@ def exercise(m: Metrics) -> None:
     m.set_batch(2, 80, 300)
     m.set_kv_cache(10, 64)
     m.batch_concatenated()
-    m.queue_jumped()
     m.prefill_budget_exceeded()
     m.step_started("prefill", 2, 64)
     m.step_succeeded("prefill", 0.05, 0.04, prompt_tokens=64, generated_tokens=2)

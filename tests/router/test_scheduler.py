@@ -474,3 +474,18 @@ def test_random_workloads_never_exceed_capacity_and_return_every_block(seed: int
 def test_random_workloads_preempt() -> None:
     counts = [run_random_workload(seed).preemption_count for seed in range(8)]
     assert sum(c > 0 for c in counts) >= 4, counts
+
+
+def test_budget_holds_count_steps_that_leave_the_head_waiting_for_prefill_budget() -> None:
+    scheduler = Scheduler(BlockAllocator(64, 4), limits(batch=8, prefill=10))
+    first, second = make_state(1, prompt_len=10, max_new_tokens=2), make_state(2, 3, 2)
+    scheduler.add(first)
+    scheduler.add(second)
+    plan = scheduler.schedule(now=0.0)
+    assert [s.request_id for s in plan.new_sequences] == [1]  # the budget went to the first
+    assert scheduler.budget_holds == 1
+    first.num_computed = 10
+    first.generated_ids.append(7)
+    plan = scheduler.schedule(now=0.0)
+    assert [s.request_id for s in plan.new_sequences] == [2]
+    assert scheduler.budget_holds == 1

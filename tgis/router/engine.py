@@ -104,9 +104,12 @@ class Engine:
             now = time.monotonic()
             self._drop_aborted_and_expired(now)
             preemptions = self.scheduler.preemption_count
+            budget_holds = self.scheduler.budget_holds
             plan = self.scheduler.schedule(now)
             for _ in range(self.scheduler.preemption_count - preemptions):
                 self.metrics.request_preempted()
+            for _ in range(self.scheduler.budget_holds - budget_holds):
+                self.metrics.prefill_budget_exceeded()
             self._record_admissions(plan, now)
             self._update_gauges()
             if not plan.has_message:

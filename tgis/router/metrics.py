@@ -537,9 +537,6 @@ class Metrics:
     def batch_concatenated(self) -> None:
         self._counters["batch_concatenation"].inc()
 
-    def queue_jumped(self) -> None:
-        self._counters["queue_jump"].inc()
-
     def prefill_budget_exceeded(self) -> None:
         """A queued request could not be admitted because the step's token budget ran out."""
         self._counters["prefill_weight_limit_exceeded"].inc()

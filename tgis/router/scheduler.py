@@ -106,6 +106,8 @@ class Scheduler:
         """Set by the engine after an out-of-memory step it retries with fewer sequences."""
         self.preemption_count = 0
         """Preemptions so far (for metrics)."""
+        self.budget_holds = 0
+        """Steps that left the queue's head waiting only because the prefill budget ran out."""
         self._finished_ids: list[int] = []
         self._preempted_ids: list[int] = []
         self._steps_since_admission = 0
@@ -229,7 +231,10 @@ class Scheduler:
         chosen: list[RequestState] = []
         blocks = 0
         for state in self.waiting:
-            if len(chosen) >= slots or budget <= 0:
+            if len(chosen) >= slots:
+                break
+            if budget <= 0:
+                self.budget_holds += 1
                 break
             need = self._admission_blocks(state)
             headroom = self.headroom if self.running or chosen else 0
