@@ -107,10 +107,10 @@ def prepare_varlen(layout: BatchLayout, block_size: int, device: torch.device) -
     )
 
 
-class SdpaVarlenAttention:
-    """All sequences in one padded `scaled_dot_product_attention` call."""
+class _VarlenBackend:
+    """What both varlen backends share: the per-step metadata, then one kernel per layer."""
 
-    name = "sdpa_varlen"
+    name = ""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -128,7 +128,34 @@ class SdpaVarlenAttention:
         metadata: VarlenMetadata,
         scale: float | None = None,
     ) -> torch.Tensor:
+        """Store this step's K/V in the paged cache, then attend (``_attend``)."""
         flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        return self._attend(q, flat_k, flat_v, metadata, scale)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        metadata: VarlenMetadata,
+        scale: float | None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class SdpaVarlenAttention(_VarlenBackend):
+    """All sequences in one padded `scaled_dot_product_attention` call."""
+
+    name = "sdpa_varlen"
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        metadata: VarlenMetadata,
+        scale: float | None,
+    ) -> torch.Tensor:
         keys = flat_k[metadata.padded_slots].to(q.dtype)  # one gather, straight to padded
         values = flat_v[metadata.padded_slots].to(q.dtype)
         padded_q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[metadata.query_index]
@@ -144,7 +171,7 @@ class SdpaVarlenAttention:
         return flat_out[metadata.query_rows]
 
 
-class FlashVarlenAttention:
+class FlashVarlenAttention(_VarlenBackend):
     """flash-attn's varlen kernel over the packed batch (CUDA, fp16/bf16)."""
 
     name = "flash_varlen"
@@ -152,23 +179,17 @@ class FlashVarlenAttention:
     def __init__(self, block_size: int) -> None:
         from flash_attn import flash_attn_varlen_func
 
-        self.block_size = block_size
+        super().__init__(block_size)
         self._kernel = flash_attn_varlen_func
 
-    def prepare(self, layout: BatchLayout, device: torch.device) -> VarlenMetadata:
-        return prepare_varlen(layout, self.block_size, device)
-
-    def forward(
+    def _attend(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
         metadata: VarlenMetadata,
-        scale: float | None = None,
+        scale: float | None,
     ) -> torch.Tensor:
-        flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out: torch.Tensor = self._kernel(
             q,
             flat_k[metadata.context_slots],
