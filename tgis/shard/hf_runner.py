@@ -32,12 +32,13 @@ from tgis.shard.messages import (
     StepPlan,
     TokenDetail,
 )
+from tgis.shard.runner import SequenceRunner
 from tgis.shard.sequence import Sequence
-from tgis.shard.step_plan import PlanLimits, ResolvedStep, resolve_plan
+from tgis.shard.step_plan import PlanLimits, ResolvedStep
 from tgis.shard.step_results import commit_step, sample_tokens
 
 
-class HfRunner:
+class HfRunner(SequenceRunner):
     """Executes StepPlans against a transformers model through an ``HfEngine``."""
 
     def __init__(self, engine: HfEngine, info: ShardInfo, device: torch.device) -> None:
@@ -56,22 +57,13 @@ class HfRunner:
 
     def reset(self) -> None:
         """Forget every sequence."""
-        self.sequences.clear()
+        super().reset()
         self.engine.reset()
-
-    def health(self) -> None:
-        """Raise if the device does not answer (a cheap query, no kernel launch)."""
-        if self.device.type == "cuda":
-            torch.cuda.mem_get_info(self.device)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
         """Apply ``plan`` and run its forward pass; see the module docstring."""
-        resolved = resolve_plan(plan, self.sequences, self.limits)
-        for rid in resolved.finished:
-            self.sequences.pop(rid, None)
-        for rid in resolved.preempted:
-            self.sequences[rid].preempt()
+        resolved = self._begin_step(plan)
         self.engine.forget((*resolved.finished, *resolved.preempted))
         if not resolved.work:
             self._commit(resolved, {}, {})

@@ -33,8 +33,9 @@ from tgis.shard.messages import (
     TokenDetail,
 )
 from tgis.shard.models import CausalLM
+from tgis.shard.runner import SequenceRunner
 from tgis.shard.sequence import Sequence
-from tgis.shard.step_plan import PlanLimits, WorkItem, resolve_plan
+from tgis.shard.step_plan import PlanLimits, WorkItem
 from tgis.shard.step_results import commit_step, sample_tokens
 from tgis.shard.token_details import first_input_detail, token_details
 
@@ -55,7 +56,7 @@ class _FlatBatch:
     detail_spans: tuple[tuple[WorkItem, int, int], ...]
 
 
-class ModelRunner:
+class ModelRunner(SequenceRunner):
     """Executes StepPlans against one model replica (one rank)."""
 
     def __init__(
@@ -79,23 +80,10 @@ class ModelRunner:
             device=device,
         )
 
-    def reset(self) -> None:
-        """Forget every sequence."""
-        self.sequences.clear()
-
-    def health(self) -> None:
-        """Raise if the device does not answer (a cheap query, no kernel launch)."""
-        if self.device.type == "cuda":
-            torch.cuda.mem_get_info(self.device)
-
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
         """Apply ``plan`` and run its forward pass; see the module docstring."""
-        resolved = resolve_plan(plan, self.sequences, self.limits)
-        for rid in resolved.finished:
-            self.sequences.pop(rid, None)
-        for rid in resolved.preempted:
-            self.sequences[rid].preempt()
+        resolved = self._begin_step(plan)
         if not resolved.work:
             commit_step(self.sequences, resolved, {}, {})
             return StepOutput(step_id=plan.step_id, errors=resolved.errors)

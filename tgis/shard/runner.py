@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
 from tgis.shard.messages import ShardInfo, StepOutput, StepPlan
+from tgis.shard.sequence import Sequence
+from tgis.shard.step_plan import PlanLimits, ResolvedStep, resolve_plan
 
 
 class Runner(Protocol):
@@ -34,3 +38,34 @@ class Runner(Protocol):
     def health(self) -> None:
         """Raise if the device does not answer."""
         ...
+
+
+class SequenceRunner:
+    """What both engines share: the sequences, the plan checks, health and reset.
+
+    Subclasses set ``info``, ``device``, ``sequences`` and ``limits`` in ``__init__``.
+    """
+
+    info: ShardInfo
+    device: torch.device
+    sequences: dict[int, Sequence]
+    limits: PlanLimits
+
+    def reset(self) -> None:
+        """Forget every sequence."""
+        self.sequences.clear()
+
+    def health(self) -> None:
+        """Raise if the device does not answer (a cheap query, no kernel launch)."""
+        if self.device.type == "cuda":
+            torch.cuda.mem_get_info(self.device)
+
+    def _begin_step(self, plan: StepPlan) -> ResolvedStep:
+        """Check the whole plan (InvalidStepError changes nothing), then forget finished
+        sequences and drop the blocks of preempted ones."""
+        resolved = resolve_plan(plan, self.sequences, self.limits)
+        for rid in resolved.finished:
+            self.sequences.pop(rid, None)
+        for rid in resolved.preempted:
+            self.sequences[rid].preempt()
+        return resolved
