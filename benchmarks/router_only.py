@@ -372,8 +372,8 @@ def router_argv(args: argparse.Namespace, uds: Path, grpc_port: int, http_port: 
 
 async def drive(
     args: argparse.Namespace, target: str, metrics_url: str, pids: dict[str, int]
-) -> list[StreamLevel]:
-    """Warm up, then run every stream count."""
+) -> tuple[list[StreamLevel], int]:
+    """Warm up, then run every stream count; (levels, prompt tokens)."""
     channels = [grpc.aio.insecure_channel(target) for _ in range(max(1, max(args.levels) // 64))]
     try:
         stubs = [pb_grpc.GenerationServiceStub(ch) for ch in channels]
@@ -406,7 +406,7 @@ async def drive(
                 file=sys.stderr,
                 flush=True,
             )
-        return levels
+        return levels, prompt_tokens
     finally:
         for ch in channels:
             await ch.close()
@@ -462,9 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         health_url = f"http://127.0.0.1:{http_port}/health"
         wait_for(lambda: healthy(health_url), router, args.startup_timeout, "router")
         pids = {"router": router.proc.pid, "fake shard": shard.proc.pid}
-        levels = asyncio.run(
+        levels, prompt_tokens = asyncio.run(
             drive(args, f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}/metrics", pids)
         )
+        env["requests"] = env["requests"].replace(", greedy", f" ({prompt_tokens} tokens), greedy")
         failed = any(s.errors or s.wrong_length for s in levels)
     finally:
         for child, grace in ((router, 40.0), (shard, 10.0)):
