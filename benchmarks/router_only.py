@@ -467,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         env["requests"] = env["requests"].replace(", greedy", f" ({prompt_tokens} tokens), greedy")
         failed = any(s.errors or s.wrong_length for s in levels)
+    except (RuntimeError, TimeoutError) as err:  # a process died or never became ready
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     finally:
         for child, grace in ((router, 40.0), (shard, 10.0)):
             if child is not None:

@@ -1133,6 +1133,9 @@ def main(argv: list[str] | None = None) -> int:
             "prefix caching": "none in this engine",
         }
         env |= env_time
+    except (RuntimeError, TimeoutError) as err:  # the server died or never became healthy
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     finally:
         if server is not None:
             code = server.stop()
