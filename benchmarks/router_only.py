@@ -58,13 +58,10 @@ from serve import (
     STEP_METRICS,
     Level,
     RequestSpec,
-    cpu_seconds,
     device_description,
     engine_commit,
     fmt,
-    free_port,
     header_lines,
-    host_busy_seconds,
     json_safe,
     mean,
     percentile,
@@ -75,6 +72,7 @@ from serve import (
 )
 
 from tgis.pb import generation_pb2_grpc as pb_grpc
+from tgis.procinfo import cpu_seconds, free_port, host_busy_seconds
 
 FAKE_SHARD = Path(__file__).resolve().parent / "fake_shard.py"
 DEFAULT_PROMPT = "Return the number of items in the list."

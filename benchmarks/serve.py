@@ -63,7 +63,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -80,10 +79,10 @@ import grpc
 
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
+from tgis.procinfo import cpu_seconds, descendants, free_port, host_busy_seconds
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SHARD_LINE = re.compile(r"shard: (\S+) on (\S+) \((\w+), (\w+) attention\)")
 # Environment variables that change the server's speed, echoed in the header when set.
 TUNING_ENV = ("OMP_NUM_THREADS", "TGIS_ATTENTION_BACKEND", "TGIS_ENGINE", "TGIS_KV_CACHE_BLOCKS")
@@ -96,52 +95,6 @@ STEP_METRICS = (
 
 
 # ---- the server under test ------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live descendant process of ``pid``, read from /proc."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
-    found: set[int] = set()
-    frontier = {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def host_busy_seconds() -> float:
-    """CPU seconds all cores of this host have spent busy since boot (/proc/stat)."""
-    try:
-        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    except OSError:
-        return 0.0
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / CLK_TCK
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads); 0 if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 @dataclass

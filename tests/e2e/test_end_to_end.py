@@ -400,12 +400,12 @@ def test_tls_and_mtls(tmp_path: Path) -> None:
 
 
 def test_sigterm_leaves_no_child_behind(tmp_path: Path) -> None:
-    from tests.e2e.server import children_of, is_alive
+    from tests.e2e.server import descendants, is_alive
 
     launcher = start_launcher(tmp_path)
     try:
         launcher.wait_healthy()
-        children = children_of(launcher.proc.pid)
+        children = descendants(launcher.proc.pid)
         assert len(children) >= 2, "expected at least a shard and a router"
         launcher.proc.send_signal(signal.SIGTERM)
         code = launcher.proc.wait(60)

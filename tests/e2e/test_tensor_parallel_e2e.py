@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.e2e.server import LauncherProcess, children_of, is_alive, start_launcher
+from tests.e2e.server import LauncherProcess, descendants, is_alive, start_launcher
 from tgis.embedded_model import MODEL_DIR as EMBEDDED_MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -110,7 +110,7 @@ def test_two_shards_generate_the_same_text_and_stop_cleanly(
     assert generate(launcher) == single_shard_texts
     sockets = sorted(p.name for p in launcher.socket_dir.glob("shard-*"))
     assert sockets == ["shard-0", "shard-1"]
-    children = children_of(launcher.proc.pid)
+    children = descendants(launcher.proc.pid)
     assert len(children) >= 3, "expected two shards and a router"
 
     launcher.proc.send_signal(signal.SIGTERM)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tgis.launcher.supervisor import ChildSpec
+from tgis.procinfo import is_alive
 
 # Every env var the launcher reads; removed from the environment of launched test processes.
 LAUNCHER_ENV_VARS = [
@@ -109,20 +110,12 @@ class LauncherRun:
         return errors[-1].removeprefix("error: ")
 
 
+alive = is_alive  # the name these tests use
+
 RunLauncher = Callable[..., LauncherRun]
 
 
 FAKE_CHILD = Path(__file__).with_name("fake_child.py")
-
-
-def alive(pid: int) -> bool:
-    """True if `pid` exists and is not a zombie (zombies are dead but not yet reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    state = stat.rsplit(")", 1)[1].split()[0]
-    return state not in ("Z", "X")
 
 
 def wait_for(path: Path, timeout: float = 10.0) -> Path:
