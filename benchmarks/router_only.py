@@ -54,7 +54,6 @@ from typing import Any
 import grpc
 from fake_shard import EMBEDDED_TOKENIZER
 from serve import (
-    BIN_DIR,
     STEP_METRICS,
     Level,
     RequestSpec,
@@ -71,6 +70,7 @@ from serve import (
     token_counts,
 )
 
+from tgis.launcher.local_process import BIN_DIR
 from tgis.pb import generation_pb2_grpc as pb_grpc
 from tgis.procinfo import cpu_seconds, free_port, host_busy_seconds
 

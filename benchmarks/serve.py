@@ -62,7 +62,6 @@ import platform
 import random
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -77,12 +76,12 @@ from typing import Any
 
 import grpc
 
+from tgis.launcher.local_process import LauncherProcess, start_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
-from tgis.procinfo import cpu_seconds, descendants, free_port, host_busy_seconds
+from tgis.procinfo import cpu_seconds, host_busy_seconds
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BIN_DIR = Path(sys.executable).parent
 SHARD_LINE = re.compile(r"shard: (\S+) on (\S+) \((\w+), (\w+) attention\)")
 # Environment variables that change the server's speed, echoed in the header when set.
 TUNING_ENV = ("OMP_NUM_THREADS", "TGIS_ATTENTION_BACKEND", "TGIS_ENGINE", "TGIS_KV_CACHE_BLOCKS")
@@ -97,107 +96,15 @@ STEP_METRICS = (
 # ---- the server under test ------------------------------------------------------------------
 
 
-@dataclass
-class LaunchedServer:
-    """A ``text-generation-launcher`` this script started (its own session)."""
-
-    proc: subprocess.Popen[bytes]
-    grpc_port: int
-    http_port: int
-    log_path: Path
-    socket_dir: Path
-    argv: list[str]
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metrics"
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def wait_healthy(self, timeout: float) -> None:
-        """Poll ``/health`` until it answers 200; raise with the log tail otherwise."""
-        deadline = time.monotonic() + timeout
-        url = f"http://127.0.0.1:{self.http_port}/health"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"launcher exited with {self.proc.returncode}:\n{self.log_text()[-4000:]}"
-                )
-            try:
-                with urllib.request.urlopen(url, timeout=5.0) as resp:
-                    if resp.status == 200:
-                        return
-            except (OSError, urllib.error.HTTPError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not healthy after {timeout:.0f} s:\n{self.log_text()[-4000:]}")
-
-    def process_pids(self) -> dict[str, list[int]]:
-        """The router and shard process ids, found by their command lines."""
-        roles: dict[str, list[int]] = {"router": [], "shard": []}
-        for pid in descendants(self.proc.pid):
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if b"text-generation-router" in cmdline:
-                roles["router"].append(pid)
-            elif b"text-generation-server" in cmdline or b"tgis.shard" in cmdline:
-                roles["shard"].append(pid)
-        return roles
-
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM the launcher (it stops router and shards); SIGKILL its group if it hangs."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        shutil.rmtree(self.socket_dir, ignore_errors=True)
-        return int(self.proc.returncode)
-
-
-def launch(args: argparse.Namespace, log_dir: Path) -> LaunchedServer:
+def launch(args: argparse.Namespace, log_dir: Path) -> LauncherProcess:
     """Start the launcher on free ports with the requested model and flags."""
-    grpc_port, http_port = free_port(), free_port()
-    socket_dir = Path(tempfile.mkdtemp(prefix="tgis-bench-", dir="/tmp"))  # short UDS paths
-    argv = [
-        str(BIN_DIR / "text-generation-launcher"),
-        "--grpc-port",
-        str(grpc_port),
-        "--port",
-        str(http_port),
-        "--shard-uds-path",
-        str(socket_dir / "shard"),
-        "--master-port",
-        str(free_port()),
-        "--max-batch-size",
-        str(args.max_batch_size),
-    ]
+    extra = ["--max-batch-size", str(args.max_batch_size)]
     if args.model_name:
-        argv += ["--model-name", args.model_name]
+        extra += ["--model-name", args.model_name]
     if args.dtype:
-        argv += ["--dtype", args.dtype]
-    argv += args.launcher_args
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if not args.model_name:
-        env.pop("MODEL_NAME", None)  # the embedded model unless asked otherwise
-    log_path = log_dir / "launcher.log"
-    with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen(
-            argv, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    return LaunchedServer(proc, grpc_port, http_port, log_path, socket_dir, argv)
+        extra += ["--dtype", args.dtype]
+    # The embedded model unless asked otherwise; GPU settings stay as the shell has them.
+    return start_launcher(log_dir, [*extra, *args.launcher_args], log_name="launcher.log")
 
 
 def scrape_step_metrics(url: str | None) -> dict[str, float] | None:
@@ -927,7 +834,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 async def benchmark(
-    args: argparse.Namespace, target: str, metrics_url: str | None, server: LaunchedServer | None
+    args: argparse.Namespace, target: str, metrics_url: str | None, server: LauncherProcess | None
 ) -> tuple[list[LevelStats], list[RequestSpec]]:
     """Build the workload, warm up, then run the baseline (if asked) and every level."""
     widest = max([lv.concurrency or lv.max_concurrency or args.num_requests for lv in args.levels])
@@ -1038,7 +945,7 @@ def arrival_line(args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; exit 1 when any request failed or had the wrong length."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    server: LaunchedServer | None = None
+    server: LauncherProcess | None = None
     log_dir = Path(tempfile.mkdtemp(prefix="tgis-bench-log-"))
     env: dict[str, Any] = {}
     levels: list[LevelStats] = []
@@ -1048,12 +955,12 @@ def main(argv: list[str] | None = None) -> int:
             target, metrics_url = args.target, args.metrics_url
         else:
             server = launch(args, log_dir)
-            print(f"launcher: {' '.join(server.argv)}", file=sys.stderr, flush=True)
+            print(f"launcher: {' '.join(server.args)}", file=sys.stderr, flush=True)
             started = time.monotonic()
             server.wait_healthy(args.startup_timeout)
             print(f"server healthy after {time.monotonic() - started:.1f} s", file=sys.stderr)
-            target, metrics_url = server.target, server.metrics_url
-        shard = SHARD_LINE.search(server.log_text()) if server else None
+            target, metrics_url = server.grpc_target, server.metrics_url
+        shard = SHARD_LINE.search(server.log_tail(10**9)) if server else None
         env = {
             "device": device_description()
             + (" (client host; the server is remote)" if args.target else ""),
@@ -1094,7 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
             code = server.stop()
             print(f"launcher stopped (exit code {code})", file=sys.stderr)
             if code != 0:
-                print(server.log_text()[-4000:], file=sys.stderr)
+                print(server.log_tail(4000), file=sys.stderr)
         shutil.rmtree(log_dir, ignore_errors=True)
     print("## Environment\n")
     print(header_lines(env))
