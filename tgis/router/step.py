@@ -65,10 +65,6 @@ class StepPlan:
     """Keep their tokens and sampler, drop their blocks (after forgetting finished_ids)."""
 
     @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    @property
     def has_message(self) -> bool:
         """Worth sending even without work: the shard must forget or preempt something."""
         return bool(self.scheduled or self.finished_ids or self.preempted_ids)

@@ -34,11 +34,6 @@ class Sequence:
         """Tokens sampled so far."""
         return len(self.token_ids) - self.prompt_len
 
-    @property
-    def num_uncomputed(self) -> int:
-        """Tokens whose keys/values are not yet in the cache."""
-        return len(self.token_ids) - self.num_computed
-
     def preempt(self) -> None:
         """Drop the block table and the computed count (the router gave the blocks away);
         token ids, counters and the generator stay, so a recompute resumes the sequence."""
