@@ -1,8 +1,10 @@
-"""An instant fake shard: a real ``tgis.shard.v1.ShardService`` gRPC server without a model.
+"""An instant fake shard: a real ``tgis.shard.v1.ShardService`` without a model.
 
-It answers ``Info`` with the embedded model's facts (EOS id, vocabulary size, 16-token KV
-blocks) and plenty of blocks, ``Health`` and ``Reset`` at once, and ``Step`` at once (or after
-``--step-delay-ms``, to stand in for a device's forward time) with deterministic token ids.
+It answers ``Info`` (gRPC) with the embedded model's facts (EOS id, vocabulary size, 16-token
+KV blocks), plenty of blocks and its step channel, ``Health`` and ``Reset`` at once, and each
+Step on the step channel (``tgis.shard_api.channel``, the router's hot path) at once (or
+after ``--step-delay-ms``, to stand in for a device's forward time) with deterministic token
+ids.
 Every sequence gets one token per step once its prompt is complete, exactly as the real shard
 does, and the tokens cycle through whole-word vocabulary entries of the tokenizer (``Ġword``
 in byte-level BPE), so they detokenize to English-looking text and are never EOS or special.
@@ -25,12 +27,16 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
+from tgis.shard_api.channel import StepChannelServer, step_channel_path
+from tgis.shard_api.messages import SampledToken, SequenceError, StepOutput, StepPlan, TokenDetail
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_TOKENIZER = REPO_ROOT / "tgis" / "embedded_model" / "data" / "tokenizer.json"
@@ -101,13 +107,16 @@ class FakeShardConfig:
 
 
 class FakeShardServicer(shard_pb2_grpc.ShardServiceServicer):
-    """Answers every ShardService RPC at once, from plain Python state."""
+    """Answers every ShardService RPC at once, from plain Python state; ``step`` serves the
+    step channel."""
 
-    def __init__(self, config: FakeShardConfig) -> None:
+    def __init__(self, config: FakeShardConfig, step_channel: str) -> None:
         self.config = config
+        self.step_channel = step_channel
         self.sequences: dict[int, FakeSequence] = {}
         self.steps = 0
         self.tokens = 0
+        self._lock = threading.Lock()
 
     async def Info(
         self, request: shard_pb2.InfoRequest, context: grpc.aio.ServicerContext
@@ -126,6 +135,7 @@ class FakeShardServicer(shard_pb2_grpc.ShardServiceServicer):
             dtype="none",
             device="none",
             attention_backend="none",
+            step_channel=self.step_channel,
         )
 
     async def Health(
@@ -138,47 +148,51 @@ class FakeShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request: shard_pb2.ResetRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.ResetResponse:
         """Forget every sequence."""
-        self.sequences.clear()
+        with self._lock:
+            self.sequences.clear()
         return shard_pb2.ResetResponse()
 
-    async def Step(
-        self, request: shard_pb2.StepRequest, context: grpc.aio.ServicerContext
-    ) -> shard_pb2.StepResponse:
+    def step(self, plan: StepPlan) -> StepOutput:
         """One token per sequence whose known tokens are all computed now; no forward pass."""
         if self.config.step_delay_s > 0:
-            await asyncio.sleep(self.config.step_delay_s)
-        sequences = self.sequences
-        for request_id in request.finished_request_ids:
-            sequences.pop(request_id, None)
-        # Preempted sequences (a newer protocol field) keep their tokens and recompute them all.
-        for request_id in getattr(request, "preempted_request_ids", ()):
-            if (seq := sequences.get(request_id)) is not None:
-                seq.computed = 0
-        for new in request.new_sequences:
-            sequences[new.request_id] = FakeSequence(len(new.prompt_token_ids))
-        ids = self.config.token_ids
-        response = shard_pb2.StepResponse(step_id=request.step_id)
-        for chunk in request.scheduled:
-            seq = sequences.get(chunk.request_id)
-            if seq is None:
-                response.errors.add(request_id=chunk.request_id, message="unknown sequence")
-                continue
-            seq.computed += chunk.num_tokens
-            if seq.computed < seq.prompt_len + seq.generated:
-                continue  # mid-prompt (chunked prefill) or mid-recompute: no token yet
-            token = ids[(chunk.request_id * 7 + seq.generated) % len(ids)]
-            seq.generated += 1
-            response.tokens.add(request_id=chunk.request_id).token.token_id = token
-        self.steps += 1
-        self.tokens += len(response.tokens)
-        return response
+            time.sleep(self.config.step_delay_s)
+        with self._lock:
+            sequences = self.sequences
+            for request_id in plan.finished_request_ids:
+                sequences.pop(request_id, None)
+            # Preempted sequences keep their tokens and recompute them all.
+            for request_id in plan.preempted_request_ids:
+                if (seq := sequences.get(request_id)) is not None:
+                    seq.computed = 0
+            for new in plan.new_sequences:
+                sequences[new.request_id] = FakeSequence(len(new.prompt_token_ids))
+            ids = self.config.token_ids
+            tokens: list[SampledToken] = []
+            errors: list[SequenceError] = []
+            for chunk in plan.scheduled:
+                seq = sequences.get(chunk.request_id)
+                if seq is None:
+                    errors.append(SequenceError(chunk.request_id, "unknown sequence"))
+                    continue
+                seq.computed += chunk.num_tokens
+                if seq.computed < seq.prompt_len + seq.generated:
+                    continue  # mid-prompt (chunked prefill) or mid-recompute: no token yet
+                token = ids[(chunk.request_id * 7 + seq.generated) % len(ids)]
+                seq.generated += 1
+                tokens.append(SampledToken(chunk.request_id, TokenDetail(token)))
+            self.steps += 1
+            self.tokens += len(tokens)
+        return StepOutput(plan.step_id, tuple(tokens), errors=tuple(errors))
 
 
 async def serve(config: FakeShardConfig, uds_path: str, ready_file: Path | None = None) -> None:
     """Serve on ``unix://uds_path`` until SIGTERM/SIGINT; touch ``ready_file`` once bound."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(uds_path)
-    servicer = FakeShardServicer(config)
+    channel_path = step_channel_path(uds_path)
+    servicer = FakeShardServicer(config, channel_path)
+    channel = StepChannelServer(channel_path, servicer.step)
+    channel.start()
     server = grpc.aio.server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -196,6 +210,7 @@ async def serve(config: FakeShardConfig, uds_path: str, ready_file: Path | None 
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(1.0)
+    channel.close()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(uds_path)
     print(

@@ -28,13 +28,20 @@ from tgis.router.request_types import (
 )
 from tgis.router.scheduler import SchedulerLimits
 from tgis.router.shard_client import ShardError, ShardFailure
-from tgis.router.step import ShardInfo, StepOutput, StepPlan, TokenDetail
 from tgis.router.tokenization import RouterTokenizer
+from tgis.shard_api.messages import (
+    ModelKind,
+    SampledToken,
+    ShardInfo,
+    StepOutput,
+    StepPlan,
+    TokenDetail,
+)
 
 EOS = 2
 INFO = ShardInfo(
-    is_seq2seq=False,
-    eos_token_ids=frozenset({EOS}),
+    model_kind=ModelKind.CAUSAL_LM,
+    eos_token_ids=(EOS,),
     vocab_size=4096,
     block_size=16,
     num_blocks=64,
@@ -48,8 +55,9 @@ INFO = ShardInfo(
 
 
 class ScriptedShard:
-    """Returns token `300 + step` for every sequence that has caught up; records plans and
-    checks them like the real shard (a broken plan fails the step with an error)."""
+    """Runs sent steps in order, returning token `300 + step` for every sequence that has
+    caught up; records plans and checks them like the real shard (a broken plan fails the
+    step with an error; a plan built on a step that failed is refused as stale)."""
 
     def __init__(
         self,
@@ -64,13 +72,42 @@ class ScriptedShard:
         self.eos_at_step = eos_at_step
         self.failure = failure
         self.oom_when = oom_when
+        self.last_completed = 0
+        self.stale: list[int] = []
+        self._queue: asyncio.Queue[tuple[StepPlan, asyncio.Future[StepOutput]]] | None = None
 
-    async def step(self, plan: StepPlan) -> StepOutput:
-        await asyncio.sleep(0.001)
+    def send_step(self, plan: StepPlan) -> asyncio.Future[StepOutput]:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+            asyncio.get_running_loop().create_task(self._work())
+        future: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait((plan, future))
+        return future
+
+    async def step_result(self, future: asyncio.Future[StepOutput]) -> StepOutput:
+        return await future
+
+    async def _work(self) -> None:
+        assert self._queue is not None
+        while True:
+            plan, future = await self._queue.get()
+            await asyncio.sleep(0.001)
+            if future.cancelled():
+                continue
+            try:
+                future.set_result(self._run(plan))
+                self.last_completed = plan.step_id
+            except ShardError as err:
+                future.set_exception(err)
+
+    def _run(self, plan: StepPlan) -> StepOutput:
+        if plan.base_step_id and plan.base_step_id != self.last_completed:
+            self.stale.append(plan.step_id)
+            raise ShardError(ShardFailure.STALE, "stale")
         self.plans.append(plan)
-        for rid in plan.finished_ids:
+        for rid in plan.finished_request_ids:
             self.seqs.pop(rid, None)
-        for rid in plan.preempted_ids:
+        for rid in plan.preempted_request_ids:
             if rid in self.seqs:
                 self.seqs[rid][1] = 0
         if plan.step_id == self.fail_at_step:
@@ -80,7 +117,7 @@ class ScriptedShard:
         for seq in plan.new_sequences:
             assert seq.request_id not in self.seqs
             self.seqs[seq.request_id] = [len(seq.prompt_token_ids), 0]
-        tokens = {}
+        tokens = []
         for chunk in plan.scheduled:
             known = self.seqs[chunk.request_id]
             assert 1 <= chunk.num_tokens <= known[0] - known[1], (chunk, known)
@@ -88,8 +125,8 @@ class ScriptedShard:
             if known[1] == known[0]:
                 known[0] += 1  # the sampled token is computed next step
                 token = EOS if plan.step_id == self.eos_at_step else 300 + plan.step_id
-                tokens[chunk.request_id] = TokenDetail(token)
-        return StepOutput(tokens, {}, {}, 1000)
+                tokens.append(SampledToken(chunk.request_id, TokenDetail(token)))
+        return StepOutput(plan.step_id, tuple(tokens), forward_time_ns=1000)
 
     async def health(self) -> None:
         return None
@@ -154,7 +191,7 @@ def test_late_request_joins_running_batch_and_all_finish() -> None:
         joined = next(p for p in shard.plans if p.new_sequences and p.step_id > 1)
         # The newcomer's prefill shares the step with the running request's decode.
         assert {c.request_id for c in joined.scheduled} == {long.request_id, short.request_id}
-        finished_later = [p for p in shard.plans if short.request_id in p.finished_ids]
+        finished_later = [p for p in shard.plans if short.request_id in p.finished_request_ids]
         assert len(finished_later) == 1
         metrics = metric_samples(engine)
         assert metrics["tgi_request_queue_duration_count"] == 2  # both admitted
@@ -216,7 +253,7 @@ def test_abort_and_queue_deadline() -> None:
         engine.abort(state)
         await asyncio.sleep(0.02)
         assert state.finish_reason == StopReason.CANCELLED
-        assert any(state.request_id in p.finished_ids for p in shard.plans)
+        assert any(state.request_id in p.finished_request_ids for p in shard.plans)
         assert engine.scheduler.allocator.num_free == INFO.num_blocks
         expired = engine.submit(request(5, deadline=time.monotonic() - 1), time.monotonic())
         final = await final_event(expired)
@@ -276,7 +313,7 @@ def test_requests_beyond_kv_capacity_are_preempted_and_all_finish() -> None:
             assert isinstance(final, TokenEvent)
             assert (final.generated_token_count, final.stop_reason) == (20, StopReason.MAX_TOKENS)
         assert engine.scheduler.preemption_count > 0
-        assert any(p.preempted_ids for p in shard.plans)
+        assert any(p.preempted_request_ids for p in shard.plans)
         assert engine.scheduler.allocator.num_free == SMALL_KV.num_blocks
         assert gauge(engine, "tgi_batch_current_size") == 0
         assert gauge(engine, "tgi_queue_size") == 0
@@ -306,7 +343,9 @@ def test_out_of_memory_retries_without_the_younger_half() -> None:
         assert oomed, "the scenario never ran out of memory"
         for final, count in zip(finals, (30, 6, 6, 6), strict=True):
             assert isinstance(final, TokenEvent) and final.generated_token_count == count
-        retry = next(p for p in shard.plans if p.step_id == oomed[0] + 1)
+        # The step sent on top of the failed one was refused, then the retry ran.
+        assert shard.stale == [oomed[0] + 1]
+        retry = next(p for p in shard.plans if p.step_id > oomed[0])
         # The older half; the one the failed step announced is announced again.
         assert [c.request_id for c in retry.scheduled] == [first.request_id, others[0].request_id]
         assert [n.request_id for n in retry.new_sequences] == [others[0].request_id]
@@ -345,15 +384,16 @@ def test_a_preempted_request_cancelled_or_expired_in_the_queue() -> None:
             state.known_to_shard = True
             state.preemptions = 1
             state.generated_ids = [300, 301]
-        engine._detokenizer(expired).push(300)
+        expired.detokenizer.push(300)
         engine.abort(cancelled)
-        engine._drop_aborted_and_expired(now + 101)
+        update = engine.scheduler.drop_aborted_and_expired(now + 101)
+        assert update.cancelled == 1 and update.timed_out_in_queue == 0
         assert cancelled.finish_reason == StopReason.CANCELLED
-        final = await final_event(expired)
-        assert isinstance(final, TokenEvent)
+        ((state, final),) = update.events
+        assert state is expired and isinstance(final, TokenEvent)
         assert (final.stop_reason, final.generated_token_count) == (StopReason.TIME_LIMIT, 2)
-        plan = engine.scheduler.schedule(now)
-        assert sorted(plan.finished_ids) == [cancelled.request_id, expired.request_id]
+        plan = engine.scheduler.schedule(now).plan
+        assert sorted(plan.finished_request_ids) == [cancelled.request_id, expired.request_id]
         assert not engine.scheduler.has_work
 
     run(scenario())

@@ -20,12 +20,12 @@ from tgis.router.request_types import GenerationParams, ResponseOptions, Samplin
 from tgis.router.request_types import StoppingParams as Stopping
 from tgis.router.scheduler import kv_capacity_blocks
 from tgis.router.server import scheduler_limits
-from tgis.router.step import ShardInfo
 from tgis.router.validation import ServerLimits, validate_input
+from tgis.shard_api.messages import ModelKind, ShardInfo
 
 INFO = ShardInfo(
-    is_seq2seq=False,
-    eos_token_ids=frozenset({2}),
+    model_kind=ModelKind.CAUSAL_LM,
+    eos_token_ids=(2,),
     vocab_size=100,
     block_size=16,
     num_blocks=100,
@@ -91,7 +91,7 @@ def test_flags_env_vars_and_aliases() -> None:
     limits = scheduler_limits(config, INFO)
     assert limits.max_batch_prefill_tokens == 1000  # the default is lowered to the total
     assert kv_capacity_blocks(limits, INFO) == 63  # 1000 tokens in whole blocks, < 100
-    seq2seq = scheduler_limits(parse([]), replace(INFO, is_seq2seq=True))
+    seq2seq = scheduler_limits(parse([]), replace(INFO, model_kind=ModelKind.SEQ2SEQ_LM))
     assert not seq2seq.preemption
 
 

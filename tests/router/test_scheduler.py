@@ -1,28 +1,38 @@
-"""Block accounting and step planning (pure router logic, no processes, no torch).
+"""Block accounting, step planning and output handling (pure router logic, no processes).
 
-The property test at the end drives the scheduler with random workloads against a
-simulated shard that checks every plan the way the real one does (and more: no block is
-ever in two live block tables).
+The property test at the end drives the scheduler as the engine does, with up to two steps
+in flight, under random workloads against a simulated shard that checks every plan the way
+the real one does (and more: no block is ever in two live block tables).
 """
 
 from __future__ import annotations
 
 import random
+from collections import deque
 from dataclasses import dataclass, field
 
 import pytest
 
+from tgis.embedded_model import MODEL_DIR
 from tgis.router.block_allocator import BlockAllocator, blocks_for
-from tgis.router.request_state import RequestState, RequestStatus
+from tgis.router.detokenizer import IncrementalDetokenizer
+from tgis.router.errors import GenerationError
+from tgis.router.request_state import RequestState, RequestStatus, TokenEvent
 from tgis.router.request_types import (
     GenerationParams,
     ResponseOptions,
     SamplingParams,
     StoppingParams,
+    StopReason,
     ValidatedRequest,
 )
-from tgis.router.scheduler import Scheduler, SchedulerLimits
-from tgis.router.step import StepPlan
+from tgis.router.scheduler import ScheduledStep, Scheduler, SchedulerLimits
+from tgis.router.stopping import StopChecker
+from tgis.router.tokenization import RouterTokenizer
+from tgis.shard_api.messages import SampledToken, SequenceError, StepOutput, StepPlan, TokenDetail
+
+TOKENIZER = RouterTokenizer(str(MODEL_DIR / "tokenizer.json"))
+EOS = 2
 
 
 def make_state(request_id: int, prompt_len: int, max_new_tokens: int) -> RequestState:
@@ -35,29 +45,39 @@ def make_state(request_id: int, prompt_len: int, max_new_tokens: int) -> Request
         stopping=stopping,
         sampling=sampling,
     )
-    return RequestState(request_id=request_id, request=request, arrival=0.0)
+    return RequestState(
+        request_id=request_id,
+        request=request,
+        arrival=0.0,
+        detokenizer=IncrementalDetokenizer(TOKENIZER, True, eos_token_ids=(EOS,)),
+        stop_checker=StopChecker(stopping, (EOS,)),
+    )
 
 
 def limits(batch: int = 8, prefill: int = 1000, **kwargs: object) -> SchedulerLimits:
     return SchedulerLimits(max_batch_size=batch, max_batch_prefill_tokens=prefill, **kwargs)  # type: ignore[arg-type]
 
 
-def token_for(request_id: int, index: int) -> int:
-    """The token the simulated shard samples at each output position of each request."""
-    return (request_id * 7919 + index * 104729) % 1000 + 3
+def token_for(request_id: int, index: int, eos_every: int = 0) -> int:
+    """The token the simulated shard samples at each output position of each request
+    (EOS at about one position in ``eos_every`` when it is set)."""
+    h = request_id * 7919 + index * 104729
+    if eos_every and h % eos_every == 0:
+        return EOS
+    return h % 1000 + 3
 
 
-def complete(scheduler: Scheduler, plan: StepPlan) -> list[RequestState]:
-    """What the engine does with a successful step: count computed tokens and append the
-    token sampled for each sequence that caught up. Returns the states that got a token."""
-    by_id = {s.request_id: s for s in scheduler.running}
+def complete(scheduler: Scheduler, step: ScheduledStep) -> list[RequestState]:
+    """The shard's answer to a step, applied: one token for each sampling sequence.
+    Returns the states that got a token."""
+    tokens = []
     sampled = []
-    for chunk in plan.scheduled:
-        state = by_id[chunk.request_id]
-        state.num_computed += chunk.num_tokens
-        if state.uncomputed == 0:
-            state.generated_ids.append(token_for(state.request_id, len(state.generated_ids)))
-            sampled.append(state)
+    for rid in sorted(step.samples):
+        state = step.states[rid]
+        index = len(state.generated_ids)
+        tokens.append(SampledToken(rid, TokenDetail(token_for(rid, index))))
+        sampled.append(state)
+    scheduler.update(step, StepOutput(step.plan.step_id, tuple(tokens)), 0.0)
     return sampled
 
 
@@ -90,20 +110,78 @@ def test_new_requests_join_the_running_batch_at_the_next_step() -> None:
     scheduler = Scheduler(BlockAllocator(64, 4), limits())
     first = make_state(1, prompt_len=5, max_new_tokens=10)
     scheduler.add(first)
-    plan = scheduler.schedule(now=0.0)
+    step = scheduler.schedule(now=0.0)
+    plan = step.plan
     assert [s.request_id for s in plan.new_sequences] == [1]
     # Admission allocates the whole prompt's blocks; the shard hears of them in the chunk.
     assert [(c.request_id, c.num_tokens, c.new_block_ids) for c in plan.scheduled] == [
         (1, 5, (0, 1))
     ]
-    complete(scheduler, plan)
+    assert step.samples == {1} and step.prompt_tokens == 5 and step.admitted == (first,)
+    complete(scheduler, step)
     second = make_state(2, prompt_len=3, max_new_tokens=4)
     scheduler.add(second)
-    plan = scheduler.schedule(now=1.0)
+    step = scheduler.schedule(now=1.0)
     # One decode token for the running request, the whole prompt of the newcomer.
-    assert [(c.request_id, c.num_tokens) for c in plan.scheduled] == [(1, 1), (2, 3)]
-    assert [s.request_id for s in plan.new_sequences] == [2]
+    assert [(c.request_id, c.num_tokens) for c in step.plan.scheduled] == [(1, 1), (2, 3)]
+    assert [s.request_id for s in step.plan.new_sequences] == [2]
+    assert step.joined_running_batch and step.prompt_tokens == 3
     assert second.status is RequestStatus.RUNNING and second.started_at == 1.0
+
+
+def test_steps_planned_on_top_of_unanswered_ones_count_their_tokens() -> None:
+    scheduler = Scheduler(BlockAllocator(64, 4), limits())
+    state = make_state(1, prompt_len=5, max_new_tokens=3)
+    scheduler.add(state)
+    first = scheduler.schedule(0.0)
+    # Planned before the first step's token is back: it computes that token.
+    second = scheduler.schedule(0.0, base_step_id=first.plan.step_id)
+    assert second.plan.base_step_id == first.plan.step_id
+    assert [(c.request_id, c.num_tokens) for c in second.plan.scheduled] == [(1, 1)]
+    assert state.pending_tokens == 2 and state.num_computed == 6
+    complete(scheduler, first)
+    third = scheduler.schedule(0.0, base_step_id=second.plan.step_id)
+    assert [c.num_tokens for c in third.plan.scheduled] == [1]
+    # Three tokens asked for: nothing more is planned until they are back.
+    assert state.generation_scheduled and not scheduler.schedule(0.0).plan.scheduled
+    complete(scheduler, second)
+    complete(scheduler, third)
+    assert state.finish_reason is StopReason.MAX_TOKENS and state.pending_tokens == 0
+    assert state.generated_ids == [token_for(1, i) for i in range(3)]
+
+
+def test_a_stop_found_one_step_late_drops_the_token_computed_meanwhile() -> None:
+    scheduler = Scheduler(BlockAllocator(64, 4), limits())
+    state = make_state(1, prompt_len=2, max_new_tokens=10)
+    scheduler.add(state)
+    first = scheduler.schedule(0.0)
+    second = scheduler.schedule(0.0, base_step_id=first.plan.step_id)
+    eos = SampledToken(1, TokenDetail(EOS))
+    update = scheduler.update(first, StepOutput(first.plan.step_id, (eos,)), 0.0)
+    ((_, event),) = update.events
+    assert isinstance(event, TokenEvent) and event.stop_reason is StopReason.EOS_TOKEN
+    assert state.status is RequestStatus.FINISHED and scheduler.allocator.num_free == 64
+    late = SampledToken(1, TokenDetail(77))
+    assert not scheduler.update(second, StepOutput(second.plan.step_id, (late,)), 0.0).events
+    assert state.generated_ids == [EOS]
+    assert scheduler.schedule(0.0).plan.finished_request_ids == (1,)
+
+
+def test_a_sequence_error_fails_only_that_request() -> None:
+    scheduler = Scheduler(BlockAllocator(64, 4), limits())
+    a, b = make_state(1, 3, 5), make_state(2, 3, 5)
+    scheduler.add(a)
+    scheduler.add(b)
+    step = scheduler.schedule(0.0)
+    output = StepOutput(
+        step.plan.step_id,
+        (SampledToken(1, TokenDetail(50)),),
+        errors=(SequenceError(2, "the model produced NaN logits"),),
+    )
+    update = scheduler.update(step, output, 0.0)
+    failed = [e for s, e in update.events if s is b]
+    assert len(failed) == 1 and isinstance(failed[0], GenerationError)
+    assert b.finish_reason is StopReason.ERROR and a.generated_ids == [50]
 
 
 def test_long_prompts_are_chunked_and_decodes_do_not_count_against_the_budget() -> None:
@@ -115,10 +193,11 @@ def test_long_prompts_are_chunked_and_decodes_do_not_count_against_the_budget() 
     scheduler.add(state)
     chunks = []
     while state.in_prompt:
-        plan = scheduler.schedule(now=0.0)
+        step = scheduler.schedule(now=0.0)
+        plan = step.plan
         assert plan.scheduled[0].request_id == 1 and plan.scheduled[0].num_tokens == 1
         chunks.append(plan.scheduled[1].num_tokens)
-        complete(scheduler, plan)
+        complete(scheduler, step)
     assert chunks == [6, 6, 2]
     assert len(state.block_ids) == blocks_for(14, 4)
     assert state.generated_ids == [token_for(2, 0)]
@@ -128,12 +207,12 @@ def test_a_budget_shared_by_chunks_admits_the_last_request_partially() -> None:
     scheduler = Scheduler(BlockAllocator(64, 4), limits(prefill=10))
     for rid, length in ((1, 4), (2, 9), (3, 2)):
         scheduler.add(make_state(rid, length, 5))
-    plan = scheduler.schedule(0.0)
-    assert [(c.request_id, c.num_tokens) for c in plan.scheduled] == [(1, 4), (2, 6)]
+    step = scheduler.schedule(0.0)
+    assert [(c.request_id, c.num_tokens) for c in step.plan.scheduled] == [(1, 4), (2, 6)]
     assert [s.request_id for s in scheduler.waiting] == [3]
-    complete(scheduler, plan)
-    plan = scheduler.schedule(0.0)  # 1 decodes, 2 finishes its prompt, 3 is admitted
-    assert [(c.request_id, c.num_tokens) for c in plan.scheduled] == [(1, 1), (2, 3), (3, 2)]
+    complete(scheduler, step)
+    step = scheduler.schedule(0.0)  # 1 decodes, 2 finishes its prompt, 3 is admitted
+    assert [(c.request_id, c.num_tokens) for c in step.plan.scheduled] == [(1, 1), (2, 3), (3, 2)]
 
 
 def test_admission_respects_batch_size_and_keeps_headroom() -> None:
@@ -141,25 +220,25 @@ def test_admission_respects_batch_size_and_keeps_headroom() -> None:
     states = [make_state(i, prompt_len=8, max_new_tokens=8) for i in range(1, 5)]
     for s in states:
         scheduler.add(s)
-    plan = scheduler.schedule(now=0.0)
+    plan = scheduler.schedule(now=0.0).plan
     assert [s.request_id for s in plan.new_sequences] == [1, 2]  # batch size 2
     scheduler.finish(states[0])
     assert scheduler.allocator.num_free == 6  # freed at once
-    plan = scheduler.schedule(now=0.0)
-    assert plan.finished_ids == (1,)
+    plan = scheduler.schedule(now=0.0).plan
+    assert plan.finished_request_ids == (1,)
     assert [s.request_id for s in plan.new_sequences] == [3]
     # 2 prompt blocks + 1 block of headroom must be free to admit next to others: 2 free.
     scheduler = Scheduler(BlockAllocator(6, 4), limits())
     for s in [make_state(i, prompt_len=8, max_new_tokens=8) for i in range(1, 4)]:
         scheduler.add(s)
-    assert [s.request_id for s in scheduler.schedule(0.0).new_sequences] == [1, 2]
+    assert [s.request_id for s in scheduler.schedule(0.0).plan.new_sequences] == [1, 2]
     assert scheduler.allocator.num_free == 2 and len(scheduler.waiting) == 1
 
 
 def test_a_lone_request_needs_no_headroom() -> None:
     scheduler = Scheduler(BlockAllocator(4, 4), limits())
     scheduler.add(make_state(1, prompt_len=15, max_new_tokens=1))
-    assert [s.request_id for s in scheduler.schedule(0.0).new_sequences] == [1]
+    assert [s.request_id for s in scheduler.schedule(0.0).plan.new_sequences] == [1]
 
 
 @pytest.mark.parametrize(
@@ -177,12 +256,12 @@ def test_waiting_served_ratio_and_max_waiting_tokens(
     complete(scheduler, scheduler.schedule(0.0))  # 4 running
     for rid in range(5, 5 + waiting):
         scheduler.add(make_state(rid, 3, 100))
-    for step in range(1, 8):
-        plan = scheduler.schedule(0.0)
-        complete(scheduler, plan)
-        if plan.new_sequences:
-            assert step == joins_at_step
-            assert len(plan.new_sequences) == waiting
+    for step_number in range(1, 8):
+        step = scheduler.schedule(0.0)
+        complete(scheduler, step)
+        if step.plan.new_sequences:
+            assert step_number == joins_at_step
+            assert len(step.plan.new_sequences) == waiting
             return
     pytest.fail("the waiting requests never joined")
 
@@ -195,35 +274,59 @@ def test_decode_without_a_free_block_preempts_the_youngest() -> None:
     a, b, c = (make_state(i, prompt_len=4, max_new_tokens=50) for i in (1, 2, 3))
     for s in (a, b, c):
         scheduler.add(s)
-    plan = scheduler.schedule(0.0)
-    assert len(plan.new_sequences) == 3  # 3 blocks + headroom: all fit
-    complete(scheduler, plan)
-    plan = scheduler.schedule(0.0)  # each decode needs its 2nd block: 3 free
-    complete(scheduler, plan)
+    step = scheduler.schedule(0.0)
+    assert len(step.plan.new_sequences) == 3  # 3 blocks + headroom: all fit
+    complete(scheduler, step)
+    step = scheduler.schedule(0.0)  # each decode needs its 2nd block: 3 free
+    complete(scheduler, step)
     assert scheduler.allocator.num_free == 0
     for _ in range(3):
         complete(scheduler, scheduler.schedule(0.0))
-    plan = scheduler.schedule(0.0)  # position 8: a 3rd block each, none free
-    assert plan.preempted_ids == (3,)
+    step = scheduler.schedule(0.0)  # position 8: a 3rd block each, none free
+    plan = step.plan
+    assert plan.preempted_request_ids == (3,) and step.preemptions == 1
     assert [x.request_id for x in scheduler.running] == [1, 2]
     assert [x.request_id for x in scheduler.waiting] == [3]
     assert c.block_ids == [] and c.num_computed == 0 and c.preemptions == 1
     assert [(x.request_id, x.num_tokens) for x in plan.scheduled] == [(1, 1), (2, 1)]
     assert not plan.new_sequences
-    complete(scheduler, plan)
+    complete(scheduler, step)
     # 3 blocks free, c needs 3 plus one of headroom next to b: not yet.
     scheduler.finish(a)
-    plan = scheduler.schedule(0.0)
-    assert [(x.request_id, x.num_tokens) for x in plan.scheduled] == [(2, 1)]
-    complete(scheduler, plan)
+    step = scheduler.schedule(0.0)
+    assert [(x.request_id, x.num_tokens) for x in step.plan.scheduled] == [(2, 1)]
+    complete(scheduler, step)
     # Resumed once enough is free: every known token recomputed, nothing new announced.
     scheduler.finish(b)
-    plan = scheduler.schedule(0.0)
     known = c.known_length
+    step = scheduler.schedule(0.0)
+    plan = step.plan
     assert [(x.request_id, x.num_tokens) for x in plan.scheduled] == [(3, known)]
-    assert plan.finished_ids == (2,) and not plan.new_sequences and not plan.preempted_ids
-    sampled = complete(scheduler, plan)
+    assert plan.finished_request_ids == (2,) and not plan.new_sequences
+    assert not plan.preempted_request_ids and step.admitted == ()  # resumed, not fresh
+    sampled = complete(scheduler, step)
     assert c in sampled and c.generated_ids == [token_for(3, i) for i in range(6)]
+
+
+def test_preempted_while_its_token_is_on_the_way() -> None:
+    scheduler = Scheduler(BlockAllocator(4, 4), limits())
+    a, b = make_state(1, 4, 50), make_state(2, 8, 50)
+    scheduler.add(a)
+    scheduler.add(b)
+    first = scheduler.schedule(0.0)  # 1 + 2 blocks
+    # On top of it: a takes the last block, b needs a 3rd and is the youngest: it goes.
+    second = scheduler.schedule(0.0, first.plan.step_id)
+    assert second.plan.preempted_request_ids == (2,)
+    assert b.status is RequestStatus.WAITING and b.pending_tokens == 1
+    complete(scheduler, first)  # b's first token arrives while it waits
+    assert b.generated_ids == [token_for(2, 0)] and b.pending_tokens == 0
+    complete(scheduler, second)
+    scheduler.finish(a)
+    step = scheduler.schedule(0.0)
+    # Resumed with the token it got while queued: prompt + 1 recomputed, one sampled.
+    assert [(c.request_id, c.num_tokens) for c in step.plan.scheduled] == [(2, 9)]
+    complete(scheduler, step)
+    assert b.generated_ids == [token_for(2, i) for i in range(2)]
 
 
 def test_the_needy_youngest_preempts_itself_and_goes_before_fresh_requests() -> None:
@@ -234,8 +337,8 @@ def test_the_needy_youngest_preempts_itself_and_goes_before_fresh_requests() -> 
     complete(scheduler, scheduler.schedule(0.0))  # 1 + 2 blocks, 1 free
     scheduler.add(make_state(3, 1, 1))
     # a takes the last block for position 4; b needs one for position 8 and is the youngest.
-    plan = scheduler.schedule(0.0)
-    assert plan.preempted_ids == (2,) and [x.request_id for x in plan.scheduled] == [1]
+    plan = scheduler.schedule(0.0).plan
+    assert plan.preempted_request_ids == (2,) and [x.request_id for x in plan.scheduled] == [1]
     assert not plan.new_sequences
     assert [x.request_id for x in scheduler.waiting] == [2, 3]
 
@@ -245,15 +348,16 @@ def test_reserve_mode_allocates_the_worst_case_and_never_preempts() -> None:
     states = [make_state(i, prompt_len=4, max_new_tokens=8) for i in range(1, 4)]
     for s in states:
         scheduler.add(s)
-    plan = scheduler.schedule(0.0)
-    assert [s.request_id for s in plan.new_sequences] == [1, 2]  # 3 blocks each
-    assert plan.scheduled[0].new_block_ids == (0, 1, 2)
+    step = scheduler.schedule(0.0)
+    assert [s.request_id for s in step.plan.new_sequences] == [1, 2]  # 3 blocks each
+    assert step.plan.scheduled[0].new_block_ids == (0, 1, 2)
+    complete(scheduler, step)
     while states[0].status is RequestStatus.RUNNING:
-        plan = scheduler.schedule(0.0)
-        assert not plan.preempted_ids and all(not c.new_block_ids for c in plan.scheduled)
-        for s in complete(scheduler, plan):
-            if len(s.generated_ids) == 8:
-                scheduler.finish(s)
+        step = scheduler.schedule(0.0)
+        plan = step.plan
+        assert not plan.preempted_request_ids and all(not c.new_block_ids for c in plan.scheduled)
+        complete(scheduler, step)
+    assert states[0].finish_reason is StopReason.MAX_TOKENS
 
 
 def test_finished_and_cancelled_requests_free_blocks_at_once_running_or_queued() -> None:
@@ -262,14 +366,14 @@ def test_finished_and_cancelled_requests_free_blocks_at_once_running_or_queued()
     for s in (a, b, c):
         scheduler.add(s)
     complete(scheduler, scheduler.schedule(0.0))
-    assert scheduler.schedule(0.0).preempted_ids == (2,)  # queued, known to the shard
+    assert scheduler.schedule(0.0).plan.preempted_request_ids == (2,)  # queued, shard knows it
     scheduler.finish(c)  # never admitted: nothing for the shard to forget
     scheduler.finish(b)  # queued after preemption: the shard must forget it
     assert scheduler.allocator.num_free == 2
     scheduler.finish(a)
     assert scheduler.allocator.num_free == 4
-    plan = scheduler.schedule(0.0)
-    assert sorted(plan.finished_ids) == [1, 2] and not plan.scheduled
+    plan = scheduler.schedule(0.0).plan
+    assert sorted(plan.finished_request_ids) == [1, 2] and not plan.scheduled
     assert not scheduler.has_work
 
 
@@ -279,19 +383,37 @@ def test_a_failed_step_is_undone_and_its_messages_sent_again() -> None:
     scheduler.add(a)
     scheduler.add(b)
     complete(scheduler, scheduler.schedule(0.0))
-    plan = scheduler.schedule(0.0)
-    assert plan.preempted_ids == (2,)
-    scheduler.step_failed(plan)
+    step = scheduler.schedule(0.0)
+    assert step.plan.preempted_request_ids == (2,)
+    scheduler.step_failed(step)
+    assert a.pending_tokens == 0
     scheduler.add(make_state(3, 2, 2))
-    again = scheduler.schedule(0.0)
-    assert again.preempted_ids == (2,)
-    assert again.scheduled == plan.scheduled  # the same work, same blocks announced
+    again = scheduler.schedule(0.0).plan
+    assert again.preempted_request_ids == (2,)
+    assert again.scheduled == step.plan.scheduled  # the same work, same blocks announced
     # A new sequence whose announcing step failed is announced again.
     fresh = Scheduler(BlockAllocator(8, 4), limits())
     fresh.add(make_state(1, 5, 3))
     first = fresh.schedule(0.0)
     fresh.step_failed(first)
-    assert fresh.schedule(0.0).new_sequences == first.new_sequences
+    assert fresh.schedule(0.0).plan.new_sequences == first.plan.new_sequences
+
+
+def test_two_failed_steps_are_undone_latest_first() -> None:
+    scheduler = Scheduler(BlockAllocator(16, 4), limits())
+    a = make_state(1, 4, 50)
+    scheduler.add(a)
+    first = scheduler.schedule(0.0)
+    b = make_state(2, 3, 5)
+    scheduler.add(b)
+    second = scheduler.schedule(0.0, first.plan.step_id)  # a decodes, b is admitted
+    scheduler.step_failed(second)
+    scheduler.step_failed(first)
+    assert (a.num_computed, a.pending_tokens, a.known_to_shard, a.blocks_sent) == (0, 0, False, 0)
+    assert (b.num_computed, b.pending_tokens, b.known_to_shard) == (0, 0, False)
+    again = scheduler.schedule(0.0).plan
+    assert [n.request_id for n in again.new_sequences] == [1, 2]
+    assert [(c.request_id, c.num_tokens) for c in again.scheduled] == [(1, 4), (2, 3)]
 
 
 def test_no_starvation_a_long_head_is_admitted_before_anything_behind_it() -> None:
@@ -300,19 +422,17 @@ def test_no_starvation_a_long_head_is_admitted_before_anything_behind_it() -> No
     next_id = 1
     admitted_order: list[int] = []
     big: RequestState | None = None
-    for step in range(400):
-        if step == 3:
+    for step_number in range(400):
+        if step_number == 3:
             big = make_state(next_id, 60, 2)  # needs 15 of the 16 blocks
             scheduler.add(big)
             next_id += 1
         for _ in range(rng.randrange(0, 3)):  # a steady stream of small requests
             scheduler.add(make_state(next_id, rng.randrange(1, 8), rng.randrange(1, 10)))
             next_id += 1
-        plan = scheduler.schedule(float(step))
-        admitted_order += [s.request_id for s in plan.new_sequences]
-        for s in complete(scheduler, plan):
-            if len(s.generated_ids) >= s.request.stopping.max_new_tokens:
-                scheduler.finish(s)
+        step = scheduler.schedule(float(step_number))
+        admitted_order += [s.request_id for s in step.plan.new_sequences]
+        complete(scheduler, step)
     assert big is not None and big.status is RequestStatus.FINISHED
     assert admitted_order == sorted(admitted_order)  # FIFO: nobody overtook anybody
 
@@ -328,24 +448,26 @@ class SimSequence:
     table: list[int] = field(default_factory=list)
 
 
-class SimShard:
-    """The shard's bookkeeping, with assertions for every rule a plan must follow."""
+class StepRefused(Exception):
+    def __init__(self, stale: bool) -> None:
+        self.stale = stale
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+class SimShard:
+    """The shard's bookkeeping, with assertions for every rule a plan must follow, the
+    executor's stale-base rule and the skipping of sequences that failed on their own."""
+
+    def __init__(self, num_blocks: int, block_size: int, rng: random.Random) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.rng = rng
         self.seqs: dict[int, SimSequence] = {}
-
-    def forget_and_preempt(self, plan: StepPlan) -> None:
-        for rid in plan.finished_ids:
-            self.seqs.pop(rid, None)
-        for rid in plan.preempted_ids:
-            if rid in self.seqs:
-                self.seqs[rid].computed = 0
-                self.seqs[rid].table = []
+        self.dropped: set[int] = set()
+        self.last_completed = 0
 
     def prefill_tokens(self, plan: StepPlan) -> int:
-        """Tokens of the plan that are prompt or recompute tokens (not decodes)."""
+        """Tokens of the plan that are prompt or recompute tokens (not decodes), judged
+        before the step runs (so only for a plan whose base is the last step run)."""
         total = 0
         for chunk in plan.scheduled:
             seq = self.seqs.get(chunk.request_id)
@@ -353,31 +475,52 @@ class SimShard:
                 total += chunk.num_tokens
         return total
 
-    def step(self, plan: StepPlan) -> None:
-        self.forget_and_preempt(plan)
+    def run(self, plan: StepPlan, fail: bool) -> StepOutput:
+        if plan.base_step_id and plan.base_step_id != self.last_completed:
+            raise StepRefused(stale=True)
+        for rid in plan.finished_request_ids:
+            self.seqs.pop(rid, None)
+            self.dropped.discard(rid)
+        for rid in plan.preempted_request_ids:
+            if rid in self.seqs:
+                self.seqs[rid].computed = 0
+                self.seqs[rid].table = []
+        if fail:  # out of memory or an error: the forgetting happened, nothing else
+            raise StepRefused(stale=False)
         for ns in plan.new_sequences:
-            assert ns.request_id not in self.seqs
+            assert ns.request_id not in self.seqs and ns.request_id not in self.dropped
             self.seqs[ns.request_id] = SimSequence(
                 list(ns.prompt_token_ids), len(ns.prompt_token_ids)
             )
         seen = set()
+        tokens = []
+        errors = []
         for chunk in plan.scheduled:
-            assert chunk.request_id not in seen
-            seen.add(chunk.request_id)
-            seq = self.seqs[chunk.request_id]
+            rid = chunk.request_id
+            assert rid not in seen
+            seen.add(rid)
+            if rid not in self.seqs:
+                assert rid in self.dropped, f"unknown request {rid}"
+                continue
+            seq = self.seqs[rid]
             assert 1 <= chunk.num_tokens <= len(seq.tokens) - seq.computed
             seq.table += chunk.new_block_ids
             assert len(seq.table) * self.block_size >= seq.computed + chunk.num_tokens
             seq.computed += chunk.num_tokens
             if seq.computed == len(seq.tokens):
-                seq.tokens.append(token_for(chunk.request_id, len(seq.tokens) - seq.prompt_len))
+                if self.rng.random() < 0.01:  # the sequence fails on its own
+                    errors.append(SequenceError(rid, "the model produced NaN logits"))
+                    del self.seqs[rid]
+                    self.dropped.add(rid)
+                    continue
+                token = token_for(rid, len(seq.tokens) - seq.prompt_len, eos_every=37)
+                seq.tokens.append(token)
+                tokens.append(SampledToken(rid, TokenDetail(token)))
         live = [b for seq in self.seqs.values() for b in seq.table]
         assert len(live) == len(set(live)), "a block is in two block tables"
         assert all(0 <= b < self.num_blocks for b in live)
-
-
-def plan_ids(plan: StepPlan) -> set[int]:
-    return {c.request_id for c in plan.scheduled}
+        self.last_completed = plan.step_id
+        return StepOutput(plan.step_id, tuple(tokens), errors=tuple(errors))
 
 
 def check_invariants(scheduler: Scheduler, lim: SchedulerLimits) -> None:
@@ -392,14 +535,17 @@ def check_invariants(scheduler: Scheduler, lim: SchedulerLimits) -> None:
     assert running == sorted(running) and waiting == sorted(waiting)
     assert not running or not waiting or running[-1] < waiting[0]
     for s in scheduler.running + list(scheduler.waiting):
-        assert s.generated_ids == [token_for(s.request_id, i) for i in range(len(s.generated_ids))]
+        assert s.pending_tokens >= 0
+        expected = [token_for(s.request_id, i, eos_every=37) for i in range(len(s.generated_ids))]
+        assert s.generated_ids == expected
 
 
 def run_random_workload(seed: int) -> Scheduler:
     """Random arrivals (long and short), cancellations and timeouts of queued or running
-    requests, EOS, failed shard calls, tight KV capacity (so preemption happens) and
-    random limits; every step's plan is checked by ``SimShard`` and every state by
-    ``check_invariants``; then everything drains."""
+    requests, EOS, per-sequence errors, failed shard calls, tight KV capacity (so preemption
+    happens), random limits, and one or two steps in flight (as the engine overlaps them);
+    every step's plan is checked by ``SimShard`` and every state by ``check_invariants``;
+    then everything drains."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 16])
     max_len = rng.randrange(8, 80)
@@ -411,13 +557,16 @@ def run_random_workload(seed: int) -> Scheduler:
         waiting_served_ratio=rng.choice([0.0, 0.5, 1.2, 2.0]),
         preemption=rng.random() < 0.85,
     )
+    depth = rng.choice([1, 2, 2])
     scheduler = Scheduler(BlockAllocator(num_blocks, block_size), lim)
-    shard = SimShard(num_blocks, block_size)
+    shard = SimShard(num_blocks, block_size, rng)
     states: list[RequestState] = []
+    in_flight: deque[ScheduledStep] = deque()
     next_id = 1
     steps = rng.randrange(60, 300)
-    for step in range(100_000):
-        arriving = step < steps and next_id <= 80
+    for step_number in range(100_000):
+        now = float(step_number)
+        arriving = step_number < steps and next_id <= 80
         if arriving:
             for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
                 prompt = rng.randrange(1, max_len)
@@ -428,41 +577,56 @@ def run_random_workload(seed: int) -> Scheduler:
             for _ in range(rng.choice([0, 0, 0, 1])):  # cancel or time out anything
                 live = [s for s in states if s.status is not RequestStatus.FINISHED]
                 if live:
-                    scheduler.finish(rng.choice(live))
-        elif not scheduler.has_work:
+                    rng.choice(live).aborted = True
+        elif not scheduler.has_work and not in_flight:
             break
-        plan = scheduler.schedule(float(step))
-        assert shard.prefill_tokens(plan) <= lim.max_batch_prefill_tokens
-        assert len(plan.scheduled) <= lim.max_batch_size
-        if not lim.preemption:
-            assert not plan.preempted_ids
-        if arriving and rng.random() < 0.05:  # the shard call fails
-            if rng.random() < 0.5:
-                shard.forget_and_preempt(plan)  # out of memory: forgetting happened
-            scheduler.step_failed(plan)
-            failed = sorted(
-                (s for s in scheduler.running if s.request_id in plan_ids(plan)),
-                key=lambda s: s.request_id,
-            )
-            if lim.preemption and rng.random() < 0.5:  # the engine's retry after OOM
-                for state in reversed(failed[len(failed) // 2 :]):
-                    scheduler.preempt(state)
-            else:
-                for state in failed:
-                    scheduler.finish(state)
+        while len(in_flight) < depth:
+            scheduler.drop_aborted_and_expired(now)
+            base = in_flight[-1].plan.step_id if in_flight else 0
+            step = scheduler.schedule(now, base)
+            plan = step.plan
+            if not in_flight:
+                assert shard.prefill_tokens(plan) <= lim.max_batch_prefill_tokens
+            assert len(plan.scheduled) <= lim.max_batch_size
+            if not lim.preemption:
+                assert not plan.preempted_request_ids
+            if not plan.has_message:
+                break
+            in_flight.append(step)
+        if not in_flight:
+            continue
+        step = in_flight.popleft()
+        fail = arriving and rng.random() < 0.05
+        try:
+            output = shard.run(step.plan, fail)
+        except StepRefused as refused:
+            assert not refused.stale, "the oldest step in flight is never stale"
+            later = list(in_flight)
+            in_flight.clear()
+            for other in later:
+                with pytest.raises(StepRefused):
+                    shard.run(other.plan, False)
+            for other in reversed(later):
+                scheduler.step_failed(other)
+            scheduler.step_failed(step)
+            if not (rng.random() < 0.5 and scheduler.retry_without_younger_half(step)):
+                scheduler.hold_admissions = False
+                scheduler.fail_step(step, "failed")
         else:
-            shard.step(plan)
-            for state in complete(scheduler, plan):
-                if len(state.generated_ids) >= state.request.stopping.max_new_tokens or (
-                    rng.random() < 0.03
-                ):
-                    scheduler.finish(state)
+            scheduler.hold_admissions = False
+            scheduler.update(step, output, now)
         check_invariants(scheduler, lim)
     else:
         pytest.fail("the workload never drained")
     assert scheduler.allocator.num_free == num_blocks
     assert not shard.seqs, "the shard still holds sequences the router forgot"
+    assert not shard.dropped, "the shard still remembers failed sequences"
     assert all(s.status is RequestStatus.FINISHED for s in states)
+    assert all(s.pending_tokens == 0 for s in states)
+    for s in states:
+        if s.finish_reason is StopReason.MAX_TOKENS:
+            assert len(s.generated_ids) == s.request.stopping.max_new_tokens
+        assert len(s.generated_ids) <= s.request.stopping.max_new_tokens
     return scheduler
 
 
@@ -481,11 +645,10 @@ def test_budget_holds_count_steps_that_leave_the_head_waiting_for_prefill_budget
     first, second = make_state(1, prompt_len=10, max_new_tokens=2), make_state(2, 3, 2)
     scheduler.add(first)
     scheduler.add(second)
-    plan = scheduler.schedule(now=0.0)
-    assert [s.request_id for s in plan.new_sequences] == [1]  # the budget went to the first
-    assert scheduler.budget_holds == 1
-    first.num_computed = 10
-    first.generated_ids.append(7)
-    plan = scheduler.schedule(now=0.0)
-    assert [s.request_id for s in plan.new_sequences] == [2]
-    assert scheduler.budget_holds == 1
+    step = scheduler.schedule(now=0.0)
+    assert [s.request_id for s in step.plan.new_sequences] == [1]  # the budget went to the first
+    assert step.budget_hold and scheduler.budget_holds == 1
+    complete(scheduler, step)
+    step = scheduler.schedule(now=0.0)
+    assert [s.request_id for s in step.plan.new_sequences] == [2]
+    assert not step.budget_hold and scheduler.budget_holds == 1

@@ -19,11 +19,13 @@ from tests.prometheus_tools import Exposition, parse_exposition
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.router.concurrency import ConcurrencyLimiter
+from tgis.router.detokenizer import IncrementalDetokenizer
 from tgis.router.errors import GenerationError
 from tgis.router.generation_service import GenerationServicer
 from tgis.router.metrics import Metrics
 from tgis.router.request_state import RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
+from tgis.router.stopping import StopChecker
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.validation import ServerLimits
 
@@ -48,19 +50,26 @@ class FakeContext:
 class FakeEngine:
     """Admits every input 10 ms after arrival and answers "a b" (EOS), or fails it."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: RouterTokenizer) -> None:
+        self.tokenizer = tokenizer
         self.fail = False
         self.aborted: list[RequestState] = []
         self._ids = itertools.count(1)
 
     def submit(self, request: ValidatedRequest, arrival: float) -> RequestState:
-        state = RequestState(request_id=next(self._ids), request=request, arrival=arrival)
+        state = RequestState(
+            request_id=next(self._ids),
+            request=request,
+            arrival=arrival,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, True),
+            stop_checker=StopChecker(request.stopping, (2,)),
+        )
         state.started_at = arrival + 0.01
         if self.fail:
             state.emit(GenerationError("boom"))
             return state
-        state.emit(TokenEvent("a", 1, None))
-        state.emit(TokenEvent(" b", 2, None, StopReason.EOS_TOKEN))
+        state.emit(TokenEvent("a", 1))
+        state.emit(TokenEvent(" b", 2, (), StopReason.EOS_TOKEN))
         state.finish_reason = StopReason.EOS_TOKEN
         return state
 
@@ -83,8 +92,8 @@ def metrics() -> Metrics:
 
 
 @pytest.fixture
-def engine() -> FakeEngine:
-    return FakeEngine()
+def engine(tokenizer: RouterTokenizer) -> FakeEngine:
+    return FakeEngine(tokenizer)
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.messages import (
+from tgis.shard.model_runner import ModelRunner
+from tgis.shard_api.messages import (
     DetailOptions,
     NewSequence,
     SamplingParams,
@@ -23,7 +24,6 @@ from tgis.shard.messages import (
     StepOutput,
     StepPlan,
 )
-from tgis.shard.model_runner import ModelRunner
 
 VOCAB = 256
 EOS = 2

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.messages import DetailOptions
+from tgis.shard_api.messages import DetailOptions
 
 PROMPTS = {1: [5, 6, 7, 8], 2: list(range(20, 45))}
 

@@ -37,7 +37,9 @@ from tgis.shard.errors import InvalidStepError, StartupError
 from tgis.shard.hf_kv import KVBatch, concat, select
 from tgis.shard.hf_runner import HfRunner
 from tgis.shard.loader import load_runner
-from tgis.shard.messages import (
+from tgis.shard.model_config import ModelConfig
+from tgis.shard.model_runner import ModelRunner
+from tgis.shard_api.messages import (
     DetailOptions,
     ModelKind,
     NewSequence,
@@ -45,8 +47,6 @@ from tgis.shard.messages import (
     ScheduledSequence,
     StepPlan,
 )
-from tgis.shard.model_config import ModelConfig
-from tgis.shard.model_runner import ModelRunner
 
 VOCAB = 256
 NEW_TOKENS = 10

@@ -25,10 +25,10 @@ from conftest import EOS, VOCAB, Router, TinyModel
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
-from tgis.shard.messages import DetailOptions
 from tgis.shard.model_config import ModelConfig
 from tgis.shard.model_runner import ModelRunner
 from tgis.shard.models import check_config
+from tgis.shard_api.messages import DetailOptions
 
 NEW_TOKENS = 10
 MAX_SEQUENCE_LENGTH = 256

@@ -9,8 +9,8 @@ from conftest import Router, TinyModel, build_tiny_llama
 
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.messages import SamplingParams
 from tgis.shard.model_config import ModelConfig
+from tgis.shard_api.messages import SamplingParams
 
 PROMPT = [9, 30, 31, 200, 17, 4]
 

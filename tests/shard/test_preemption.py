@@ -14,17 +14,17 @@ from tgis.shard.config import ShardConfig
 from tgis.shard.errors import InvalidStepError
 from tgis.shard.hf_runner import HfRunner
 from tgis.shard.loader import load_runner
-from tgis.shard.messages import (
+from tgis.shard.model_runner import ModelRunner
+from tgis.shard.runner import Runner
+from tgis.shard.sequence import Sequence
+from tgis.shard.step_plan import PlanLimits, resolve_plan
+from tgis.shard_api.messages import (
     DetailOptions,
     SamplingParams,
     ScheduledSequence,
     StepPlan,
     TokenDetail,
 )
-from tgis.shard.model_runner import ModelRunner
-from tgis.shard.runner import Runner
-from tgis.shard.sequence import Sequence
-from tgis.shard.step_plan import PlanLimits, resolve_plan
 
 NEW_TOKENS = 14
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import EOS, Router, TinyModel
 
-from tgis.shard.messages import DetailOptions, SamplingParams
+from tgis.shard_api.messages import DetailOptions, SamplingParams
 
 NEW_TOKENS = 12
 
@@ -150,7 +150,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(make_runner) -> N
 
 def test_min_new_tokens_and_top_n_through_the_runner(router: Router) -> None:
     # Make EOS the likeliest token via a huge length penalty, but forbid it for 3 tokens.
-    from tgis.shard.messages import LengthPenalty
+    from tgis.shard_api.messages import LengthPenalty
 
     params = SamplingParams(
         min_new_tokens=3, length_penalty=LengthPenalty(start_index=0, decay_factor=1e6)

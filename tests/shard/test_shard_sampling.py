@@ -16,9 +16,9 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from tgis.shard.messages import DetailOptions, LengthPenalty, SamplingParams
 from tgis.shard.sampling import SamplingBatch, SamplingRow, make_generator, sample
 from tgis.shard.token_details import first_input_detail, token_details
+from tgis.shard_api.messages import DetailOptions, LengthPenalty, SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 2

@@ -20,10 +20,10 @@ import pytest
 from conftest import EOS, VOCAB, TinyModel
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
-from tgis.shard.messages import DetailOptions, NewSequence, ScheduledSequence, StepPlan
 from tgis.shard.model_runner import ModelRunner
-from tgis.shard.pb_convert import plan_from_pb
 from tgis.shard.server import ShardServer
+from tgis.shard_api.codec import plan_from_pb
+from tgis.shard_api.messages import DetailOptions, NewSequence, ScheduledSequence, StepPlan
 
 PROMPT = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]  # 17: two blocks
 

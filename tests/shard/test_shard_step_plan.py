@@ -6,8 +6,16 @@ import pytest
 from conftest import VOCAB, Router
 
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.messages import NewSequence, SamplingParams, ScheduledSequence, StepPlan
 from tgis.shard.model_runner import ModelRunner
+from tgis.shard.step_executor import StepExecutor
+from tgis.shard_api.channel import StepFailed
+from tgis.shard_api.messages import (
+    NewSequence,
+    SamplingParams,
+    ScheduledSequence,
+    StepErrorCode,
+    StepPlan,
+)
 
 PROMPT = (5, 6, 7, 8, 9)
 
@@ -86,3 +94,41 @@ def test_announced_sequence_can_be_scheduled_later(runner: ModelRunner) -> None:
     out = runner.step(StepPlan(2, (), (ScheduledSequence(7, 5, (3,)),)))
     assert [t.request_id for t in out.tokens] == [7]
     assert runner.sequences[7].block_table == [3]
+
+
+def test_a_sequence_that_failed_alone_is_skipped_until_it_is_finished(runner: ModelRunner) -> None:
+    """The router may schedule it once more before it sees the error (overlap)."""
+    start(runner)
+    bad = NewSequence(2, (5, VOCAB + 3))
+    out = runner.step(StepPlan(2, (bad,), (ScheduledSequence(1, 1), ScheduledSequence(2, 2, (1,)))))
+    assert [e.request_id for e in out.errors] == [2]
+    # Planned before the error was seen: skipped, the rest of the step runs.
+    out = runner.step(StepPlan(3, (), (ScheduledSequence(1, 1), ScheduledSequence(2, 1))))
+    assert [t.request_id for t in out.tokens] == [1] and not out.errors
+    # Once the router has finished it, the id is unknown again.
+    runner.step(StepPlan(4, (), (ScheduledSequence(1, 1),), finished_request_ids=(2,)))
+    assert not runner.dropped
+    with pytest.raises(InvalidStepError, match="unknown request id 2"):
+        runner.step(StepPlan(5, (), (ScheduledSequence(2, 1),)))
+
+
+def test_executor_refuses_a_step_planned_on_one_that_failed(runner: ModelRunner) -> None:
+    executor = StepExecutor(runner)
+    executor.step(StepPlan(1, (NewSequence(1, PROMPT),), (ScheduledSequence(1, 5, (0,)),)))
+    executor.step(StepPlan(2, (), (ScheduledSequence(1, 1),), base_step_id=1))
+    with pytest.raises(StepFailed) as invalid:
+        executor.step(StepPlan(3, (), (ScheduledSequence(7, 1),), base_step_id=2))
+    assert invalid.value.code is StepErrorCode.INVALID_PLAN
+    before = list(runner.sequences[1].token_ids)
+    # Sent on top of step 3 before it failed: refused, and nothing changes (not even this).
+    stale = StepPlan(4, (), (ScheduledSequence(1, 1),), finished_request_ids=(1,), base_step_id=3)
+    with pytest.raises(StepFailed) as refused:
+        executor.step(stale)
+    assert refused.value.code is StepErrorCode.STALE_BASE
+    assert runner.sequences[1].token_ids == before
+    # Planned on nothing in flight (base 0), or on the last step that completed: runs.
+    assert executor.step(StepPlan(5, (), (ScheduledSequence(1, 1),))).tokens
+    assert executor.step(StepPlan(6, (), (ScheduledSequence(1, 1),), base_step_id=5)).tokens
+    executor.reset()
+    with pytest.raises(StepFailed):
+        executor.step(StepPlan(7, base_step_id=6))

@@ -19,8 +19,8 @@ from tp_utils import (
 )
 
 from tgis.shard.cli import main
-from tgis.shard.messages import DetailOptions, SamplingParams, ScheduledSequence, StepPlan
 from tgis.shard.parallel.lockstep import with_seeds
+from tgis.shard_api.messages import DetailOptions, SamplingParams, ScheduledSequence, StepPlan
 
 PROMPT = (9, 30, 31, 200, 17, 4, 99, 100, 101, 5, 6, 7, 8, 250, 3, 3, 40, 41, 42, 43)
 DETAILS = DetailOptions(

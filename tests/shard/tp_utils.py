@@ -41,7 +41,9 @@ import torch
 
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.messages import (
+from tgis.shard.model_runner import ModelRunner
+from tgis.shard.weights import Weights
+from tgis.shard_api.messages import (
     DetailOptions,
     NewSequence,
     SamplingParams,
@@ -49,8 +51,6 @@ from tgis.shard.messages import (
     StepOutput,
     StepPlan,
 )
-from tgis.shard.model_runner import ModelRunner
-from tgis.shard.weights import Weights
 
 RANK_TIMEOUT_S = 90.0
 LOGPROB_ATOL = 1e-4

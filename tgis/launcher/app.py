@@ -23,6 +23,7 @@ from tgis.launcher.logs import setup_logging
 from tgis.launcher.output import OutputForwarder
 from tgis.launcher.supervisor import ChildSpec, Supervisor
 from tgis.launcher.tokenizer import TokenizerFile, prepare_tokenizer
+from tgis.shard_api.channel import step_channel_path
 from tgis.termination import fail_startup, termination_log_path, write_termination_log
 
 
@@ -97,8 +98,9 @@ def launch(flags: LauncherConfig, *, dry_run: bool = False) -> int:
         tokenizer.cleanup()
         return 0
 
+    owned = [*sockets, *(step_channel_path(s) for s in sockets)]
     try:
-        remove_sockets(sockets, log, strict=True)
+        remove_sockets(owned, log, strict=True)
         supervisor = Supervisor(log, OutputForwarder(flags.json_output))
         outcome = supervisor.run(
             shards,
@@ -107,7 +109,7 @@ def launch(flags: LauncherConfig, *, dry_run: bool = False) -> int:
             startup_timeout=flags.shard_startup_timeout,
         )
     finally:
-        remove_sockets(sockets, log, strict=False)
+        remove_sockets(owned, log, strict=False)
         tokenizer.cleanup()
     if outcome.reason:
         report_failure(outcome.reason)

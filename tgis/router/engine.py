@@ -1,19 +1,25 @@
-"""The engine: one asyncio task that schedules steps, calls the shard and emits token events.
+"""The engine: one asyncio task that runs the step pipeline and emits token events.
 
-The engine task is the only writer of every RequestState. For each step:
+The loop is schedule → send → (await the oldest step) → ``Scheduler.update`` → emit:
+
 1. drop cancelled requests and expire queued ones past their deadline (their blocks are
    free at once and the shard forgets them in the next step);
-2. `Scheduler.schedule` builds a StepPlan (decodes, prefill chunks, preemptions,
-   admissions; see scheduler.py for the policy);
-3. `ShardClient.step` runs it;
-4. each sampled token is detokenized, checked against the stopping criteria and
-   emitted to its request's event queue; finished requests release their blocks.
+2. ``Scheduler.schedule`` builds the next step (decodes, prefill chunks, preemptions,
+   admissions; see scheduler.py for the policy) and it is sent at once;
+3. **overlap**: while fewer than ``PIPELINE_DEPTH`` steps are unanswered, the next step is
+   planned and sent straight away, on top of the running one (the shard holds the tokens
+   it samples, so a decode needs only a count); so the shard starts step n+1 the moment
+   step n ends, while the router detokenizes, checks stops and streams step n's tokens;
+4. the oldest step's output goes through ``Scheduler.update`` (tokens detokenized, stop
+   criteria checked, finished requests dropped) and the events are put on each request's
+   queue, with the metrics.
 
 A failed step fails the requests it computed (TGIS), with one exception: when the shard
 runs out of memory on a step of several sequences, the younger half of them is preempted
 (recomputed later, output unchanged) and the rest retried at the next step with admissions
-held; only if that retry runs out of memory too do its requests fail. Either way the
-failure is logged and counted and the engine carries on.
+held; only if that retry runs out of memory too do its requests fail. The step sent on top
+of a failed one is refused by the shard (``base_step_id``) and simply undone. Either way
+the failure is logged and counted and the engine carries on.
 """
 
 from __future__ import annotations
@@ -23,22 +29,40 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from tgis.router.block_allocator import BlockAllocator
 from tgis.router.detokenizer import IncrementalDetokenizer
 from tgis.router.errors import GenerationError
 from tgis.router.metrics import Metrics, step_method
-from tgis.router.request_state import InputTokensEvent, RequestState, TokenEvent
-from tgis.router.request_types import StopReason, ValidatedRequest
-from tgis.router.scheduler import Scheduler, SchedulerLimits, kv_capacity_blocks
+from tgis.router.request_state import RequestState
+from tgis.router.request_types import ValidatedRequest
+from tgis.router.scheduler import (
+    ScheduledStep,
+    Scheduler,
+    SchedulerLimits,
+    StepUpdate,
+    kv_capacity_blocks,
+)
 from tgis.router.shard_client import ShardClient, ShardError, ShardFailure
-from tgis.router.step import ShardInfo, StepOutput, StepPlan, TokenDetail
 from tgis.router.stopping import StopChecker, stream_hold_back_bytes
 from tgis.router.tokenization import RouterTokenizer
+from tgis.shard_api.messages import ShardInfo, StepOutput
 
 log = logging.getLogger(__name__)
+
+PIPELINE_DEPTH = 2
+"""Steps sent and not answered at most: the one running and the one planned on top of it."""
+
+
+@dataclass(slots=True)
+class _InFlight:
+    step: ScheduledStep
+    result: asyncio.Future[StepOutput]
+    method: str
+    sent_at: float
 
 
 class Engine:
@@ -51,12 +75,14 @@ class Engine:
         limits: SchedulerLimits,
         metrics: Metrics,
         output_special_tokens: bool = False,
+        pipeline_depth: int = PIPELINE_DEPTH,
     ) -> None:
         self.shard = shard
         self.info = info
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.output_special_tokens = output_special_tokens
+        self.pipeline_depth = pipeline_depth
         if info.is_seq2seq:  # the encoder-decoder engine cannot recompute generated tokens
             limits = replace(limits, preemption=False)
         num_blocks = kv_capacity_blocks(limits, info)
@@ -65,15 +91,28 @@ class Engine:
         self.on_token_generated: Callable[[], None] | None = None
         self._wakeup = asyncio.Event()
         self._ids = itertools.count(1)
-        self._detokenizers: dict[int, IncrementalDetokenizer] = {}
-        self._stop_checkers: dict[int, StopChecker] = {}
+        self._in_flight: deque[_InFlight] = deque()
+        self._last_answer = 0.0
         self._task: asyncio.Task[None] | None = None
 
     # ---- called by the servicer -------------------------------------------------------
 
     def submit(self, request: ValidatedRequest, arrival: float) -> RequestState:
         """Queue a validated input; its events arrive on the returned state's queue."""
-        state = RequestState(request_id=next(self._ids), request=request, arrival=arrival)
+        state = RequestState(
+            request_id=next(self._ids),
+            request=request,
+            arrival=arrival,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=not self.output_special_tokens,
+                hold_back_bytes=stream_hold_back_bytes(request.stopping),
+                eos_token_ids=self.info.eos_token_ids,
+                # Encoder-decoder output starts fresh: its first word has no leading space.
+                continuation=not self.info.is_seq2seq,
+            ),
+            stop_checker=StopChecker(request.stopping, self.info.eos_token_ids),
+        )
         self.scheduler.add(state)
         self.metrics.set_queue_size(len(self.scheduler.waiting))
         self._wakeup.set()
@@ -95,53 +134,153 @@ class Engine:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for flight in self._in_flight:
+            flight.result.cancel()
 
     async def _run(self) -> None:
+        in_flight = self._in_flight
         while True:
-            if not self.scheduler.has_work:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            now = time.monotonic()
-            self._drop_aborted_and_expired(now)
-            preemptions = self.scheduler.preemption_count
-            budget_holds = self.scheduler.budget_holds
-            plan = self.scheduler.schedule(now)
-            for _ in range(self.scheduler.preemption_count - preemptions):
-                self.metrics.request_preempted()
-            for _ in range(self.scheduler.budget_holds - budget_holds):
-                self.metrics.prefill_budget_exceeded()
-            self._record_admissions(plan, now)
-            self._update_gauges()
-            if not plan.has_message:
-                if self._fail_unservable_head():
-                    continue
-                self._wakeup.clear()
-                await self._wakeup.wait()
+            while len(in_flight) < self.pipeline_depth and self._send_next_step():
+                pass
+            if in_flight:
+                await self._receive(in_flight.popleft())
                 continue
-            await self._run_step(plan)
-            self._update_gauges()
+            if self._fail_unservable_head():
+                continue
+            self._wakeup.clear()
+            await self._wakeup.wait()
 
-    def _record_admissions(self, plan: StepPlan, now: float) -> None:
-        """Queue time of every fresh admission; a concatenation when they join a batch."""
-        if not plan.new_sequences:
+    def _send_next_step(self) -> bool:
+        """Plan the next step on top of the unanswered ones and send it; False when there
+        is nothing to send."""
+        now = time.monotonic()
+        self._emit(self.scheduler.drop_aborted_and_expired(now))
+        base = self._in_flight[-1].step.plan.step_id if self._in_flight else 0
+        step = self.scheduler.schedule(now, base)
+        self._record_schedule(step, now)
+        self._update_gauges()
+        if not step.plan.has_message:
+            return False
+        method = step_method(step.prompt_tokens)
+        if step.plan.scheduled:
+            self.metrics.step_started(method, len(step.plan.scheduled), step.prompt_tokens)
+        result = self.shard.send_step(step.plan)
+        self._in_flight.append(_InFlight(step, result, method, now))
+        return True
+
+    async def _receive(self, flight: _InFlight) -> None:
+        """Wait for the oldest step's output and apply it (or handle its failure)."""
+        step = flight.step
+        try:
+            output = await self.shard.step_result(flight.result)
+        except ShardError as err:
+            await self._step_failed(flight, err)
             return
-        running = {s.request_id: s for s in self.scheduler.running}
-        for seq in plan.new_sequences:
-            state = running.get(seq.request_id)
-            if state is not None:
-                self.metrics.request_admitted(now - state.arrival)
-        if len(running) > len(plan.new_sequences):
+        except Exception as err:  # a bug must fail the step's requests, not the engine
+            log.exception("step %d failed unexpectedly", step.plan.step_id)
+            await self._step_failed(
+                flight, ShardError(ShardFailure.ERROR, f"{type(err).__name__}: {err}")
+            )
+            return
+        now = time.monotonic()
+        started, self._last_answer = max(flight.sent_at, self._last_answer), now
+        self.scheduler.hold_admissions = False
+        if step.plan.scheduled:
+            self.metrics.step_succeeded(
+                flight.method,
+                now - started,
+                output.forward_time_ns / 1e9,
+                prompt_tokens=step.prompt_tokens,
+                generated_tokens=len(output.tokens),
+            )
+        try:
+            update = self.scheduler.update(step, output, now)
+        except Exception as err:
+            log.exception("processing the output of step %d failed", step.plan.step_id)
+            self.generation_healthy = False
+            self.metrics.step_failed(flight.method, ShardFailure.ERROR.value)
+            self._emit(self.scheduler.fail_step(step, f"{type(err).__name__}: {err}"))
+            return
+        self._emit(update)
+        if update.tokens:
+            self.generation_healthy = True
+            if self.on_token_generated is not None:
+                self.on_token_generated()
+        if step.plan.scheduled:
+            self.metrics.step_processed(flight.method, time.monotonic() - now)
+
+    async def _step_failed(self, flight: _InFlight, err: ShardError) -> None:
+        """Nothing of the step happened on the shard. Steps sent on top of it are refused
+        there: wait for them and undo them (latest first), then this one; then fail its
+        requests, or retry the older half after running out of memory."""
+        later = list(self._in_flight)
+        self._in_flight.clear()
+        for other in later:
+            with contextlib.suppress(Exception):
+                await other.result
+        for other in reversed(later):
+            self.scheduler.step_failed(other.step)
+        step = flight.step
+        self.scheduler.step_failed(step)
+        self._last_answer = time.monotonic()
+        if err.failure is ShardFailure.STALE:  # planned on a step that failed before
+            return
+        log.error("step %d failed: %s", step.plan.step_id, err.detail)
+        self.generation_healthy = False
+        self.metrics.step_failed(flight.method, err.failure.value)
+        preempted = 0
+        if err.failure is ShardFailure.OOM:
+            preempted = self.scheduler.retry_without_younger_half(step)
+        if preempted:
+            log.warning(
+                "step %d ran out of memory: %d of its sequences preempted, the rest retried",
+                step.plan.step_id,
+                preempted,
+            )
+            for _ in range(preempted):
+                self.metrics.request_preempted()
+            return
+        self.scheduler.hold_admissions = False
+        self._emit(self.scheduler.fail_step(step, err.detail))
+
+    # ---- events and metrics ---------------------------------------------------------------
+
+    def _emit(self, update: StepUpdate) -> None:
+        for state, event in update.events:
+            state.emit(event)
+        metrics = self.metrics
+        for seconds in update.time_to_first_token:
+            metrics.first_token(seconds)
+        for seconds in update.inter_token:
+            metrics.next_token(seconds)
+        for _ in range(update.cancelled):
+            metrics.request_cancelled()
+        for _ in range(update.timed_out_in_queue):
+            metrics.request_timed_out()
+
+    def _record_schedule(self, step: ScheduledStep, now: float) -> None:
+        """Queue time of every fresh admission, a concatenation when they join a batch,
+        preemptions and prefill-budget holds."""
+        for state in step.admitted:
+            self.metrics.request_admitted(now - state.arrival)
+        if step.joined_running_batch:
             self.metrics.batch_concatenated()
+        for _ in range(step.preemptions):
+            self.metrics.request_preempted()
+        if step.budget_hold:
+            self.metrics.prefill_budget_exceeded()
 
     def _update_gauges(self) -> None:
         scheduler = self.scheduler
         self.metrics.set_queue_size(len(scheduler.waiting))
         running = scheduler.running
-        self.metrics.set_batch(
-            len(running),
-            sum(s.prompt_length + len(s.generated_ids) for s in running),
-            sum(s.request.stopping.max_new_tokens - len(s.generated_ids) for s in running),
-        )
+        input_tokens = 0
+        remaining = 0
+        for s in running:
+            generated = len(s.generated_ids)
+            input_tokens += s.prompt_length + generated
+            remaining += s.request.stopping.max_new_tokens - generated
+        self.metrics.set_batch(len(running), input_tokens, remaining)
         self.metrics.set_kv_cache(scheduler.allocator.num_used, scheduler.allocator.num_blocks)
 
     def _fail_unservable_head(self) -> bool:
@@ -149,217 +288,14 @@ class Engine:
         max_sequence_length request against the capacity); fail it if it ever does not,
         rather than wait forever."""
         scheduler = self.scheduler
-        if scheduler.running or not scheduler.waiting:
+        state = scheduler.unservable_head()
+        if state is None:
             return False
-        state = scheduler.waiting[0]
         capacity = scheduler.allocator.num_blocks
         log.error("request %d cannot fit in %d KV blocks", state.request_id, capacity)
-        self._finish_with_error(
-            state, GenerationError(f"the request needs more than the {capacity} KV blocks")
+        update = StepUpdate()
+        scheduler.fail(
+            state, GenerationError(f"the request needs more than the {capacity} KV blocks"), update
         )
+        self._emit(update)
         return True
-
-    async def _run_step(self, plan: StepPlan) -> None:
-        running = {s.request_id: s for s in self.scheduler.running}
-        prompt_tokens = sum(
-            c.num_tokens for c in plan.scheduled if running[c.request_id].prefilling
-        )
-        method = step_method(prompt_tokens)
-        if plan.scheduled:
-            self.metrics.step_started(method, len(plan.scheduled), prompt_tokens)
-        started = time.monotonic()
-        try:
-            output = await self.shard.step(plan)
-        except ShardError as err:
-            log.error("step %d failed: %s", plan.step_id, err.detail)
-            self._step_failed(plan, running, method, err.failure.value, err.detail)
-            return
-        except Exception as err:  # a bug must fail the step's requests, not the engine
-            log.exception("step %d failed unexpectedly", plan.step_id)
-            self._step_failed(plan, running, method, "error", f"{type(err).__name__}: {err}")
-            return
-        self.scheduler.hold_admissions = False
-        if plan.scheduled:
-            self.metrics.step_succeeded(
-                method,
-                time.monotonic() - started,
-                output.forward_time_ns / 1e9,
-                prompt_tokens=prompt_tokens,
-                generated_tokens=len(output.tokens),
-            )
-        for chunk in plan.scheduled:
-            running[chunk.request_id].num_computed += chunk.num_tokens
-        processing = time.monotonic()
-        try:
-            self._apply_output(running, output)
-        except Exception as err:
-            log.exception("processing the output of step %d failed", plan.step_id)
-            self._fail_step(plan, running, method, "error", f"{type(err).__name__}: {err}")
-            return
-        if plan.scheduled:
-            self.metrics.step_processed(method, time.monotonic() - processing)
-
-    def _step_failed(
-        self,
-        plan: StepPlan,
-        running: dict[int, RequestState],
-        method: str,
-        reason: str,
-        detail: str,
-    ) -> None:
-        """The shard call failed: nothing of the step happened on the shard."""
-        self.scheduler.step_failed(plan)
-        if reason == ShardFailure.OOM.value and self._retry_without_younger_half(plan, running):
-            self.generation_healthy = False
-            self.metrics.step_failed(method, reason)
-            return
-        self.scheduler.hold_admissions = False
-        self._fail_step(plan, running, method, reason, detail)
-
-    def _retry_without_younger_half(self, plan: StepPlan, running: dict[int, RequestState]) -> bool:
-        """Out of memory: preempt the younger half of the step's sequences and let the next
-        step retry the rest with admissions held; False when this was already the retry,
-        a single sequence, or preemption is off."""
-        scheduler = self.scheduler
-        if scheduler.hold_admissions or not scheduler.limits.preemption:
-            return False
-        states = sorted((running[c.request_id] for c in plan.scheduled), key=lambda s: s.request_id)
-        if len(states) < 2:
-            return False
-        younger = states[len(states) // 2 :]
-        for state in reversed(younger):  # youngest first: the queue stays in arrival order
-            scheduler.preempt(state)
-            self.metrics.request_preempted()
-        scheduler.hold_admissions = True
-        log.warning(
-            "step %d ran out of memory: retrying %d of its %d sequences, %d preempted",
-            plan.step_id,
-            len(states) - len(younger),
-            len(states),
-            len(younger),
-        )
-        return True
-
-    def _fail_step(
-        self,
-        plan: StepPlan,
-        running: dict[int, RequestState],
-        method: str,
-        reason: str,
-        detail: str,
-    ) -> None:
-        """Every request of a failed step fails; the shard forgets them at the next step."""
-        self.generation_healthy = False
-        self.metrics.step_failed(method, reason)
-        for chunk in plan.scheduled:
-            state = running.get(chunk.request_id)
-            if state is not None:
-                self._finish_with_error(state, GenerationError(detail))
-
-    def _apply_output(self, running: dict[int, RequestState], output: StepOutput) -> None:
-        now = time.monotonic()
-        for request_id, message in output.errors.items():
-            self._finish_with_error(running[request_id], GenerationError(message))
-        for request_id, details in output.input_tokens.items():
-            state = running[request_id]
-            if state.finish_reason is None:
-                state.emit(InputTokensEvent(details))
-        produced = False
-        for request_id, token in output.tokens.items():
-            state = running[request_id]
-            if state.finish_reason is not None:
-                continue
-            produced = True
-            self._append_token(state, token, now)
-        if produced:
-            self.generation_healthy = True
-            if self.on_token_generated is not None:
-                self.on_token_generated()
-
-    def _append_token(self, state: RequestState, token: TokenDetail, now: float) -> None:
-        if state.last_token_at is None:
-            self.metrics.first_token(now - state.arrival)
-        else:
-            self.metrics.next_token(now - state.last_token_at)
-        state.last_token_at = now
-        state.generated_ids.append(token.token_id)
-        detok = self._detokenizer(state)
-        text = detok.push(token.token_id)
-        stop = self._stop_checker(state).check(
-            token_id=token.token_id,
-            generated_count=len(state.generated_ids),
-            output_bytes=detok.output_bytes,
-            bytes_added=detok.bytes_added,
-            now=now,
-        )
-        detail = token if state.request.params.response.generated_tokens else None
-        if stop is None:
-            if text or detail is not None:
-                state.emit(TokenEvent(text, len(state.generated_ids), detail))
-            return
-        text += detok.flush(stop.truncate_at_bytes)
-        state.emit(
-            TokenEvent(
-                text, len(state.generated_ids), detail, stop.reason, stop.stop_sequence or ""
-            )
-        )
-        self._finish(state, stop.reason)
-
-    # ---- request end ----------------------------------------------------------------------
-
-    def _drop_aborted_and_expired(self, now: float) -> None:
-        """Cancelled requests (queued or running) and queued ones past their deadline leave
-        now: their blocks are free at once and the shard forgets them in the next step."""
-        for state in [s for s in self.scheduler.waiting if s.aborted]:
-            self.metrics.request_cancelled()
-            self._finish(state, StopReason.CANCELLED)
-        for state in [s for s in self.scheduler.running if s.aborted]:
-            self.metrics.request_cancelled()
-            self._finish(state, StopReason.CANCELLED)
-        for state in list(self.scheduler.waiting):
-            deadline = state.request.stopping.deadline
-            if deadline is None or now <= deadline:
-                continue
-            if state.generated_ids:
-                # Preempted after generating: it ends as a running request would.
-                detok = self._detokenizers.get(state.request_id)
-                text = detok.flush() if detok is not None else ""
-                count = len(state.generated_ids)
-                state.emit(TokenEvent(text, count, None, StopReason.TIME_LIMIT))
-            else:
-                self.metrics.request_timed_out()
-                state.emit(TokenEvent("", 0, None, StopReason.TIME_LIMIT))
-            self._finish(state, StopReason.TIME_LIMIT)
-
-    def _finish(self, state: RequestState, reason: StopReason) -> None:
-        state.finish_reason = reason
-        self.scheduler.finish(state)
-        self._detokenizers.pop(state.request_id, None)
-        self._stop_checkers.pop(state.request_id, None)
-
-    def _finish_with_error(self, state: RequestState, error: Exception) -> None:
-        if state.finish_reason is not None:
-            return
-        self._finish(state, StopReason.ERROR)
-        state.emit(error)
-
-    def _detokenizer(self, state: RequestState) -> IncrementalDetokenizer:
-        detok = self._detokenizers.get(state.request_id)
-        if detok is None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                skip_special_tokens=not self.output_special_tokens,
-                hold_back_bytes=stream_hold_back_bytes(state.request.stopping),
-                eos_token_ids=self.info.eos_token_ids,
-                # Encoder-decoder output starts fresh: its first word has no leading space.
-                continuation=not self.info.is_seq2seq,
-            )
-            self._detokenizers[state.request_id] = detok
-        return detok
-
-    def _stop_checker(self, state: RequestState) -> StopChecker:
-        checker = self._stop_checkers.get(state.request_id)
-        if checker is None:
-            checker = StopChecker(state.request.stopping, self.info.eos_token_ids)
-            self._stop_checkers[state.request_id] = checker
-        return checker

@@ -23,9 +23,9 @@ from tgis.router.limits import enforce_client_batch_size
 from tgis.router.metrics import Metrics
 from tgis.router.request_state import InputTokensEvent, RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
-from tgis.router.step import TokenDetail
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.validation import ServerLimits, convert_params, validate_inputs, validate_params
+from tgis.shard_api.messages import TokenDetail
 
 log = logging.getLogger(__name__)
 
@@ -212,8 +212,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 input_tokens = [self._token_info(t) for t in event.tokens]
                 continue
             texts.append(event.text)
-            if event.token is not None:
-                tokens.append(self._token_info(event.token))
+            tokens.extend(self._token_info(t) for t in event.tokens)
             if event.is_final:
                 break
         output = "".join(texts)
@@ -263,7 +262,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return pb.GenerationResponse(
             generated_token_count=event.generated_token_count,
             text=event.text,
-            tokens=[self._token_info(event.token)] if event.token is not None else [],
+            tokens=[self._token_info(t) for t in event.tokens],
             stop_reason=pb.StopReason.Name(event.stop_reason),
             stop_sequence=event.stop_sequence,
         )

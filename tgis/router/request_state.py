@@ -1,6 +1,8 @@
 """RequestState: the one mutable record per request, owned by the engine task.
 
-The servicer only reads the events the engine puts on `events`.
+It carries the request's place in the schedule (counters the scheduler keeps), its output so
+far with the detokenizer and stop checker that turn each generated token into a
+``TokenEvent``, and the queue the servicer reads events from.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
+from tgis.router.detokenizer import IncrementalDetokenizer
 from tgis.router.request_types import StopReason, ValidatedRequest
-from tgis.router.step import TokenDetail
+from tgis.router.stopping import StopChecker, StopDecision
+from tgis.shard_api.messages import TokenDetail
 
 
 class RequestStatus(enum.Enum):
@@ -21,11 +25,14 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """One generated token's effect on the response (text may be "" while held back)."""
+    """Generated tokens' effect on the response (text may be "" while held back).
+
+    ``tokens`` holds the details of the tokens it covers when the request asked for them.
+    """
 
     text: str
     generated_token_count: int
-    token: TokenDetail | None
+    tokens: tuple[TokenDetail, ...] = ()
     stop_reason: StopReason = StopReason.NOT_FINISHED
     stop_sequence: str = ""
 
@@ -50,15 +57,19 @@ class RequestState:
     request: ValidatedRequest
     arrival: float
     """time.monotonic() when the RPC arrived."""
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     status: RequestStatus = RequestStatus.WAITING
     generated_ids: list[int] = field(default_factory=list)
+    pending_tokens: int = 0
+    """Tokens the shard samples in steps sent but not answered yet (the overlap)."""
     block_ids: list[int] = field(default_factory=list)
     """KV blocks this request owns (none while queued, preempted included)."""
     blocks_sent: int = 0
     """How many of `block_ids` the shard has been told about."""
     num_computed: int = 0
-    """Tokens whose KV entries are in the shard's cache."""
+    """Tokens whose KV entries are in the shard's cache once the steps sent have run."""
     preemptions: int = 0
     """Times it was taken out of the running batch to be recomputed later."""
     aborted: bool = False
@@ -80,8 +91,8 @@ class RequestState:
 
     @property
     def known_length(self) -> int:
-        """Prompt plus generated tokens."""
-        return self.prompt_length + len(self.generated_ids)
+        """Prompt plus generated tokens, those still on their way included."""
+        return self.prompt_length + len(self.generated_ids) + self.pending_tokens
 
     @property
     def uncomputed(self) -> int:
@@ -96,8 +107,49 @@ class RequestState:
         return self.num_computed < self.prompt_length or self.uncomputed > 1
 
     @property
+    def generation_scheduled(self) -> bool:
+        """Every token it may generate has been asked of the shard (max_new_tokens)."""
+        return len(self.generated_ids) + self.pending_tokens >= self.request.stopping.max_new_tokens
+
+    @property
     def worst_case_length(self) -> int:
         return self.prompt_length + self.request.stopping.max_new_tokens
 
     def emit(self, event: Event) -> None:
         self.events.put_nowait(event)
+
+    # ---- output -------------------------------------------------------------------------
+
+    def accept_token(self, token: TokenDetail, now: float) -> tuple[TokenEvent | None, bool]:
+        """Add a generated token: detokenize it and check the stopping criteria.
+
+        Returns the event for the client (None when there is nothing to send yet: no text
+        and no token details) and whether the request is finished.
+        """
+        self.generated_ids.append(token.token_id)
+        self.last_token_at = now
+        count = len(self.generated_ids)
+        detok = self.detokenizer
+        text = detok.push(token.token_id)
+        stop = self.stop_checker.check(
+            token_id=token.token_id,
+            generated_count=count,
+            output_bytes=detok.output_bytes if self.stop_checker.needs_text else b"",
+            bytes_added=detok.bytes_added,
+            now=now,
+        )
+        details = (token,) if self.request.params.response.generated_tokens else ()
+        if stop is None:
+            if text or details:
+                return TokenEvent(text, count, details), False
+            return None, False
+        return self.final_event(stop, text, details), True
+
+    def final_event(
+        self, stop: StopDecision, text: str = "", details: tuple[TokenDetail, ...] = ()
+    ) -> TokenEvent:
+        """The last event: whatever text is held back (cut at a stop sequence), the reason."""
+        text += self.detokenizer.flush(stop.truncate_at_bytes)
+        return TokenEvent(
+            text, len(self.generated_ids), details, stop.reason, stop.stop_sequence or ""
+        )

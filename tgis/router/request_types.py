@@ -9,6 +9,18 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from tgis.shard_api.messages import LengthPenalty
+
+__all__ = [
+    "GenerationParams",
+    "LengthPenalty",
+    "ResponseOptions",
+    "SamplingParams",
+    "StopReason",
+    "StoppingParams",
+    "ValidatedRequest",
+]
+
 
 class StopReason(enum.IntEnum):
     """Why a request finished; values equal fmaas.StopReason on the wire."""
@@ -21,12 +33,6 @@ class StopReason(enum.IntEnum):
     STOP_SEQUENCE = 5
     TOKEN_LIMIT = 6
     ERROR = 7
-
-
-@dataclass(frozen=True, slots=True)
-class LengthPenalty:
-    start_index: int
-    decay_factor: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,11 @@
-"""Continuous batching: which sequences run in the next step, and with which KV blocks.
+"""Continuous batching: which sequences run in the next step, with which KV blocks, and what
+each step's output does to the requests.
+
+The engine drives it with four calls: ``schedule`` (build the next step), ``update`` (apply
+a step's output: tokens, detokenization, stops), ``step_failed`` (undo a step the shard did
+not run) and ``drop_aborted_and_expired``. The scheduler owns the waiting queue, the running
+list, the block allocator and every counter and flag of the policy; requests' own counters
+live on their ``RequestState``.
 
 Policy (ARCHITECTURE.md, "Scheduling", has the why):
 
@@ -12,6 +19,12 @@ Policy (ARCHITECTURE.md, "Scheduling", has the why):
   are not counted against it, so long prompts are chunked alongside the decodes and never
   stall them. Then, while the budget, `max_batch_size` and the KV blocks allow, it admits
   requests from the front of the queue (the last one admitted may get a partial chunk).
+* **Overlap.** The engine sends step n+1 before step n's output is back. So the schedule
+  counts the token each sampling chunk of an unanswered step will produce
+  (`RequestState.pending_tokens`) as known: the next step computes it (the shard has it),
+  and no step is planned past `max_new_tokens`. A request that stops at step n (EOS, stop
+  sequence, time limit) has had one more token computed at n+1; the router drops it, and
+  the shard forgets the request at n+2.
 * **KV blocks** are accounted by tokens, never by request count or padding. Admission
   allocates the blocks for every token the request knows (its prompt, plus what it had
   generated if it was preempted) and requires `headroom` more blocks to stay free while
@@ -20,14 +33,16 @@ Policy (ARCHITECTURE.md, "Scheduling", has the why):
   decode needs a block and none is free, the most recently admitted running sequences are
   **preempted**, youngest first, until it fits (possibly the needy sequence itself, when it
   is the youngest): their blocks are freed at once, they go back to the front of the queue
-  and the shard keeps their tokens and sampler (`StepPlan.preempted_ids`). Resumed, they
-  recompute every known token into new blocks (a prefill that samples nothing until it has
-  caught up) and continue with the very tokens they would have produced. A step that
-  preempted admits nothing. So a running batch never fails for lack of KV space.
+  and the shard keeps their tokens and sampler (`StepPlan.preempted_request_ids`). Resumed,
+  they recompute every known token into new blocks (a prefill that samples nothing until it
+  has caught up) and continue with the very tokens they would have produced. A step that
+  preempted admits nothing. So a running batch never fails for lack of KV space. Blocks
+  freed while a step that writes them is still running are safe to reuse: the shard runs
+  steps in order.
 * **Joining a running batch** (TGI's rule): a fresh request joins a non-empty batch when at
   least `floor(running × waiting_served_ratio)` fresh requests can be admitted together, or
   when `max_waiting_tokens` steps have run since fresh requests were last admitted
-  (`--max-waiting-tokens 0`: always at the next step). Resumed (preempted) requests are
+  (`max_waiting_tokens = 0`: always at the next step). Resumed (preempted) requests are
   not held back by this rule.
 * **No starvation.** The oldest running sequence is never preempted by a younger one, so
   it always advances and finishes (max_new_tokens bounds it); the head of the queue is
@@ -43,11 +58,28 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tgis.router.block_allocator import BlockAllocator, blocks_for
-from tgis.router.request_state import RequestState, RequestStatus
-from tgis.router.step import DetailOptions, NewSequence, ScheduledChunk, ShardInfo, StepPlan
+from tgis.router.errors import GenerationError
+from tgis.router.request_state import (
+    Event,
+    InputTokensEvent,
+    RequestState,
+    RequestStatus,
+    TokenEvent,
+)
+from tgis.router.request_types import StopReason
+from tgis.router.stopping import StopDecision
+from tgis.shard_api.messages import (
+    DetailOptions,
+    NewSequence,
+    SamplingParams,
+    ScheduledSequence,
+    ShardInfo,
+    StepOutput,
+    StepPlan,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +106,24 @@ def kv_capacity_blocks(limits: SchedulerLimits, info: ShardInfo) -> int:
     return min(info.num_blocks, blocks_for(limits.max_batch_total_tokens, info.block_size))
 
 
-def _new_sequence(state: RequestState) -> NewSequence:
+def new_sequence(state: RequestState) -> NewSequence:
+    """How the shard first hears of a request."""
     req = state.request
     resp = req.params.response
+    sampling = req.sampling
     return NewSequence(
         request_id=state.request_id,
         prompt_token_ids=req.input_ids,
-        sampling=req.sampling,
-        min_new_tokens=req.stopping.min_new_tokens,
+        sampling=SamplingParams(
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            typical_p=sampling.typical_p if sampling.typical_p > 0 else 1.0,
+            seed=sampling.seed,
+            repetition_penalty=sampling.repetition_penalty,
+            min_new_tokens=req.stopping.min_new_tokens,
+            length_penalty=sampling.length_penalty,
+        ),
         details=DetailOptions(
             logprobs=resp.token_logprobs,
             ranks=resp.token_ranks,
@@ -90,6 +132,39 @@ def _new_sequence(state: RequestState) -> NewSequence:
             generated_tokens=resp.generated_tokens,
         ),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledStep:
+    """A plan and what the router must remember about it until its output is back."""
+
+    plan: StepPlan
+    states: dict[int, RequestState]
+    """The request of every scheduled sequence, by id."""
+    samples: frozenset[int]
+    """Request ids whose chunk completes every known token: the shard samples for them."""
+    prompt_tokens: int
+    """Prompt or recompute tokens (the rest are decodes)."""
+    admitted: tuple[RequestState, ...] = ()
+    """Fresh requests admitted by this step (not resumed ones)."""
+    joined_running_batch: bool = False
+    """Fresh requests joined sequences that were already running."""
+    preemptions: int = 0
+    budget_hold: bool = False
+    """The head of the queue waited only because the prefill budget ran out."""
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    """What applying outputs or dropping requests produced, for the engine to emit."""
+
+    events: list[tuple[RequestState, Event]] = field(default_factory=list)
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token: list[float] = field(default_factory=list)
+    tokens: int = 0
+    """Generated tokens accepted (tokens for requests that had already ended excluded)."""
+    cancelled: int = 0
+    timed_out_in_queue: int = 0
 
 
 class Scheduler:
@@ -103,9 +178,9 @@ class Scheduler:
         # Blocks kept free when admitting next to running sequences (vLLM keeps 1 %).
         self.headroom = max(1, allocator.num_blocks // 100) if limits.preemption else 0
         self.hold_admissions = False
-        """Set by the engine after an out-of-memory step it retries with fewer sequences."""
+        """Set after an out-of-memory step that is retried with fewer sequences."""
         self.preemption_count = 0
-        """Preemptions so far (for metrics)."""
+        """Preemptions so far."""
         self.budget_holds = 0
         """Steps that left the queue's head waiting only because the prefill budget ran out."""
         self._finished_ids: list[int] = []
@@ -120,20 +195,65 @@ class Scheduler:
     def add(self, state: RequestState) -> None:
         self.waiting.append(state)
 
-    def finish(self, state: RequestState) -> None:
+    # ---- request end --------------------------------------------------------------------
+
+    def finish(self, state: RequestState, reason: StopReason = StopReason.CANCELLED) -> None:
         """Drop a request, running or queued: its blocks are free at once, and the shard
         forgets it at the next step."""
         if state.status is RequestStatus.RUNNING:
             self.running.remove(state)
         elif state.status is RequestStatus.WAITING:
             self.waiting.remove(state)
+        else:
+            return
         self.allocator.release(state.block_ids)
         state.blocks_sent = 0
         state.status = RequestStatus.FINISHED
+        state.finish_reason = reason
         if state.request_id in self._preempted_ids:
             self._preempted_ids.remove(state.request_id)
         if state.known_to_shard:
             self._finished_ids.append(state.request_id)
+
+    def fail(self, state: RequestState, error: Exception, update: StepUpdate) -> None:
+        """End a live request with ``error`` (its client gets it as the final event)."""
+        if state.status is RequestStatus.FINISHED:
+            return
+        self.finish(state, StopReason.ERROR)
+        update.events.append((state, error))
+
+    def drop_aborted_and_expired(self, now: float) -> StepUpdate:
+        """Cancelled requests (queued or running) and queued ones past their deadline leave
+        now: their blocks are free at once and the shard forgets them in the next step."""
+        update = StepUpdate()
+        for state in [s for s in self.waiting if s.aborted] + [
+            s for s in self.running if s.aborted
+        ]:
+            update.cancelled += 1
+            self.finish(state, StopReason.CANCELLED)
+        for state in [s for s in self.waiting if s.request.stopping.deadline is not None]:
+            deadline = state.request.stopping.deadline
+            if deadline is None or now <= deadline:
+                continue
+            if state.generated_ids:
+                # Preempted after generating: it ends as a running request would.
+                event = state.final_event(StopDecision(StopReason.TIME_LIMIT))
+            else:
+                update.timed_out_in_queue += 1
+                event = TokenEvent("", 0, (), StopReason.TIME_LIMIT)
+            update.events.append((state, event))
+            self.finish(state, StopReason.TIME_LIMIT)
+        return update
+
+    def unservable_head(self) -> RequestState | None:
+        """The head of the queue when nothing runs and it still cannot be admitted (start-up
+        checks one max_sequence_length request fits, so this should never happen)."""
+        if self.running or not self.waiting:
+            return None
+        head = self.waiting[0]
+        if head.generation_scheduled:  # waiting for its last token, not for blocks
+            return None
+        return head
 
     def preempt(self, state: RequestState) -> None:
         """Take a running request out of the batch, free its blocks and queue it at the
@@ -150,40 +270,123 @@ class Scheduler:
             self._preempted_ids.append(state.request_id)
         self.waiting.appendleft(state)
 
-    def step_failed(self, plan: StepPlan) -> None:
-        """Undo what a failed step assumed the shard did: new sequences were not registered,
-        block tables did not grow; what it was to forget or preempt is sent again (both are
-        idempotent on the shard)."""
+    # ---- a step's output -------------------------------------------------------------------
+
+    def update(self, step: ScheduledStep, output: StepOutput, now: float) -> StepUpdate:
+        """Apply a step's output: per-sequence errors, input-token details, then one token per
+        sampling sequence (detokenized, checked against its stopping criteria; finished
+        requests leave at once). Tokens of requests that already ended are dropped."""
+        update = StepUpdate()
+        states = step.states
+        for rid in step.samples:
+            states[rid].pending_tokens -= 1
+        for error in output.errors:
+            state = states.get(error.request_id)
+            if state is not None:
+                self.fail(state, GenerationError(error.message), update)
+        for details in output.input_tokens:
+            state = states[details.request_id]
+            if state.status is not RequestStatus.FINISHED:
+                update.events.append((state, InputTokensEvent(details.tokens)))
+        events = update.events
+        for sampled in output.tokens:
+            state = states[sampled.request_id]
+            if state.status is RequestStatus.FINISHED:
+                continue
+            if state.last_token_at is None:
+                update.time_to_first_token.append(now - state.arrival)
+            else:
+                update.inter_token.append(now - state.last_token_at)
+            update.tokens += 1
+            event, done = state.accept_token(sampled.token, now)
+            if event is not None:
+                events.append((state, event))
+            if done:
+                assert event is not None
+                self.finish(state, event.stop_reason)
+        return update
+
+    def step_failed(self, step: ScheduledStep) -> None:
+        """Undo what a step the shard did not run assumed: new sequences were not
+        registered, block tables did not grow, no token was computed or sampled; what it was
+        to forget or preempt is sent again (both are idempotent on the shard). Undo the
+        later of two unanswered steps first."""
+        plan = step.plan
         announced = {ns.request_id for ns in plan.new_sequences}
-        chunks = {c.request_id: c for c in plan.scheduled}
-        for state in self.running:
+        for chunk in plan.scheduled:
+            state = step.states[chunk.request_id]
+            if state.request_id in step.samples:
+                state.pending_tokens -= 1
+            if state.status is RequestStatus.FINISHED:
+                continue
             if state.request_id in announced:
                 state.known_to_shard = False
-            chunk = chunks.get(state.request_id)
-            if chunk is not None:
-                state.blocks_sent -= len(chunk.new_block_ids)
-        self._finished_ids[:0] = [r for r in plan.finished_ids if r not in self._finished_ids]
+            if state.status is RequestStatus.WAITING:
+                continue  # preempted by a later step: it starts over anyway
+            state.num_computed -= chunk.num_tokens
+            state.blocks_sent -= len(chunk.new_block_ids)
+        self._finished_ids[:0] = [
+            r for r in plan.finished_request_ids if r not in self._finished_ids
+        ]
         self._preempted_ids[:0] = [
-            rid for rid in plan.preempted_ids if rid not in self._preempted_ids
+            rid for rid in plan.preempted_request_ids if rid not in self._preempted_ids
         ]
 
-    def schedule(self, now: float) -> StepPlan:
-        """Build the next step; allocates blocks, preempts and admits as the policy says."""
+    def fail_step(self, step: ScheduledStep, message: str) -> StepUpdate:
+        """Every request of a failed step fails (TGIS); the shard forgets them next step."""
+        update = StepUpdate()
+        for state in step.states.values():
+            self.fail(state, GenerationError(message), update)
+        return update
+
+    def retry_without_younger_half(self, step: ScheduledStep) -> int:
+        """Out of memory: preempt the younger half of the step's sequences and retry the rest
+        at the next step with admissions held. Returns how many were preempted; 0 (nothing
+        done) when this was already the retry, a single sequence, or preemption is off."""
+        if self.hold_admissions or not self.limits.preemption:
+            return 0
+        states = sorted(
+            (s for s in step.states.values() if s.status is RequestStatus.RUNNING),
+            key=lambda s: s.request_id,
+        )
+        if len(states) < 2:
+            return 0
+        # The younger half, and whatever a later (undone) step admitted after it: the running
+        # batch stays a prefix of the arrival order.
+        cut = states[len(states) // 2].request_id
+        younger = [s for s in self.running if s.request_id >= cut]
+        for state in reversed(younger):  # youngest first: the queue stays in arrival order
+            self.preempt(state)
+        self.hold_admissions = True
+        return len(younger)
+
+    # ---- the next step ------------------------------------------------------------------------
+
+    def schedule(self, now: float, base_step_id: int = 0) -> ScheduledStep:
+        """Build the next step; allocates blocks, preempts and admits as the policy says.
+
+        ``base_step_id`` is the step still running that this one is planned on (0: none).
+        """
         budget = self.limits.max_batch_prefill_tokens
-        scheduled: list[ScheduledChunk] = []
+        scheduled: list[ScheduledSequence] = []
         new_sequences: list[NewSequence] = []
-        preempted = False
+        states: dict[int, RequestState] = {}
+        samples: set[int] = set()
+        prompt_tokens = 0
+        preemptions = self.preemption_count
         i = 0
         while i < len(self.running):
             state = self.running[i]
-            if state.uncomputed == 0:  # waiting for a token the shard owes (never expected)
-                i += 1
+            if state.uncomputed == 0 or state.generation_scheduled:
+                i += 1  # nothing to compute, or only waiting for its last token
                 continue
             if state.prefilling:
                 if budget > 0:
                     num = min(state.uncomputed, budget)
                     budget -= num
-                    scheduled.append(self._chunk(state, num, new_sequences))
+                    prompt_tokens += num
+                    scheduled.append(self._chunk(state, num, new_sequences, samples))
+                    states[state.request_id] = state
                 i += 1
                 continue
             while self.allocator.missing(state.block_ids, state.num_computed + 1) > (
@@ -191,33 +394,55 @@ class Scheduler:
             ):
                 victim = self.running[-1]
                 self.preempt(victim)
-                preempted = True
                 if victim is state:
                     break
             if state.status is not RequestStatus.RUNNING:
                 break  # it preempted itself: it was the youngest
-            scheduled.append(self._chunk(state, 1, new_sequences))
+            scheduled.append(self._chunk(state, 1, new_sequences, samples))
+            states[state.request_id] = state
             i += 1
+        preemptions = self.preemption_count - preemptions
         self._steps_since_admission += 1
-        if not preempted and not (self.hold_admissions and self.running):
-            for state in self._admissions(budget):
+        admitted: list[RequestState] = []
+        budget_hold = False
+        already_running = bool(self.running)
+        if not preemptions and not (self.hold_admissions and self.running):
+            chosen, budget_hold = self._admissions(budget)
+            for state in chosen:
                 self.waiting.popleft()
                 state.block_ids = self.allocator.allocate(self._admission_blocks(state))
                 state.status = RequestStatus.RUNNING
                 if state.started_at is None:
                     state.started_at = now
+                if state.preemptions == 0:
+                    admitted.append(state)
                 self.running.append(state)
                 num = min(state.uncomputed, budget)
                 budget -= num
-                scheduled.append(self._chunk(state, num, new_sequences))
+                prompt_tokens += num
+                scheduled.append(self._chunk(state, num, new_sequences, samples))
+                states[state.request_id] = state
+        if budget_hold:
+            self.budget_holds += 1
         finished, self._finished_ids = tuple(self._finished_ids), []
         preempted_ids, self._preempted_ids = tuple(self._preempted_ids), []
-        return StepPlan(
+        plan = StepPlan(
             step_id=next(self._step_ids),
             new_sequences=tuple(new_sequences),
             scheduled=tuple(scheduled),
-            finished_ids=finished,
-            preempted_ids=preempted_ids,
+            finished_request_ids=finished,
+            preempted_request_ids=preempted_ids,
+            base_step_id=base_step_id,
+        )
+        return ScheduledStep(
+            plan=plan,
+            states=states,
+            samples=frozenset(samples),
+            prompt_tokens=prompt_tokens,
+            admitted=tuple(admitted),
+            joined_running_batch=bool(admitted) and already_running,
+            preemptions=preemptions,
+            budget_hold=budget_hold,
         )
 
     def _admission_blocks(self, state: RequestState) -> int:
@@ -225,16 +450,18 @@ class Scheduler:
             return self.allocator.blocks_for(state.known_length)
         return self.allocator.blocks_for(state.worst_case_length)
 
-    def _admissions(self, budget: int) -> list[RequestState]:
-        """The requests to admit this step, from the front of the queue."""
+    def _admissions(self, budget: int) -> tuple[list[RequestState], bool]:
+        """The requests to admit this step, from the front of the queue, and whether the
+        head was held back by the prefill budget alone."""
         slots = self.limits.max_batch_size - len(self.running)
         chosen: list[RequestState] = []
         blocks = 0
+        budget_hold = False
         for state in self.waiting:
-            if len(chosen) >= slots:
+            if len(chosen) >= slots or state.generation_scheduled:
                 break
             if budget <= 0:
-                self.budget_holds += 1
+                budget_hold = True
                 break
             need = self._admission_blocks(state)
             headroom = self.headroom if self.running or chosen else 0
@@ -247,10 +474,10 @@ class Scheduler:
         resumed = list(itertools.takewhile(lambda s: s.preemptions > 0, chosen))
         fresh = len(chosen) - len(resumed)
         if fresh and self.running and not self._may_join(fresh):
-            return resumed
+            return resumed, budget_hold
         if fresh:
             self._steps_since_admission = 0
-        return chosen
+        return chosen, budget_hold
 
     def _may_join(self, count: int) -> bool:
         """TGI's rule for fresh requests joining a running batch."""
@@ -259,12 +486,20 @@ class Scheduler:
         return count >= math.floor(len(self.running) * self.limits.waiting_served_ratio)
 
     def _chunk(
-        self, state: RequestState, num_tokens: int, new_sequences: list[NewSequence]
-    ) -> ScheduledChunk:
+        self,
+        state: RequestState,
+        num_tokens: int,
+        new_sequences: list[NewSequence],
+        samples: set[int],
+    ) -> ScheduledSequence:
         if not state.known_to_shard:
-            new_sequences.append(_new_sequence(state))
+            new_sequences.append(new_sequence(state))
             state.known_to_shard = True
         self.allocator.grow(state.block_ids, state.num_computed + num_tokens)
         new_blocks = tuple(state.block_ids[state.blocks_sent :])
         state.blocks_sent = len(state.block_ids)
-        return ScheduledChunk(state.request_id, num_tokens, new_blocks)
+        state.num_computed += num_tokens
+        if state.num_computed == state.known_length:
+            state.pending_tokens += 1
+            samples.add(state.request_id)
+        return ScheduledSequence(state.request_id, num_tokens, new_blocks)

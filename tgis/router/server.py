@@ -22,9 +22,9 @@ from tgis.router.http_server import start_http_server
 from tgis.router.metrics import Metrics
 from tgis.router.scheduler import SchedulerLimits, kv_capacity_blocks
 from tgis.router.shard_client import ShardClient
-from tgis.router.step import ShardInfo
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.validation import ServerLimits
+from tgis.shard_api.messages import ShardInfo
 
 log = logging.getLogger(__name__)
 

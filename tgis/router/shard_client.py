@@ -1,6 +1,7 @@
-"""gRPC client for the rank-0 shard: StepPlan -> pb -> Step RPC -> pb -> StepOutput.
+"""The router's connection to the rank-0 shard: gRPC for Info, Health and Reset, the step
+channel (``tgis.shard_api.channel``) for Steps.
 
-The only router module that touches shard protobufs.
+The only router module that touches shard protobufs (through ``tgis.shard_api.codec``).
 """
 
 from __future__ import annotations
@@ -13,24 +14,21 @@ from typing import Any
 import grpc
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
-from tgis.router.request_types import SamplingParams
-from tgis.router.step import (
-    NewSequence,
-    ShardInfo,
-    StepOutput,
-    StepPlan,
-    TokenDetail,
-)
+from tgis.shard_api.channel import StepChannelClient, StepFailed
+from tgis.shard_api.codec import info_from_pb
+from tgis.shard_api.messages import ShardInfo, StepErrorCode, StepOutput, StepPlan
 
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 class ShardFailure(enum.Enum):
-    """Failure classes, as in TGIS's tgi_batch_inference_failure{reason}."""
+    """Failure classes, as in TGIS's tgi_batch_inference_failure{reason} (plus ``stale``:
+    a step refused because the one it was planned on failed; never counted)."""
 
     OOM = "oom"
     CONNECTION = "connection"
     ERROR = "error"
+    STALE = "stale"
 
 
 class ShardError(Exception):
@@ -42,7 +40,7 @@ class ShardError(Exception):
         self.detail = detail
 
 
-def _shard_error(err: grpc.aio.AioRpcError) -> ShardError:
+def _grpc_error(err: grpc.aio.AioRpcError) -> ShardError:
     code = err.code()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ShardError(ShardFailure.OOM, "GPU out of memory")
@@ -54,87 +52,15 @@ def _shard_error(err: grpc.aio.AioRpcError) -> ShardError:
     return ShardError(ShardFailure.ERROR, err.details() or str(code))
 
 
-def _sampling_to_pb(sampling: SamplingParams, min_new_tokens: int) -> shard_pb2.SamplingParams:
-    pb = shard_pb2.SamplingParams(
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        typical_p=sampling.typical_p if sampling.typical_p > 0 else 1.0,
-        repetition_penalty=sampling.repetition_penalty,
-        min_new_tokens=min_new_tokens,
-    )
-    if sampling.seed is not None:
-        pb.seed = sampling.seed
-    if sampling.length_penalty is not None:
-        pb.length_penalty.start_index = sampling.length_penalty.start_index
-        pb.length_penalty.decay_factor = sampling.length_penalty.decay_factor
-    return pb
-
-
-def _new_sequence_to_pb(seq: NewSequence) -> shard_pb2.NewSequence:
-    d = seq.details
-    return shard_pb2.NewSequence(
-        request_id=seq.request_id,
-        prompt_token_ids=seq.prompt_token_ids,
-        sampling=_sampling_to_pb(seq.sampling, seq.min_new_tokens),
-        details=shard_pb2.TokenDetailOptions(
-            logprobs=d.logprobs,
-            ranks=d.ranks,
-            top_n=d.top_n,
-            input_tokens=d.input_tokens,
-            generated_tokens=d.generated_tokens,
-        ),
-    )
-
-
-def plan_to_pb(plan: StepPlan) -> shard_pb2.StepRequest:
-    return shard_pb2.StepRequest(
-        step_id=plan.step_id,
-        new_sequences=[_new_sequence_to_pb(s) for s in plan.new_sequences],
-        scheduled=[
-            shard_pb2.ScheduledSequence(
-                request_id=c.request_id, num_tokens=c.num_tokens, new_block_ids=c.new_block_ids
-            )
-            for c in plan.scheduled
-        ],
-        finished_request_ids=plan.finished_ids,
-        preempted_request_ids=plan.preempted_ids,
-    )
-
-
-def _detail_from_pb(pb: shard_pb2.TokenDetail) -> TokenDetail:
-    return TokenDetail(
-        token_id=pb.token_id,
-        logprob=pb.logprob,
-        rank=pb.rank,
-        top_tokens=tuple((t.token_id, t.logprob) for t in pb.top_tokens),
-    )
-
-
-def output_from_pb(pb: shard_pb2.StepResponse) -> StepOutput:
-    return StepOutput(
-        tokens={t.request_id: _detail_from_pb(t.token) for t in pb.tokens},
-        input_tokens={
-            it.request_id: tuple(_detail_from_pb(t) for t in it.tokens) for it in pb.input_tokens
-        },
-        errors={e.request_id: e.message for e in pb.errors},
-        forward_time_ns=pb.forward_time_ns,
-    )
-
-
-def info_from_pb(pb: shard_pb2.InfoResponse) -> ShardInfo:
-    return ShardInfo(
-        is_seq2seq=pb.model_kind == shard_pb2.SEQ2SEQ_LM,
-        eos_token_ids=frozenset(pb.eos_token_ids),
-        vocab_size=pb.vocab_size,
-        block_size=pb.block_size,
-        num_blocks=pb.num_blocks,
-        world_size=pb.world_size,
-        max_position_embeddings=pb.max_position_embeddings,
-        model_type=pb.model_type,
-        dtype=pb.dtype,
-        device=pb.device,
-        attention_backend=pb.attention_backend,
+def _step_error(err: Exception) -> ShardError:
+    if isinstance(err, StepFailed):
+        if err.code is StepErrorCode.OUT_OF_MEMORY:
+            return ShardError(ShardFailure.OOM, "GPU out of memory")
+        if err.code is StepErrorCode.STALE_BASE:
+            return ShardError(ShardFailure.STALE, err.message)
+        return ShardError(ShardFailure.ERROR, err.message)
+    return ShardError(
+        ShardFailure.CONNECTION, f"Could not connect to Text Generation server: {err}"
     )
 
 
@@ -151,6 +77,7 @@ class ShardClient:
             ],
         )
         self._stub = shard_pb2_grpc.ShardServiceStub(self._channel)
+        self._steps: StepChannelClient | None = None
 
     async def wait_ready(self, timeout: float) -> None:
         """Retry Health until the shard answers or `timeout` seconds pass."""
@@ -168,10 +95,21 @@ class ShardClient:
         try:
             return await method(request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
-            raise _shard_error(err) from err
+            raise _grpc_error(err) from err
 
     async def info(self) -> ShardInfo:
-        return info_from_pb(await self._call(self._stub.Info, shard_pb2.InfoRequest(), 30.0))
+        """The shard's facts; also opens the step channel it names."""
+        info = info_from_pb(await self._call(self._stub.Info, shard_pb2.InfoRequest(), 30.0))
+        if self._steps is None:
+            if not info.step_channel:
+                raise ShardError(ShardFailure.CONNECTION, "the shard serves no step channel")
+            try:
+                self._steps = await StepChannelClient.connect(info.step_channel)
+            except OSError as err:
+                raise ShardError(
+                    ShardFailure.CONNECTION, f"cannot open the step channel: {err}"
+                ) from err
+        return info
 
     async def health(self, timeout: float = 10.0) -> None:
         await self._call(self._stub.Health, shard_pb2.HealthRequest(), timeout)
@@ -179,8 +117,25 @@ class ShardClient:
     async def reset(self) -> None:
         await self._call(self._stub.Reset, shard_pb2.ResetRequest(), 30.0)
 
+    def send_step(self, plan: StepPlan) -> asyncio.Future[StepOutput]:
+        """Send ``plan`` now (steps run in the order sent); await the result with
+        ``step_result``. Needs ``info()`` first."""
+        if self._steps is None:
+            raise RuntimeError("the step channel is not open: call info() first")
+        return self._steps.send(plan)
+
+    async def step_result(self, sent: asyncio.Future[StepOutput]) -> StepOutput:
+        """The output of a sent step; ShardError when it failed."""
+        try:
+            return await sent
+        except (StepFailed, ConnectionError) as err:
+            raise _step_error(err) from err
+
     async def step(self, plan: StepPlan) -> StepOutput:
-        return output_from_pb(await self._call(self._stub.Step, plan_to_pb(plan)))
+        """Send ``plan`` and wait for its output."""
+        return await self.step_result(self.send_step(plan))
 
     async def close(self) -> None:
+        if self._steps is not None:
+            self._steps.close()
         await self._channel.close()

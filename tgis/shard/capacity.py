@@ -29,9 +29,9 @@ import torch
 from tgis.shard.attention import AttentionBackend
 from tgis.shard.errors import StartupError
 from tgis.shard.kv_cache import KVCache, KVCacheSpec
-from tgis.shard.messages import NewSequence, ScheduledSequence, ShardInfo, StepPlan
 from tgis.shard.model_runner import ModelRunner
 from tgis.shard.models import CausalLM
+from tgis.shard_api.messages import NewSequence, ScheduledSequence, ShardInfo, StepPlan
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

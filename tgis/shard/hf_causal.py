@@ -26,10 +26,10 @@ import torch
 
 from tgis.shard.hf_engine import Forward, Part, combine, forget_rows, in_batch_order
 from tgis.shard.hf_kv import KVBatch, cache_tensors, select
-from tgis.shard.messages import TokenDetail
 from tgis.shard.sequence import Sequence as ShardSequence
 from tgis.shard.step_plan import WorkItem
 from tgis.shard.token_details import first_input_detail, token_details
+from tgis.shard_api.messages import TokenDetail
 
 PAD_ID = 0  # any valid id: padding columns are masked
 # A step pads every row to its longest; when that would compute more than this many tokens

@@ -15,9 +15,9 @@ from typing import Protocol
 import torch
 
 from tgis.shard.hf_kv import KVBatch, concat, select
-from tgis.shard.messages import TokenDetail
 from tgis.shard.sequence import Sequence as ShardSequence
 from tgis.shard.step_plan import WorkItem
+from tgis.shard_api.messages import TokenDetail
 
 # Batch row id of a forgotten sequence: never matches a request, dropped by the next select.
 FORGOTTEN = -1

@@ -30,8 +30,8 @@ from tgis.shard.hf_engine import HfEngine
 from tgis.shard.hf_kv import CrossKV, KVBatch, cache_tensors, empty_rows
 from tgis.shard.hf_runner import HfRunner
 from tgis.shard.hf_seq2seq import RELATIVE_POSITION_DECODERS, HfSeq2SeqEngine, Seq2SeqSpec
-from tgis.shard.messages import ModelKind, ShardInfo
 from tgis.shard.model_config import ModelConfig
+from tgis.shard_api.messages import ModelKind, ShardInfo
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,11 @@ from collections.abc import Sequence as SequenceOf
 import torch
 
 from tgis.shard.hf_engine import Forward, HfEngine
-from tgis.shard.messages import (
+from tgis.shard.runner import SequenceRunner
+from tgis.shard.sequence import Sequence
+from tgis.shard.step_plan import PlanLimits, ResolvedStep
+from tgis.shard.step_results import commit_step, sample_tokens
+from tgis.shard_api.messages import (
     InputTokenDetails,
     ModelKind,
     SampledToken,
@@ -32,10 +36,6 @@ from tgis.shard.messages import (
     StepPlan,
     TokenDetail,
 )
-from tgis.shard.runner import SequenceRunner
-from tgis.shard.sequence import Sequence
-from tgis.shard.step_plan import PlanLimits, ResolvedStep
-from tgis.shard.step_results import commit_step, sample_tokens
 
 
 class HfRunner(SequenceRunner):
@@ -46,6 +46,7 @@ class HfRunner(SequenceRunner):
         self.info = info
         self.device = device
         self.sequences: dict[int, Sequence] = {}
+        self.dropped: set[int] = set()
         self.limits = PlanLimits(
             vocab_size=info.vocab_size,
             num_blocks=info.num_blocks,
@@ -67,6 +68,7 @@ class HfRunner(SequenceRunner):
         self.engine.forget((*resolved.finished, *resolved.preempted))
         if not resolved.work:
             self._commit(resolved, {}, {})
+            self._drop_failed(resolved.errors)
             return StepOutput(step_id=plan.step_id, errors=resolved.errors)
         started = time.perf_counter_ns()
         forward = self.engine.run(resolved.work, self.sequences.keys())
@@ -76,11 +78,13 @@ class HfRunner(SequenceRunner):
         elapsed = time.perf_counter_ns() - started
         self.engine.commit(forward)
         finished_prompts = self._commit(resolved, sampled, forward.input_details, errors)
+        all_errors = resolved.errors + tuple(errors)
+        self._drop_failed(all_errors)
         return StepOutput(
             step_id=plan.step_id,
             tokens=tuple(SampledToken(rid, detail) for rid, detail in sampled.items()),
             input_tokens=finished_prompts,
-            errors=resolved.errors + tuple(errors),
+            errors=all_errors,
             forward_time_ns=elapsed,
         )
 

@@ -32,10 +32,10 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from tgis.shard.hf_engine import Forward, Part, combine, forget_rows, in_batch_order
 from tgis.shard.hf_kv import CrossKV, KVBatch, cache_tensors, select
-from tgis.shard.messages import TokenDetail
 from tgis.shard.sequence import Sequence as ShardSequence
 from tgis.shard.step_plan import WorkItem
 from tgis.shard.token_details import first_input_detail
+from tgis.shard_api.messages import TokenDetail
 
 # Model types whose decoder positions are relative (left padding changes nothing).
 RELATIVE_POSITION_DECODERS = frozenset({"t5", "mt5", "umt5", "longt5", "switch_transformers"})

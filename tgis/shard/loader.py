@@ -15,7 +15,6 @@ from tgis.shard.device import dtype_name, select_device, select_dtype
 from tgis.shard.engines import select_engine
 from tgis.shard.errors import StartupError
 from tgis.shard.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
-from tgis.shard.messages import ModelKind, ShardInfo
 from tgis.shard.model_config import ModelConfig
 from tgis.shard.model_runner import ModelRunner
 from tgis.shard.models import CausalLM, model_class
@@ -23,6 +22,7 @@ from tgis.shard.parallel.distributed import min_over_ranks
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 from tgis.shard.runner import Runner
 from tgis.shard.weights import Weights
+from tgis.shard_api.messages import ModelKind, ShardInfo
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,13 @@ import torch
 
 from tgis.shard.attention import AttentionBackend, BatchLayout
 from tgis.shard.kv_cache import KVCache
-from tgis.shard.messages import (
+from tgis.shard.models import CausalLM
+from tgis.shard.runner import SequenceRunner
+from tgis.shard.sequence import Sequence
+from tgis.shard.step_plan import PlanLimits, WorkItem
+from tgis.shard.step_results import commit_step, sample_tokens
+from tgis.shard.token_details import first_input_detail, token_details
+from tgis.shard_api.messages import (
     SampledToken,
     SequenceError,
     ShardInfo,
@@ -32,12 +38,6 @@ from tgis.shard.messages import (
     StepPlan,
     TokenDetail,
 )
-from tgis.shard.models import CausalLM
-from tgis.shard.runner import SequenceRunner
-from tgis.shard.sequence import Sequence
-from tgis.shard.step_plan import PlanLimits, WorkItem
-from tgis.shard.step_results import commit_step, sample_tokens
-from tgis.shard.token_details import first_input_detail, token_details
 
 # Prompt positions whose logits are materialised at once for input-token details.
 INPUT_DETAIL_ROWS = 256
@@ -73,6 +73,7 @@ class ModelRunner(SequenceRunner):
         self.info = info
         self.device = device
         self.sequences: dict[int, Sequence] = {}
+        self.dropped: set[int] = set()
         self.limits = PlanLimits(
             vocab_size=info.vocab_size,
             num_blocks=kv_cache.num_blocks,
@@ -86,6 +87,7 @@ class ModelRunner(SequenceRunner):
         resolved = self._begin_step(plan)
         if not resolved.work:
             commit_step(self.sequences, resolved, {}, {})
+            self._drop_failed(resolved.errors)
             return StepOutput(step_id=plan.step_id, errors=resolved.errors)
         started = time.perf_counter_ns()
         batch = self._flatten(resolved.work)
@@ -97,11 +99,13 @@ class ModelRunner(SequenceRunner):
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter_ns() - started
         finished_prompts = commit_step(self.sequences, resolved, sampled, input_details, errors)
+        all_errors = resolved.errors + tuple(errors)
+        self._drop_failed(all_errors)
         return StepOutput(
             step_id=plan.step_id,
             tokens=tuple(SampledToken(rid, detail) for rid, detail in sampled.items()),
             input_tokens=finished_prompts,
-            errors=resolved.errors + tuple(errors),
+            errors=all_errors,
             forward_time_ns=elapsed,
         )
 

@@ -6,13 +6,14 @@ Two implementations: ``model_runner.ModelRunner`` (the native paged engine) and
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
 from typing import Protocol
 
 import torch
 
-from tgis.shard.messages import ShardInfo, StepOutput, StepPlan
 from tgis.shard.sequence import Sequence
 from tgis.shard.step_plan import PlanLimits, ResolvedStep, resolve_plan
+from tgis.shard_api.messages import SequenceError, ShardInfo, StepOutput, StepPlan
 
 
 class Runner(Protocol):
@@ -43,17 +44,21 @@ class Runner(Protocol):
 class SequenceRunner:
     """What both engines share: the sequences, the plan checks, health and reset.
 
-    Subclasses set ``info``, ``device``, ``sequences`` and ``limits`` in ``__init__``.
+    Subclasses set ``info``, ``device``, ``sequences`` and ``limits`` in ``__init__``, and
+    call ``_drop_failed`` with every step's per-sequence errors.
     """
 
     info: ShardInfo
     device: torch.device
     sequences: dict[int, Sequence]
     limits: PlanLimits
+    # Sequences that failed on their own, skipped when scheduled until they are finished.
+    dropped: set[int]
 
     def reset(self) -> None:
         """Forget every sequence."""
         self.sequences.clear()
+        self.dropped.clear()
 
     def health(self) -> None:
         """Raise if the device does not answer (a cheap query, no kernel launch)."""
@@ -63,9 +68,17 @@ class SequenceRunner:
     def _begin_step(self, plan: StepPlan) -> ResolvedStep:
         """Check the whole plan (InvalidStepError changes nothing), then forget finished
         sequences and drop the blocks of preempted ones."""
-        resolved = resolve_plan(plan, self.sequences, self.limits)
+        resolved = resolve_plan(plan, self.sequences, self.limits, self.dropped)
         for rid in resolved.finished:
             self.sequences.pop(rid, None)
+            self.dropped.discard(rid)
         for rid in resolved.preempted:
             self.sequences[rid].preempt()
         return resolved
+
+    def _drop_failed(self, errors: SequenceOf[SequenceError]) -> None:
+        """Forget the sequences that failed on their own this step and remember them until
+        the router finishes them (it may schedule them once more before it hears)."""
+        for error in errors:
+            self.sequences.pop(error.request_id, None)
+            self.dropped.add(error.request_id)

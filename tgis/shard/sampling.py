@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tgis.shard.messages import SamplingParams
+from tgis.shard_api.messages import SamplingParams
 
 NEG_INF = float("-inf")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tgis.shard.messages import DetailOptions, SamplingParams, TokenDetail
+from tgis.shard_api.messages import DetailOptions, SamplingParams, TokenDetail
 
 
 @dataclass

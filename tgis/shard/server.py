@@ -1,6 +1,9 @@
-"""The gRPC server of a rank: ``ShardService`` on ``unix://{uds_path}-{rank}``.
+"""The servers of a rank: ``ShardService`` (gRPC) on ``unix://{uds_path}-{rank}`` and, where
+the rank runs Steps, the step channel on ``{uds_path}-{rank}.steps``.
 
-Rank 0 alone serves the router. With tensor parallelism its runner is a
+Rank 0 alone serves the router: Info (which names the step channel), Health and Reset over
+gRPC, Steps over the channel (``tgis.shard_api.channel``; the gRPC Step RPC answers too),
+both through one ``StepExecutor``. With tensor parallelism its runner is a
 ``parallel.lockstep.LockstepRunner`` that broadcasts each StepPlan to the other ranks, whose
 own servers answer only Info and Health (``parallel/serving.py``).
 """
@@ -19,6 +22,8 @@ import grpc
 from tgis.pb import shard_pb2_grpc
 from tgis.shard.runner import Runner
 from tgis.shard.servicer import ShardServicer
+from tgis.shard.step_executor import StepExecutor
+from tgis.shard_api.channel import StepChannelServer, step_channel_path
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +32,23 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 class ShardServer:
-    """A started/stopped gRPC server around a Runner, on one Unix socket."""
+    """A started/stopped gRPC server (and step channel) around a Runner."""
 
-    def __init__(self, runner: Runner, socket_path: str, rank: int = 0) -> None:
+    def __init__(
+        self, runner: Runner, socket_path: str, rank: int = 0, serves_steps: bool = True
+    ) -> None:
         self.runner = runner
         self.socket_path = Path(socket_path)
         self.rank = rank
-        self._servicer = ShardServicer(runner)
+        self.executor = StepExecutor(runner)
+        self._channel = (
+            StepChannelServer(step_channel_path(socket_path), self.executor.step)
+            if serves_steps
+            else None
+        )
+        self._servicer = ShardServicer(
+            self.executor, self._channel.path if self._channel is not None else ""
+        )
         self._server: grpc.aio.Server | None = None
 
     @property
@@ -53,6 +68,8 @@ class ShardServer:
         )
         shard_pb2_grpc.add_ShardServiceServicer_to_server(self._servicer, server)
         server.add_insecure_port(self.address)
+        if self._channel is not None:
+            self._channel.start()
         await server.start()
         self._server = server
         log.info("Shard %d ready on %s", self.rank, self.address)
@@ -62,6 +79,8 @@ class ShardServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        if self._channel is not None:
+            self._channel.close()
         await asyncio.to_thread(self._servicer.close)
         remove_socket(self.socket_path)
 

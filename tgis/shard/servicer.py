@@ -1,9 +1,10 @@
 """The ``ShardService`` RPC handlers: convert, run on the step thread, convert back.
 
-Steps (and Reset, which must not interleave with one) run one at a time on a single worker
-thread, so the event loop stays free for Health and Info while a forward pass runs.
-Errors map to status codes: InvalidStepError → INVALID_ARGUMENT, CUDA out-of-memory →
-RESOURCE_EXHAUSTED, anything else → INTERNAL with the exception's message.
+Steps (and Reset, which must not interleave with one) go through the ``StepExecutor`` the
+step channel also uses, on a single worker thread, so the event loop stays free for Health
+and Info while a forward pass runs. Its failure codes map to gRPC statuses:
+INVALID_PLAN → INVALID_ARGUMENT, OUT_OF_MEMORY → RESOURCE_EXHAUSTED, STALE_BASE → ABORTED,
+INTERNAL → INTERNAL, each with the failure's message.
 """
 
 from __future__ import annotations
@@ -12,25 +13,35 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import TypeVar
 
 import grpc
-import torch
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
-from tgis.shard.errors import InvalidStepError
-from tgis.shard.pb_convert import info_to_pb, plan_from_pb, step_output_to_pb
-from tgis.shard.runner import Runner
+from tgis.shard.step_executor import StepExecutor
+from tgis.shard_api.channel import StepFailed
+from tgis.shard_api.codec import info_to_pb, output_to_pb, plan_from_pb
+from tgis.shard_api.messages import StepErrorCode
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
-    """Serves one Runner (native or transformers engine) over gRPC."""
+_STATUS = {
+    StepErrorCode.INVALID_PLAN: grpc.StatusCode.INVALID_ARGUMENT,
+    StepErrorCode.OUT_OF_MEMORY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    StepErrorCode.STALE_BASE: grpc.StatusCode.ABORTED,
+    StepErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
 
-    def __init__(self, runner: Runner) -> None:
-        self.runner = runner
+
+class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
+    """Serves one Runner (native or transformers engine) over gRPC, through its executor."""
+
+    def __init__(self, executor: StepExecutor, step_channel: str = "") -> None:
+        self.executor = executor
+        self.step_channel = step_channel
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-step")
 
     def close(self) -> None:
@@ -44,14 +55,14 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request: shard_pb2.InfoRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.InfoResponse:
         """Static facts about the model and the KV cache."""
-        return info_to_pb(self.runner.info)
+        return info_to_pb(replace(self.executor.info, step_channel=self.step_channel))
 
     async def Health(
         self, request: shard_pb2.HealthRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.HealthResponse:
         """OK unless the device fails a cheap query."""
         try:
-            await asyncio.to_thread(self.runner.health)
+            await asyncio.to_thread(self.executor.health)
         except Exception as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"device unhealthy: {e}")
         return shard_pb2.HealthResponse()
@@ -60,7 +71,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         self, request: shard_pb2.ResetRequest, context: grpc.aio.ServicerContext
     ) -> shard_pb2.ResetResponse:
         """Forget every sequence."""
-        await self._on_step_thread(self.runner.reset)
+        await self._on_step_thread(self.executor.reset)
         return shard_pb2.ResetResponse()
 
     async def Step(
@@ -69,13 +80,7 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         """Run one forward pass."""
         plan = plan_from_pb(request)
         try:
-            output = await self._on_step_thread(lambda: self.runner.step(plan))
-        except InvalidStepError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except torch.cuda.OutOfMemoryError as e:
-            log.error("step %d ran out of GPU memory: %s", request.step_id, e)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except Exception as e:
-            log.exception("step %d failed", request.step_id)
-            await context.abort(grpc.StatusCode.INTERNAL, str(e) or type(e).__name__)
-        return step_output_to_pb(output)
+            output = await self._on_step_thread(lambda: self.executor.step(plan))
+        except StepFailed as e:
+            await context.abort(_STATUS[e.code], e.message)
+        return output_to_pb(output)

@@ -17,14 +17,15 @@ and the prompt-token details are computed only on the prompt's first pass
 from __future__ import annotations
 
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
 
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.messages import NewSequence, SamplingParams, SequenceError, StepPlan
 from tgis.shard.sampling import make_generator
 from tgis.shard.sequence import Sequence
+from tgis.shard_api.messages import NewSequence, SamplingParams, SequenceError, StepPlan
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,16 @@ class PlanLimits:
 
 
 def resolve_plan(
-    plan: StepPlan, sequences: Mapping[int, Sequence], limits: PlanLimits
+    plan: StepPlan,
+    sequences: Mapping[int, Sequence],
+    limits: PlanLimits,
+    dropped: AbstractSet[int] = frozenset(),
 ) -> ResolvedStep:
-    """Validate ``plan`` against ``sequences`` without changing them."""
+    """Validate ``plan`` against ``sequences`` without changing them.
+
+    ``dropped`` are sequences that failed on their own in an earlier step: the router may
+    have scheduled them again before it saw the error, so they are skipped, not refused.
+    """
     finished = set(plan.finished_request_ids)
     preempted = {
         rid for rid in plan.preempted_request_ids if rid in sequences and rid not in finished
@@ -144,6 +152,8 @@ def resolve_plan(
         seen.add(rid)
         seq = new.get(rid) or (sequences.get(rid) if rid not in finished else None)
         if seq is None:
+            if rid in dropped and rid not in finished:
+                continue
             raise InvalidStepError(f"unknown request id {rid}")
         restart = rid in preempted
         computed = 0 if restart else seq.num_computed

@@ -12,11 +12,11 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from tgis.shard.messages import InputTokenDetails, SequenceError, ShardInfo, TokenDetail
 from tgis.shard.sampling import SamplingBatch, SamplingRow, sample
 from tgis.shard.sequence import Sequence
 from tgis.shard.step_plan import ResolvedStep, WorkItem
 from tgis.shard.token_details import token_details
+from tgis.shard_api.messages import InputTokenDetails, SequenceError, ShardInfo, TokenDetail
 
 
 def sample_tokens(

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tgis.shard.messages import DetailOptions, TokenDetail, TopToken
+from tgis.shard_api.messages import DetailOptions, TokenDetail, TopToken
 
 
 def first_input_detail(token_id: int, options: DetailOptions) -> TokenDetail:

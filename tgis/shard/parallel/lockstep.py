@@ -25,10 +25,10 @@ from typing import NoReturn
 
 import torch
 
-from tgis.shard.messages import ShardInfo, StepOutput, StepPlan
 from tgis.shard.model_runner import ModelRunner
 from tgis.shard.parallel.distributed import broadcast_object, first_line, gather_objects
 from tgis.shard.parallel.group import TensorParallel
+from tgis.shard_api.messages import ShardInfo, StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ import signal
 import threading
 
 from tgis.shard.errors import InvalidStepError, StartupError
-from tgis.shard.messages import ShardInfo, StepOutput, StepPlan
 from tgis.shard.model_runner import ModelRunner
 from tgis.shard.parallel.distributed import destroy, first_line
 from tgis.shard.parallel.group import TensorParallel
 from tgis.shard.parallel.lockstep import LockstepRunner, run_worker
 from tgis.shard.runner import Runner
 from tgis.shard.server import ShardServer
+from tgis.shard_api.messages import ShardInfo, StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,9 @@ async def _serve_worker(runner: ModelRunner, tp: TensorParallel, socket_path: st
             loop.call_soon_threadsafe(ended.set)
 
     thread = threading.Thread(target=work, name=f"rank-{tp.rank}", daemon=True)
-    server = ShardServer(WorkerRunner(runner, thread, tp.rank), socket_path, tp.rank)
+    server = ShardServer(
+        WorkerRunner(runner, thread, tp.rank), socket_path, tp.rank, serves_steps=False
+    )
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     thread.start()

@@ -1,24 +1,30 @@
-"""Plain-Python mirrors of the shard protocol messages (``protos/shard.proto``).
+"""The router↔shard contract (``protos/shard.proto``) as plain Python: one face for both sides.
 
-The servicer converts protobuf to these at the edge, so the model runner, the sampler and
-the tests never touch protobuf. They are frozen and picklable: with tensor parallelism,
-rank 0 broadcasts each ``StepPlan`` to the other ranks as is.
+The router builds these and the shard consumes them (and the other way round for
+``StepOutput``); ``codec.py`` is the only place they meet protobuf. The types are frozen and
+picklable: with tensor parallelism rank 0 broadcasts each ``StepPlan`` to the other ranks
+as is. Neither torch nor the router or shard packages are imported here.
+
+Defaults are the "nothing asked" values of the wire (greedy, no penalty, no details), and
+``SamplingParams`` uses the shard's meaning of disabled: ``top_p``/``typical_p`` 1.0,
+``repetition_penalty`` 1.0, ``top_k`` 0.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
 class ModelKind(Enum):
-    """What kind of model the shard serves (mirrors ``shard.proto``'s ``ModelKind``)."""
+    """What kind of model the shard serves (``shard.proto``'s ``ModelKind``)."""
 
     CAUSAL_LM = 0
     SEQ2SEQ_LM = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LengthPenalty:
     """Exponential boost of the EOS score once ``start_index`` tokens have been generated."""
 
@@ -26,7 +32,7 @@ class LengthPenalty:
     decay_factor: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-sequence decoding parameters; the defaults mean greedy with no processing."""
 
@@ -34,9 +40,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = disabled
     top_p: float = 1.0  # 1.0 = disabled
     typical_p: float = 1.0  # 1.0 or <= 0 = disabled
-    seed: int | None = None
+    seed: int | None = None  # the router sets one for every sampled sequence
     repetition_penalty: float = 1.0  # 1.0 = no penalty
-    min_new_tokens: int = 0
+    min_new_tokens: int = 0  # EOS is masked until this many tokens were generated
     length_penalty: LengthPenalty | None = None
 
     @property
@@ -45,7 +51,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DetailOptions:
     """Which token details to compute for a sequence (``TokenDetailOptions``)."""
 
@@ -56,7 +62,7 @@ class DetailOptions:
     generated_tokens: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NewSequence:
     """A sequence announced to the shard, with its whole prompt."""
 
@@ -66,7 +72,7 @@ class NewSequence:
     details: DetailOptions = DetailOptions()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScheduledSequence:
     """One sequence's share of a step: how many tokens to compute, which blocks it gained."""
 
@@ -75,9 +81,14 @@ class ScheduledSequence:
     new_block_ids: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepPlan:
-    """One forward pass, as a diff against the shard's state (``StepRequest``)."""
+    """One forward pass, as a diff against the shard's state (``StepRequest``).
+
+    ``base_step_id`` is the step this one was planned on top of (0: none, e.g. the first
+    step after a Reset); the shard refuses a plan whose base is not the last step it
+    completed, so a step planned before an earlier one failed never runs.
+    """
 
     step_id: int = 0
     new_sequences: tuple[NewSequence, ...] = ()
@@ -85,17 +96,22 @@ class StepPlan:
     finished_request_ids: tuple[int, ...] = ()
     # Kept (tokens, counters, generator) but their blocks dropped: recomputed when resumed.
     preempted_request_ids: tuple[int, ...] = ()
+    base_step_id: int = 0
+
+    @property
+    def has_message(self) -> bool:
+        """Worth sending even without work: the shard must forget or preempt something."""
+        return bool(self.scheduled or self.finished_request_ids or self.preempted_request_ids)
 
 
-@dataclass(frozen=True)
-class TopToken:
+class TopToken(NamedTuple):
     """One of the most likely alternatives at a position."""
 
     token_id: int
     logprob: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TokenDetail:
     """A token and whichever details were asked for (0 / empty when not asked)."""
 
@@ -105,7 +121,7 @@ class TokenDetail:
     top_tokens: tuple[TopToken, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SampledToken:
     """The token sampled for one sequence in a step."""
 
@@ -113,7 +129,7 @@ class SampledToken:
     token: TokenDetail
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class InputTokenDetails:
     """Details of every prompt position of a sequence, sent once when its prompt completes."""
 
@@ -121,7 +137,7 @@ class InputTokenDetails:
     tokens: tuple[TokenDetail, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SequenceError:
     """A sequence that failed on its own; the shard has already forgotten it."""
 
@@ -129,7 +145,7 @@ class SequenceError:
     message: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     """The result of one step (``StepResponse``)."""
 
@@ -140,7 +156,7 @@ class StepOutput:
     forward_time_ns: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShardInfo:
     """Static facts about the loaded model and its KV cache (``InfoResponse``)."""
 
@@ -155,3 +171,19 @@ class ShardInfo:
     dtype: str
     device: str
     attention_backend: str
+    step_channel: str = ""
+    """Unix socket path of the step channel (set by the server that answers Info)."""
+
+    @property
+    def is_seq2seq(self) -> bool:
+        """An encoder-decoder model (it cannot recompute generated tokens)."""
+        return self.model_kind is ModelKind.SEQ2SEQ_LM
+
+
+class StepErrorCode(Enum):
+    """Why a whole Step failed (the gRPC status the shard answers with)."""
+
+    INVALID_PLAN = "invalid_plan"  # INVALID_ARGUMENT: the plan breaks the protocol
+    OUT_OF_MEMORY = "out_of_memory"  # RESOURCE_EXHAUSTED: the device ran out of memory
+    STALE_BASE = "stale_base"  # ABORTED: planned on top of a step that failed
+    INTERNAL = "internal"  # INTERNAL: anything else

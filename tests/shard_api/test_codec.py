@@ -1,0 +1,120 @@
+"""The contract's one Python face survives protobuf both ways, as router and shard use it."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+from tgis.pb import shard_pb2
+from tgis.shard_api.codec import (
+    info_from_pb,
+    info_to_pb,
+    output_from_pb,
+    output_to_pb,
+    plan_from_pb,
+    plan_to_pb,
+)
+from tgis.shard_api.messages import (
+    DetailOptions,
+    InputTokenDetails,
+    LengthPenalty,
+    ModelKind,
+    NewSequence,
+    SampledToken,
+    SamplingParams,
+    ScheduledSequence,
+    SequenceError,
+    ShardInfo,
+    StepOutput,
+    StepPlan,
+    TokenDetail,
+    TopToken,
+)
+
+PLAN = StepPlan(
+    step_id=7,
+    new_sequences=(
+        NewSequence(3, (1, 2, 3)),
+        NewSequence(
+            4,
+            (5,),
+            SamplingParams(
+                temperature=0.5,
+                top_k=5,
+                top_p=0.75,
+                typical_p=0.5,
+                seed=2**63 + 5,
+                repetition_penalty=1.25,
+                min_new_tokens=3,
+                length_penalty=LengthPenalty(2, 1.5),
+            ),
+            DetailOptions(logprobs=True, ranks=True, top_n=2, input_tokens=True),
+        ),
+    ),
+    scheduled=(
+        ScheduledSequence(3, 3, (0,)),
+        ScheduledSequence(4, 1, (1, 2)),
+        ScheduledSequence(1, 1),
+    ),
+    finished_request_ids=(9, 10),
+    preempted_request_ids=(2,),
+    base_step_id=6,
+)
+
+OUTPUT = StepOutput(
+    step_id=7,
+    tokens=(
+        SampledToken(3, TokenDetail(11)),
+        SampledToken(4, TokenDetail(12, -0.5, 2, (TopToken(12, -0.5), TopToken(13, -1.5)))),
+    ),
+    input_tokens=(InputTokenDetails(4, (TokenDetail(5, math.nan), TokenDetail(6, -2.0, 1))),),
+    errors=(SequenceError(5, "the model produced NaN logits"),),
+    forward_time_ns=123456,
+)
+
+
+def test_plan_round_trip() -> None:
+    wire = plan_to_pb(PLAN).SerializeToString()
+    assert plan_from_pb(shard_pb2.StepRequest.FromString(wire)) == PLAN
+
+
+def test_output_round_trip() -> None:
+    back = output_from_pb(
+        shard_pb2.StepResponse.FromString(output_to_pb(OUTPUT).SerializeToString())
+    )
+    first_input = back.input_tokens[0].tokens[0]
+    assert math.isnan(first_input.logprob)  # NaN != NaN: compare the rest separately
+    assert back.input_tokens[0].tokens[1:] == OUTPUT.input_tokens[0].tokens[1:]
+    assert (back.step_id, back.tokens, back.errors, back.forward_time_ns) == (
+        OUTPUT.step_id,
+        OUTPUT.tokens,
+        OUTPUT.errors,
+        OUTPUT.forward_time_ns,
+    )
+
+
+def test_info_round_trip() -> None:
+    info = ShardInfo(
+        model_kind=ModelKind.SEQ2SEQ_LM,
+        eos_token_ids=(1, 2),
+        vocab_size=32000,
+        block_size=16,
+        num_blocks=100,
+        world_size=2,
+        max_position_embeddings=4096,
+        model_type="t5",
+        dtype="bfloat16",
+        device="cuda:0",
+        attention_backend="hf",
+        step_channel="/tmp/x-0.steps",
+    )
+    back = info_from_pb(shard_pb2.InfoResponse.FromString(info_to_pb(info).SerializeToString()))
+    assert back == info and back.is_seq2seq
+
+
+def test_unset_fields_read_as_disabled_and_plans_pickle() -> None:
+    pb = shard_pb2.StepRequest(step_id=1)
+    pb.new_sequences.add(request_id=1, prompt_token_ids=[4]).sampling.temperature = 0.0
+    (seq,) = plan_from_pb(pb).new_sequences
+    assert seq.sampling == SamplingParams() and seq.details == DetailOptions()
+    assert pickle.loads(pickle.dumps(PLAN)) == PLAN  # tensor parallelism broadcasts plans
