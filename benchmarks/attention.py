@@ -107,7 +107,7 @@ def make_inputs(
         slots += [
             table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(ctx - new, ctx)
         ]
-    layout = BatchLayout(
+    layout = BatchLayout.from_lists(
         query_lens=tuple(n for n, _ in shape),
         context_lens=tuple(c for _, c in shape),
         block_tables=tuple(tables),

@@ -54,7 +54,7 @@ def step(
         ks.append(seq["k"][start:end])
         vs.append(seq["v"][start:end])
         slots += [seq["table"][p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
-    layout = BatchLayout(
+    layout = BatchLayout.from_lists(
         query_lens=tuple(e - s for s, e in ranges),
         context_lens=tuple(e for _, e in ranges),
         block_tables=tuple(tuple(s["table"]) for s in seqs),

@@ -2,7 +2,7 @@
 
 The seam for faster kernels: ``select_attention_backend`` is called once at start-up and
 returns an ``AttentionBackend``. Per step, the runner describes the batch with a
-``BatchLayout`` (plain Python), the backend turns it into its own metadata once
+``BatchLayout`` (numpy arrays), the backend turns it into its own metadata once
 (``prepare``), and every layer then calls ``forward``. ``TorchPagedAttention`` is the
 reference: pure torch, runs anywhere, and defines the semantics a flash/paged CUDA backend
 must reproduce.
@@ -13,9 +13,11 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -24,27 +26,52 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """Where each scheduled sequence's new tokens sit in the flattened batch.
+    """A step's scheduled tokens, flattened in work order (numpy, on the host).
 
-    Sequence ``i`` owns rows ``query_starts[i] : query_starts[i] + query_lens[i]``; its new
-    tokens are at absolute positions ``context_lens[i] - query_lens[i]`` onwards, and after
-    the step its cache holds ``context_lens[i]`` tokens. ``slot_mapping[r]`` is the flat KV
-    slot where row ``r``'s key and value are written.
+    Sequence ``i`` owns token rows ``query_starts[i] : query_starts[i] + query_lens[i]``,
+    at absolute positions ``context_lens[i] - query_lens[i]`` onwards; after the step its
+    cache holds ``context_lens[i]`` tokens. ``block_tables[i]`` is its block table (padded
+    with zeros to the longest of the step), ``slot_mapping[r]`` the flat KV slot where row
+    ``r``'s key and value are written.
     """
 
-    query_lens: tuple[int, ...]
-    context_lens: tuple[int, ...]
-    block_tables: tuple[tuple[int, ...], ...]
-    slot_mapping: tuple[int, ...]
+    query_lens: np.ndarray  # [seqs] int64
+    context_lens: np.ndarray  # [seqs]
+    query_starts: np.ndarray  # [seqs]
+    block_tables: np.ndarray  # [seqs, max blocks of the step]
+    slot_mapping: np.ndarray  # [tokens]
+    input_ids: np.ndarray | None = None  # [tokens] (None when only attention is laid out)
+    positions: np.ndarray | None = None  # [tokens]
 
-    @property
-    def query_starts(self) -> tuple[int, ...]:
-        """Row of each sequence's first new token."""
-        starts, total = [], 0
-        for n in self.query_lens:
-            starts.append(total)
-            total += n
-        return tuple(starts)
+    @classmethod
+    def from_lists(
+        cls,
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        slot_mapping: Sequence[int],
+    ) -> BatchLayout:
+        """A layout from plain per-sequence lists (tests and benchmarks)."""
+        lens = np.asarray(query_lens, dtype=np.int64)
+        width = max((len(t) for t in block_tables), default=0)
+        tables = np.zeros((len(block_tables), width), dtype=np.int64)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+        return cls(
+            query_lens=lens,
+            context_lens=np.asarray(context_lens, dtype=np.int64),
+            query_starts=np.cumsum(lens) - lens,
+            block_tables=tables,
+            slot_mapping=np.asarray(slot_mapping, dtype=np.int64),
+        )
+
+    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input ids, positions and KV slots as int64 tensors on ``device`` (one copy)."""
+        assert self.input_ids is not None and self.positions is not None
+        packed = torch.from_numpy(np.stack([self.input_ids, self.positions, self.slot_mapping]))
+        if device.type != "cpu":
+            packed = packed.to(device, non_blocking=True)
+        return packed[0], packed[1], packed[2]
 
 
 class AttentionBackend(Protocol):
@@ -52,8 +79,11 @@ class AttentionBackend(Protocol):
 
     name: str
 
-    def prepare(self, layout: BatchLayout, device: torch.device) -> Any:
-        """Per-step metadata, built once and shared by every layer."""
+    def prepare(
+        self, layout: BatchLayout, device: torch.device, slot_mapping: torch.Tensor | None = None
+    ) -> Any:
+        """Per-step metadata, built once and shared by every layer (``slot_mapping``: the
+        layout's slots already on ``device``, if the caller has them)."""
         ...
 
     def forward(
@@ -75,11 +105,13 @@ class AttentionBackend(Protocol):
 
 @dataclass(frozen=True)
 class _PrefillSeq:
-    start: int
-    length: int
-    context_len: int
-    block_table: torch.Tensor
-    mask: torch.Tensor | None  # None: the query covers the whole context (plain causal)
+    start: int  # first token row
+    length: int  # new tokens
+    context_len: int  # cached tokens after the step
+    # None: a fresh prompt (the context is this step's own keys, plain causal); else the
+    # blocks to gather the context from and the bottom-right causal mask.
+    blocks: torch.Tensor | None
+    mask: torch.Tensor | None
 
 
 @dataclass(frozen=True)
@@ -88,17 +120,18 @@ class TorchPagedMetadata:
 
     slot_mapping: torch.Tensor  # [tokens]
     prefill: tuple[_PrefillSeq, ...]  # sequences with several new tokens, one at a time
-    decode_rows: torch.Tensor | None  # [decodes] rows of the one-token sequences
-    decode_tables: torch.Tensor | None  # [decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size]
+    decode_rows: torch.Tensor | slice | None  # rows of the one-token sequences
+    decode_blocks: torch.Tensor | None  # [decodes * max_blocks] their block tables, flat
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] key visible
 
 
 class TorchPagedAttention:
     """Reference paged attention in pure torch (CPU or GPU).
 
-    One-token (decode) sequences are attended together in one padded SDPA call; sequences
-    with several new tokens (prefill or prompt chunks) one by one, so no memory is spent on
-    padding long prompts.
+    One-token (decode) sequences are attended together in one padded SDPA call over their
+    contexts, gathered block by block (``index_select`` of whole blocks); sequences with
+    several new tokens (prefill or prompt chunks) one by one, so no memory is spent on
+    padding long prompts, and a fresh prompt attends to its own keys without a gather.
     """
 
     name = "torch_paged"
@@ -106,46 +139,46 @@ class TorchPagedAttention:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
-    def prepare(self, layout: BatchLayout, device: torch.device) -> TorchPagedMetadata:
+    def prepare(
+        self, layout: BatchLayout, device: torch.device, slot_mapping: torch.Tensor | None = None
+    ) -> TorchPagedMetadata:
         """Split the batch into decode and prefill groups and build their tensors."""
+        bs = self.block_size
+        lens, ctx_lens, starts = layout.query_lens, layout.context_lens, layout.query_starts
+        if slot_mapping is None:
+            slot_mapping = torch.from_numpy(layout.slot_mapping).to(device)
         prefill: list[_PrefillSeq] = []
-        decode: list[int] = []
-        for i, start in enumerate(layout.query_starts):
-            n, ctx = layout.query_lens[i], layout.context_lens[i]
-            num_blocks = -(-ctx // self.block_size)
-            table = layout.block_tables[i][:num_blocks]
-            if n == 1:
-                decode.append(i)
-                continue
-            mask = None
+        for i in np.flatnonzero(lens > 1).tolist():
+            n, ctx = int(lens[i]), int(ctx_lens[i])
+            blocks = mask = None
             if ctx != n:
+                table = layout.block_tables[i, : -(-ctx // bs)]
+                blocks = torch.from_numpy(np.ascontiguousarray(table)).to(device)
                 key_pos = torch.arange(ctx, device=device)
                 query_pos = torch.arange(ctx - n, ctx, device=device)
                 mask = key_pos[None, :] <= query_pos[:, None]
-            prefill.append(
-                _PrefillSeq(
-                    start, n, ctx, torch.tensor(table, dtype=torch.long, device=device), mask
-                )
-            )
-        decode_rows = decode_tables = decode_mask = None
-        if decode:
-            starts = layout.query_starts
-            max_blocks = max(-(-layout.context_lens[i] // self.block_size) for i in decode)
-            tables = [
-                list(layout.block_tables[i][:max_blocks])
-                + [0] * (max_blocks - len(layout.block_tables[i][:max_blocks]))
-                for i in decode
-            ]
-            decode_rows = torch.tensor([starts[i] for i in decode], dtype=torch.long, device=device)
-            decode_tables = torch.tensor(tables, dtype=torch.long, device=device)
-            ctx_lens = torch.tensor([layout.context_lens[i] for i in decode], device=device)
-            key_pos = torch.arange(max_blocks * self.block_size, device=device)
-            decode_mask = (key_pos[None, :] < ctx_lens[:, None])[:, None, None, :]
+            prefill.append(_PrefillSeq(int(starts[i]), n, ctx, blocks, mask))
+        decode_rows: torch.Tensor | slice | None = None
+        decode_blocks = decode_mask = None
+        decode = np.flatnonzero(lens == 1)
+        if len(decode):
+            count = len(decode)
+            rows = starts[decode]
+            contiguous = int(rows[0]) == 0 and int(rows[-1]) == count - 1
+            decode_rows = slice(0, count) if contiguous else torch.from_numpy(rows).to(device)
+            decode_ctx = ctx_lens[decode]
+            max_blocks = int(-(-decode_ctx.max() // bs))
+            decode_blocks = torch.from_numpy(
+                np.ascontiguousarray(layout.block_tables[decode, :max_blocks]).reshape(-1)
+            ).to(device)
+            key_pos = torch.arange(max_blocks * bs, device=device)
+            visible = key_pos[None, :] < torch.from_numpy(decode_ctx).to(device)[:, None]
+            decode_mask = visible[:, None, None, :]
         return TorchPagedMetadata(
-            slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
+            slot_mapping=slot_mapping,
             prefill=tuple(prefill),
             decode_rows=decode_rows,
-            decode_tables=decode_tables,
+            decode_blocks=decode_blocks,
             decode_mask=decode_mask,
         )
 
@@ -161,41 +194,64 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         """Store ``k``/``v`` in their slots, then attend causally over each sequence's cache
         (softmax scale ``scale``, default 1/sqrt(dim))."""
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, metadata.slot_mapping, k.to(k_cache.dtype))
-        flat_v.index_copy_(0, metadata.slot_mapping, v.to(v_cache.dtype))
+        num_blocks, _, num_kv_heads, head_dim = k_cache.shape
+        k = k.to(k_cache.dtype)
+        v = v.to(v_cache.dtype)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, v)
+        k_blocks = k_cache.view(num_blocks, -1)
+        v_blocks = v_cache.view(num_blocks, -1)
+        decode_rows = metadata.decode_rows
+        if decode_rows is not None and not metadata.prefill and isinstance(decode_rows, slice):
+            return self._decode(q, k_blocks, v_blocks, metadata, scale, k_cache.dtype)
         out = torch.empty_like(q)
         for seq in metadata.prefill:
-            keys = k_cache[seq.block_table].flatten(0, 1)[: seq.context_len]
-            values = v_cache[seq.block_table].flatten(0, 1)[: seq.context_len]
-            queries = q[seq.start : seq.start + seq.length]
+            rows = slice(seq.start, seq.start + seq.length)
+            if seq.blocks is None:
+                keys, values = k[rows], v[rows]
+            else:
+                shape = (-1, num_kv_heads, head_dim)
+                keys = k_blocks.index_select(0, seq.blocks).view(shape)[: seq.context_len]
+                values = v_blocks.index_select(0, seq.blocks).view(shape)[: seq.context_len]
             attn = F.scaled_dot_product_attention(
-                queries.transpose(0, 1).unsqueeze(0),
-                keys.transpose(0, 1).unsqueeze(0),
-                values.transpose(0, 1).unsqueeze(0),
+                q[rows].transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
+                values.transpose(0, 1).unsqueeze(0).to(q.dtype),
                 attn_mask=seq.mask,
                 is_causal=seq.mask is None,
                 scale=scale,
                 enable_gqa=True,
             )
-            out[seq.start : seq.start + seq.length] = attn[0].transpose(0, 1)
-        if metadata.decode_rows is not None:
-            assert metadata.decode_tables is not None
-            keys = k_cache[metadata.decode_tables].flatten(1, 2).transpose(1, 2)
-            values = v_cache[metadata.decode_tables].flatten(1, 2).transpose(1, 2)
-            queries = q[metadata.decode_rows].unsqueeze(2)  # [decodes, heads, 1, dim]
-            attn = F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                attn_mask=metadata.decode_mask,
-                scale=scale,
-                enable_gqa=True,
-            )
-            out[metadata.decode_rows] = attn.squeeze(2)
+            out[rows] = attn[0].transpose(0, 1)
+        if decode_rows is not None:
+            out[decode_rows] = self._decode(q, k_blocks, v_blocks, metadata, scale, k_cache.dtype)
         return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_blocks: torch.Tensor,
+        v_blocks: torch.Tensor,
+        metadata: TorchPagedMetadata,
+        scale: float | None,
+        cache_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The one-token sequences, in one SDPA call over their gathered contexts."""
+        assert metadata.decode_blocks is not None and metadata.decode_rows is not None
+        queries = q[metadata.decode_rows].unsqueeze(2)  # [decodes, heads, 1, dim]
+        count, _, _, head_dim = queries.shape
+        shape = (count, -1, k_blocks.shape[1] // (self.block_size * head_dim), head_dim)
+        keys = k_blocks.index_select(0, metadata.decode_blocks).view(shape).transpose(1, 2)
+        values = v_blocks.index_select(0, metadata.decode_blocks).view(shape).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(
+            queries,
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=metadata.decode_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return attn.squeeze(2)
 
 
 BACKENDS = ("torch_paged", "sdpa_varlen", "flash_varlen")

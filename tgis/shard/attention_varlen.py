@@ -59,14 +59,14 @@ def prepare_varlen(layout: BatchLayout, block_size: int, device: torch.device) -
     slot_parts: list[torch.Tensor] = []
     cu_q, cu_k = [0], [0]
     for n, ctx, table in zip(
-        layout.query_lens, layout.context_lens, layout.block_tables, strict=True
+        layout.query_lens.tolist(), layout.context_lens.tolist(), layout.block_tables, strict=True
     ):
         blocks = torch.tensor(table[: -(-ctx // block_size)])
         slot_parts.append((blocks[:, None] * block_size + offsets).flatten()[:ctx])
         cu_q.append(cu_q[-1] + n)
         cu_k.append(cu_k[-1] + ctx)
     seqs = len(layout.query_lens)
-    max_q, max_k = max(layout.query_lens), max(layout.context_lens)
+    max_q, max_k = int(layout.query_lens.max()), int(layout.context_lens.max())
     total_q = cu_q[-1]
     q_pos = torch.arange(max_q)
     k_pos = torch.arange(max_k)
@@ -115,7 +115,9 @@ class _VarlenBackend:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
-    def prepare(self, layout: BatchLayout, device: torch.device) -> VarlenMetadata:
+    def prepare(
+        self, layout: BatchLayout, device: torch.device, slot_mapping: torch.Tensor | None = None
+    ) -> VarlenMetadata:
         return prepare_varlen(layout, self.block_size, device)
 
     def forward(

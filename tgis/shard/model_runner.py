@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tgis.shard.attention import AttentionBackend, BatchLayout
+from tgis.shard.block_tables import BlockTables, flatten
 from tgis.shard.kv_cache import KVCache
 from tgis.shard.models import CausalLM
 from tgis.shard.runner import SequenceRunner
@@ -49,8 +50,9 @@ class _FlatBatch:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
+    slot_mapping: torch.Tensor
     layout: BatchLayout
-    sample_rows: tuple[int, ...]  # one per sampling WorkItem, in work order
+    sample_rows: torch.Tensor  # [sampling items] last row of each, in work order
     sample_items: tuple[WorkItem, ...]
     # Input-token details: (item, first row, number of rows) per asking sequence.
     detail_spans: tuple[tuple[WorkItem, int, int], ...]
@@ -74,12 +76,21 @@ class ModelRunner(SequenceRunner):
         self.device = device
         self.sequences: dict[int, Sequence] = {}
         self.dropped: set[int] = set()
+        self.block_tables = BlockTables()
         self.limits = PlanLimits(
             vocab_size=info.vocab_size,
             num_blocks=kv_cache.num_blocks,
             block_size=kv_cache.block_size,
             device=device,
         )
+
+    def reset(self) -> None:
+        super().reset()
+        self.block_tables.clear()
+
+    def _forget(self, request_id: int) -> None:
+        super()._forget(request_id)
+        self.block_tables.release(request_id)
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
@@ -90,11 +101,16 @@ class ModelRunner(SequenceRunner):
             self._drop_failed(resolved.errors)
             return StepOutput(step_id=plan.step_id, errors=resolved.errors)
         started = time.perf_counter_ns()
-        batch = self._flatten(resolved.work)
-        metadata = self.attention.prepare(batch.layout, self.device)
-        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, metadata)
-        sampled, errors = self._sample(hidden, batch)
-        input_details = self._input_details(hidden, batch, resolved.work)
+        try:
+            batch = self._flatten(resolved.work)
+            metadata = self.attention.prepare(batch.layout, self.device, batch.slot_mapping)
+            hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, metadata)
+            sampled, errors = self._sample(hidden, batch)
+            input_details = self._input_details(hidden, batch, resolved.work)
+        except BaseException:
+            for seq in resolved.new:  # never registered: give their rows back
+                self.block_tables.release(seq.request_id)
+            raise
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter_ns() - started
@@ -110,38 +126,26 @@ class ModelRunner(SequenceRunner):
         )
 
     def _flatten(self, work: SequenceOf[WorkItem]) -> _FlatBatch:
-        block_size = self.kv_cache.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        layout = flatten(work, self.block_tables, self.kv_cache.block_size)
+        input_ids, positions, slot_mapping = layout.to_device(self.device)
         sample_rows: list[int] = []
         sample_items: list[WorkItem] = []
         detail_spans: list[tuple[WorkItem, int, int]] = []
-        for item in work:
-            row = len(ids)
-            ids.extend(item.seq.token_ids[item.start : item.end])
-            span = range(item.start, item.end)
-            positions.extend(span)
-            table = item.block_table
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+        for item, row in zip(work, layout.query_starts.tolist(), strict=True):
             if item.samples:
                 sample_rows.append(row + item.num_tokens - 1)
                 sample_items.append(item)
-            # Position p's logits score prompt token p + 1.
-            last_scored = min(item.end, item.seq.prompt_len - 1)
-            if item.prompt_details and item.start < last_scored:
-                detail_spans.append((item, row, last_scored - item.start))
-        layout = BatchLayout(
-            query_lens=tuple(item.num_tokens for item in work),
-            context_lens=tuple(item.end for item in work),
-            block_tables=tuple(item.block_table for item in work),
-            slot_mapping=tuple(slots),
-        )
+            if item.prompt_details:
+                # Position p's logits score prompt token p + 1.
+                last_scored = min(item.end, item.seq.prompt_len - 1)
+                if item.start < last_scored:
+                    detail_spans.append((item, row, last_scored - item.start))
         return _FlatBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
             layout=layout,
-            sample_rows=tuple(sample_rows),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             sample_items=tuple(sample_items),
             detail_spans=tuple(detail_spans),
         )
@@ -149,10 +153,9 @@ class ModelRunner(SequenceRunner):
     def _sample(
         self, hidden: torch.Tensor, batch: _FlatBatch
     ) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
-        if not batch.sample_rows:
+        if not batch.sample_items:
             return {}, []
-        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
         return sample_tokens(logits, batch.sample_items, self.info, lambda seq: seq.token_ids)
 
     def _input_details(

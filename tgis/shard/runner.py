@@ -70,7 +70,7 @@ class SequenceRunner:
         sequences and drop the blocks of preempted ones."""
         resolved = resolve_plan(plan, self.sequences, self.limits, self.dropped)
         for rid in resolved.finished:
-            self.sequences.pop(rid, None)
+            self._forget(rid)
             self.dropped.discard(rid)
         for rid in resolved.preempted:
             self.sequences[rid].preempt()
@@ -80,5 +80,9 @@ class SequenceRunner:
         """Forget the sequences that failed on their own this step and remember them until
         the router finishes them (it may schedule them once more before it hears)."""
         for error in errors:
-            self.sequences.pop(error.request_id, None)
+            self._forget(error.request_id)
             self.dropped.add(error.request_id)
+
+    def _forget(self, request_id: int) -> None:
+        """Drop a sequence's state (subclasses drop what they keep about it too)."""
+        self.sequences.pop(request_id, None)

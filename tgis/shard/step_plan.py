@@ -28,9 +28,10 @@ from tgis.shard.sequence import Sequence
 from tgis.shard_api.messages import NewSequence, SamplingParams, SequenceError, StepPlan
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WorkItem:
-    """One scheduled sequence: compute ``token_ids[start:end]`` into ``block_table``.
+    """One scheduled sequence: compute ``token_ids[start:end]``, its block table being the
+    first ``prior_blocks`` blocks it had plus ``new_block_ids``.
 
     Positions are fixed when the plan is resolved, so they stay right while the runner
     commits the step and updates the sequence.
@@ -39,7 +40,8 @@ class WorkItem:
     seq: Sequence
     start: int  # absolute position of the first token computed this step
     end: int  # one past the last position computed (= cached tokens afterwards)
-    block_table: tuple[int, ...]  # the sequence's table with this step's new blocks
+    prior_blocks: int  # blocks of the sequence's table kept (0 when it is resumed)
+    new_block_ids: tuple[int, ...]  # blocks appended to the table before the step runs
     samples: bool  # every known token is computed after this step, so one is sampled
     completes_prompt: bool  # this step computes the prompt's last token
     # Input-token details are wanted for this step's prompt positions: asked for, and the
@@ -51,18 +53,20 @@ class WorkItem:
         cls,
         seq: Sequence,
         num_tokens: int,
-        block_table: tuple[int, ...],
+        new_block_ids: tuple[int, ...] = (),
         start: int | None = None,
     ) -> WorkItem:
         """The work of computing ``seq``'s next ``num_tokens`` tokens from ``start``
-        (default: its computed count; 0 when it is resumed after a preemption)."""
+        (default: its computed count; 0 when it is resumed after a preemption, which also
+        drops its old blocks)."""
         start = seq.num_computed if start is None else start
         end = start + num_tokens
         return cls(
             seq=seq,
             start=start,
             end=end,
-            block_table=block_table,
+            prior_blocks=len(seq.block_table) if start else 0,
+            new_block_ids=new_block_ids,
             samples=end == len(seq.token_ids),
             completes_prompt=start < seq.prompt_len <= end,
             prompt_details=seq.details.input_tokens and seq.num_generated == 0,
@@ -72,6 +76,11 @@ class WorkItem:
     def num_tokens(self) -> int:
         """Tokens computed this step."""
         return self.end - self.start
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        """The sequence's whole block table for this step (a copy: for checks and tests)."""
+        return (*self.seq.block_table[: self.prior_blocks], *self.new_block_ids)
 
 
 @dataclass(frozen=True)
@@ -168,14 +177,14 @@ def resolve_plan(
             raise InvalidStepError(
                 f"request {rid}: block id {bad[0]} out of range (num_blocks {limits.num_blocks})"
             )
-        table = (*(() if restart else seq.block_table), *s.new_block_ids)
+        table_len = (0 if restart else len(seq.block_table)) + len(s.new_block_ids)
         needed = computed + s.num_tokens
-        if len(table) * limits.block_size < needed:
+        if table_len * limits.block_size < needed:
             raise InvalidStepError(
-                f"request {rid}: {len(table)} block(s) cannot hold {needed} tokens "
+                f"request {rid}: {table_len} block(s) cannot hold {needed} tokens "
                 f"(block size {limits.block_size})"
             )
-        work.append(WorkItem.plan(seq, s.num_tokens, table, computed))
+        work.append(WorkItem.plan(seq, s.num_tokens, s.new_block_ids, computed))
     return ResolvedStep(
         finished=tuple(finished),
         preempted=tuple(sorted(preempted)),

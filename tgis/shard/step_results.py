@@ -77,7 +77,7 @@ def commit_step(
     failed = {e.request_id for e in errors}
     for item in resolved.work:
         seq = item.seq
-        seq.block_table = list(item.block_table)
+        seq.block_table[item.prior_blocks :] = item.new_block_ids
         seq.input_details.extend(input_details.get(seq.request_id, ()))
         seq.num_computed = item.end
         detail = sampled.get(seq.request_id)
