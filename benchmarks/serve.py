@@ -48,7 +48,7 @@ Example::
     .venv/bin/python benchmarks/serve.py --target 10.0.0.5:8033 --model-label llama-8b
 
 Arguments after ``--`` are passed to the launcher unchanged (after the script's own
-``--max-batch-size``, so a ``--max-batch-size`` there wins).
+``--max-batch-size`` if given, so a ``--max-batch-size`` there wins).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ STEP_METRICS = (
 
 def launch(args: argparse.Namespace, log_dir: Path) -> LauncherProcess:
     """Start the launcher on free ports with the requested model and flags."""
-    extra = ["--max-batch-size", str(args.max_batch_size)]
+    extra = [] if args.max_batch_size is None else ["--max-batch-size", str(args.max_batch_size)]
     if args.model_name:
         extra += ["--model-name", args.model_name]
     if args.dtype:
@@ -714,8 +714,9 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
-def effective_batch_size(args: argparse.Namespace) -> int:
-    """The launched server's ``--max-batch-size``: the last one given after ``--`` wins."""
+def effective_batch_size(args: argparse.Namespace) -> str:
+    """The launched server's ``--max-batch-size``: the last one given after ``--`` wins;
+    "by capacity" when none is given (the launcher's default)."""
     value = args.max_batch_size
     extra = args.launcher_args
     for i, arg in enumerate(extra):
@@ -723,7 +724,7 @@ def effective_batch_size(args: argparse.Namespace) -> int:
             value = int(extra[i + 1])
         elif arg.startswith("--max-batch-size="):
             value = int(arg.split("=", 1)[1])
-    return int(value)
+    return "by capacity (launcher default)" if value is None else str(value)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -743,7 +744,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     server.add_argument("--model-label", help="model name to print (default: derived)")
     server.add_argument("--dtype", help="--dtype for the launched server (default: its own)")
     server.add_argument(
-        "--max-batch-size", type=int, default=16, help="launched server's batch size (16)"
+        "--max-batch-size",
+        type=int,
+        default=None,
+        help="launched server's batch size (default: the launcher's, by capacity)",
     )
     server.add_argument(
         "--startup-timeout", type=float, default=600.0, help="seconds to wait for /health"

@@ -24,18 +24,28 @@ def test_default_command_lines(model_dir: Path) -> None:
     cfg = resolved(model_dir)
     assert shard_argv("tgs", cfg) == [
         "tgs", "serve", str(model_dir), "hf_transformers",
-        "--max-sequence-length", "256", "--max-new-tokens", "1024", "--max-batch-size", "12",
+        "--max-sequence-length", "256", "--max-new-tokens", "1024",
         "--batch-safety-margin", "20", "--uds-path", "/tmp/text-generation-server",
         "--cuda-process-memory-fraction", "1.0",
     ]  # fmt: skip
     assert router_argv("tgr", cfg, model_dir / "tokenizer.json") == [
         "tgr", "--max-concurrent-requests", "512", "--max-sequence-length", "256",
-        "--max-new-tokens", "1024", "--max-batch-size", "12", "--max-prefill-padding", "0.2",
-        "--max-waiting-tokens", "24", "--port", "3000", "--grpc-port", "8033",
+        "--max-new-tokens", "1024", "--max-prefill-padding", "0.2",
+        "--port", "3000", "--grpc-port", "8033",
         "--master-shard-uds-path", "/tmp/text-generation-server-0",
         "--tokenizer-path", str(model_dir / "tokenizer.json"),
         "--model-name", str(model_dir), "--default-include-stop-seqs",
     ]  # fmt: skip
+
+
+def test_batch_size_and_joining_rule_are_passed_only_when_set(model_dir: Path) -> None:
+    cfg = resolved(model_dir, max_batch_size=12, max_waiting_tokens=24)
+    shard = shard_argv("tgs", cfg)
+    assert shard[shard.index("--max-batch-size") + 1] == "12"
+    router = router_argv("tgr", cfg, model_dir / "tokenizer.json")
+    assert router[router.index("--max-batch-size") + 1] == "12"
+    assert router[router.index("--max-waiting-tokens") + 1] == "24"
+    assert "--waiting-served-ratio" not in router
 
 
 def test_all_optional_arguments(model_dir: Path, tmp_path: Path) -> None:

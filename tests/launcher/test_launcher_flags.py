@@ -34,10 +34,10 @@ def test_defaults_are_tgis_defaults() -> None:
         "max_concurrent_requests": 512,
         "max_sequence_length": None,
         "max_new_tokens": 1024,
-        "max_batch_size": 12,
+        "max_batch_size": None,  # TGIS: 12; by capacity here (README)
         "max_prefill_padding": 0.2,
         "batch_safety_margin": 20,
-        "max_waiting_tokens": 24,
+        "max_waiting_tokens": None,  # TGIS: 24; join at the next step here (README)
         "waiting_served_ratio": None,
         "max_batch_prefill_tokens": None,
         "max_batch_total_tokens": None,

@@ -114,7 +114,7 @@ def test_runs_shards_and_router_then_stops_on_sigterm(
     shard1 = json.loads((out / "shard1.json").read_text())
     assert shard1["argv"] == [
         "serve", str(model_dir), "hf_transformers", "--max-sequence-length", "256",
-        "--max-new-tokens", "1024", "--max-batch-size", "12", "--batch-safety-margin", "20",
+        "--max-new-tokens", "1024", "--batch-safety-margin", "20",
         "--uds-path", str(tmp_path / "sock"), "--cuda-process-memory-fraction", "1.0",
         "--dtype", "float16", "--sharded",
     ]  # fmt: skip

@@ -69,9 +69,18 @@ def test_defaults_change_nothing_tgis_would_accept() -> None:
     assert config.effective_max_batch_prefill_tokens == 4096
     assert (config.max_batch_total_tokens, config.max_client_batch_size) == (None, None)
     assert config.max_input_tokens is None
-    assert (config.max_waiting_tokens, config.waiting_served_ratio) == (24, 1.2)
+    # By capacity and joining at the next step, unless the TGIS flags are set.
+    assert (config.max_batch_size, config.max_waiting_tokens) == (None, None)
+    assert config.waiting_served_ratio is None and config.joining_rule == (0, 0.0)
     limits = scheduler_limits(config, INFO)
     assert kv_capacity_blocks(limits, INFO) == INFO.num_blocks and limits.preemption
+    assert limits.max_batch_size == 256
+
+
+def test_either_joining_flag_brings_the_tgis_rule_with_its_defaults() -> None:
+    assert parse(["--max-waiting-tokens", "10"]).joining_rule == (10, 1.2)
+    assert parse(["--waiting-served-ratio", "0.5"]).joining_rule == (24, 0.5)
+    assert parse([], {"MAX_BATCH_SIZE": "12"}).effective_max_batch_size == 12
 
 
 def test_flags_env_vars_and_aliases() -> None:

@@ -10,7 +10,9 @@ from conftest import TinyModel
 
 from tgis.shard import capacity
 from tgis.shard.capacity import (
+    CPU_KV_CACHE_BYTES,
     MemoryReading,
+    available_memory,
     configured_blocks,
     kv_budget_bytes,
     measure_cuda_blocks,
@@ -26,10 +28,18 @@ GIB = 1 << 30
 
 
 def test_configured_budget_order() -> None:
-    kwargs: dict[str, int | None] = dict(max_batch_size=4, max_sequence_length=100)
+    kwargs: dict[str, int | None] = dict(
+        max_batch_size=4, max_sequence_length=100, bytes_per_block=1024
+    )
     assert configured_blocks(16, max_batch_total_tokens=None, override=None, **kwargs) == 4 * 7  # type: ignore[arg-type]
     assert configured_blocks(16, max_batch_total_tokens=None, override=9, **kwargs) == 9  # type: ignore[arg-type]
     assert configured_blocks(16, max_batch_total_tokens=200, override=9, **kwargs) == 13  # type: ignore[arg-type]
+    # By capacity: 1 GiB (or a quarter of the available memory), at least one sequence.
+    kwargs["max_batch_size"] = None
+    by_capacity = configured_blocks(16, max_batch_total_tokens=None, override=None, **kwargs)  # type: ignore[arg-type]
+    assert by_capacity == min(CPU_KV_CACHE_BYTES, available_memory() // 4) // 1024
+    kwargs["bytes_per_block"] = 1 << 40
+    assert configured_blocks(16, max_batch_total_tokens=None, override=None, **kwargs) == 7  # type: ignore[arg-type]
 
 
 def test_kv_budget_arithmetic() -> None:

@@ -118,7 +118,13 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
     "Default: from the model's config.json, else 2048.",
 )
 @_option("--max-new-tokens", envvar="MAX_NEW_TOKENS", type=int)
-@_option("--max-batch-size", envvar="MAX_BATCH_SIZE", type=int)
+@_option(
+    "--max-batch-size",
+    envvar="MAX_BATCH_SIZE",
+    type=int,
+    help="Most sequences in the running batch. Default: by capacity, as many as the KV "
+    "cache holds (at most 256).",
+)
 @_option("--max-prefill-padding", envvar="MAX_PREFILL_PADDING", type=float)
 @_option(
     "--batch-safety-margin",
@@ -131,14 +137,15 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
     envvar="MAX_WAITING_TOKENS",
     type=int,
     help="Steps after which queued requests join the running batch whatever their number "
-    "(0: at the next step).",
+    "(0: at the next step). Default: unset; with --waiting-served-ratio also unset, queued "
+    "requests join at the next step (chunked prefill bounds their cost), else 24.",
 )
 @_option(
     "--waiting-served-ratio",
     envvar="WAITING_SERVED_RATIO",
     type=float,
     help="Queued requests join a running batch of n sequences at once when at least "
-    "floor(n × ratio) of them can (default 1.2).",
+    "floor(n × ratio) of them can (default 1.2 when --max-waiting-tokens is set).",
 )
 @_option(
     "--max-batch-prefill-tokens",

@@ -44,8 +44,6 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
         str(cfg.max_sequence_length),
         "--max-new-tokens",
         str(flags.max_new_tokens),
-        "--max-batch-size",
-        str(flags.max_batch_size),
         "--batch-safety-margin",
         str(flags.batch_safety_margin),
         "--uds-path",
@@ -53,6 +51,8 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
         "--cuda-process-memory-fraction",
         str(flags.cuda_process_memory_fraction),
     ]
+    if flags.max_batch_size is not None:
+        argv += ["--max-batch-size", str(flags.max_batch_size)]
     prefill = effective_max_batch_prefill_tokens(flags)
     if prefill is not None:
         argv += ["--max-batch-prefill-tokens", str(prefill)]
@@ -108,12 +108,8 @@ def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list
         str(cfg.max_sequence_length),
         "--max-new-tokens",
         str(flags.max_new_tokens),
-        "--max-batch-size",
-        str(flags.max_batch_size),
         "--max-prefill-padding",
         str(flags.max_prefill_padding),
-        "--max-waiting-tokens",
-        str(flags.max_waiting_tokens),
         "--port",
         str(flags.port),
         "--grpc-port",
@@ -125,8 +121,11 @@ def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list
         "--model-name",
         cfg.served_model_name,
     ]
-    # Batching flags TGIS does not have: passed only when set (the router's defaults).
+    # Batching flags: passed only when set, so the router's defaults apply (by capacity,
+    # joining at the next step).
     for flag, value in (
+        ("--max-batch-size", flags.max_batch_size),
+        ("--max-waiting-tokens", flags.max_waiting_tokens),
         ("--max-batch-prefill-tokens", flags.max_batch_prefill_tokens),
         ("--max-batch-total-tokens", flags.max_batch_total_tokens),
         ("--waiting-served-ratio", flags.waiting_served_ratio),

@@ -84,11 +84,11 @@ class LauncherConfig:
     max_concurrent_requests: int = 512
     max_sequence_length: int | None = None
     max_new_tokens: int = 1024
-    max_batch_size: int = 12
+    max_batch_size: int | None = None  # default: by capacity (the KV cache; 256 at most)
     max_prefill_padding: float = 0.2
     batch_safety_margin: int = 20
-    max_waiting_tokens: int = 24
-    waiting_served_ratio: float | None = None  # router default 1.2
+    max_waiting_tokens: int | None = None  # with the ratio unset too: join at the next step
+    waiting_served_ratio: float | None = None  # router default 1.2 when the rule applies
     max_batch_prefill_tokens: int | None = None  # router default 4096 (or the total)
     max_batch_total_tokens: int | None = None  # default: the shard's KV capacity
     max_client_batch_size: int | None = None  # default: no limit
@@ -188,7 +188,7 @@ def validate_limits(flags: LauncherConfig) -> None:
             f"max_sequence_length ({flags.max_sequence_length}) must be at least 2 "
             "(1 input + 1 output)"
         )
-    if flags.max_batch_size < 1:
+    if flags.max_batch_size is not None and flags.max_batch_size < 1:
         raise ConfigError(f"max_batch_size ({flags.max_batch_size}) must be at least 1")
     if not 0.0 <= flags.max_prefill_padding <= 1.0:
         raise ConfigError(

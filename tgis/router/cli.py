@@ -27,21 +27,31 @@ def _default_tokenization_workers() -> int:
     help="Input + output tokens of one request (--max-total-tokens is TGI's name).",
 )
 @click.option("--max-new-tokens", envvar="MAX_NEW_TOKENS", default=1024)
-@click.option("--max-batch-size", envvar="MAX_BATCH_SIZE", default=12)
+@click.option(
+    "--max-batch-size",
+    envvar="MAX_BATCH_SIZE",
+    type=int,
+    default=None,
+    help="Most sequences in the running batch  [default: by capacity, as many as the KV "
+    "cache holds, at most 256]",
+)
 @click.option("--max-prefill-padding", envvar="MAX_PREFILL_PADDING", default=0.2)
 @click.option(
     "--max-waiting-tokens",
     envvar="MAX_WAITING_TOKENS",
-    default=24,
+    type=int,
+    default=None,
     help="Steps after which queued requests join the running batch whatever their number "
-    "(0: at the next step).",
+    "(0: at the next step)  [default: with --waiting-served-ratio also unset, queued "
+    "requests join at the next step (chunked prefill bounds their cost), else 24]",
 )
 @click.option(
     "--waiting-served-ratio",
     envvar="WAITING_SERVED_RATIO",
-    default=1.2,
+    type=float,
+    default=None,
     help="Queued requests join a running batch of n sequences at once when at least "
-    "floor(n × ratio) of them can.",
+    "floor(n × ratio) of them can  [default: 1.2 when --max-waiting-tokens is set]",
 )
 @click.option(
     "--max-batch-prefill-tokens",
@@ -97,10 +107,10 @@ def main(
     max_concurrent_requests: int,
     max_sequence_length: int,
     max_new_tokens: int,
-    max_batch_size: int,
+    max_batch_size: int | None,
     max_prefill_padding: float,
-    max_waiting_tokens: int,
-    waiting_served_ratio: float,
+    max_waiting_tokens: int | None,
+    waiting_served_ratio: float | None,
     max_batch_prefill_tokens: int | None,
     max_batch_total_tokens: int | None,
     max_client_batch_size: int | None,

@@ -6,6 +6,12 @@ import math
 from dataclasses import dataclass
 
 DEFAULT_MAX_BATCH_PREFILL_TOKENS = 4096
+DEFAULT_MAX_BATCH_SIZE = 256
+"""The running batch's ceiling when --max-batch-size is unset (vLLM's max_num_seqs); the KV
+cache is the real limit."""
+DEFAULT_MAX_WAITING_TOKENS = 24
+DEFAULT_WAITING_SERVED_RATIO = 1.2
+"""TGIS's joining rule, applied when either of its flags is set."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,13 +33,15 @@ class RouterConfig:
     """Limit on input + output tokens of one request."""
     max_new_tokens: int = 1024
     """Server limit on max_new_tokens (lowered to max_sequence_length - 1 if not smaller)."""
-    max_batch_size: int = 12
-    """Most sequences in one forward pass."""
+    max_batch_size: int | None = None
+    """Most sequences in one forward pass; None: by capacity (the KV cache, at most
+    DEFAULT_MAX_BATCH_SIZE)."""
     max_prefill_padding: float = 0.2
     """Accepted for compatibility; the paged engine never pads."""
-    max_waiting_tokens: int = 24
-    """Steps after which queued requests join the running batch whatever their number."""
-    waiting_served_ratio: float = 1.2
+    max_waiting_tokens: int | None = None
+    """Steps after which queued requests join the running batch whatever their number. None
+    with waiting_served_ratio None: no joining rule (join at the next step)."""
+    waiting_served_ratio: float | None = None
     """Queued requests join a running batch of n at once when floor(n × ratio) of them can."""
     max_batch_prefill_tokens: int | None = None
     """Prompt tokens computed per step (longer prompts are chunked); None: 4096, or
@@ -55,6 +63,28 @@ class RouterConfig:
     output_special_tokens: bool = False
     default_include_stop_seqs: bool = False
     shard_connect_timeout: float = 60.0
+
+    @property
+    def effective_max_batch_size(self) -> int:
+        return self.max_batch_size or DEFAULT_MAX_BATCH_SIZE
+
+    @property
+    def joining_rule(self) -> tuple[int, float]:
+        """(max_waiting_tokens, waiting_served_ratio) of TGI's rule; (0, 0.0), which admits
+        at the next step, when neither is set."""
+        if self.max_waiting_tokens is None and self.waiting_served_ratio is None:
+            return 0, 0.0
+        waiting = (
+            DEFAULT_MAX_WAITING_TOKENS
+            if self.max_waiting_tokens is None
+            else (self.max_waiting_tokens)
+        )
+        ratio = (
+            DEFAULT_WAITING_SERVED_RATIO
+            if self.waiting_served_ratio is None
+            else (self.waiting_served_ratio)
+        )
+        return waiting, ratio
 
     @property
     def effective_max_new_tokens(self) -> int:
@@ -83,7 +113,7 @@ class RouterConfig:
                 f"max_prefill_padding ({self.max_prefill_padding}) must be a percentage in the "
                 "range [0.0, 1.0]"
             )
-        if self.max_batch_size < 1:
+        if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError("max_batch_size must be > 0")
         check_batching(
             max_sequence_length=self.max_sequence_length,
@@ -99,7 +129,7 @@ class RouterConfig:
 def check_batching(
     *,
     max_sequence_length: int | None,
-    max_waiting_tokens: int,
+    max_waiting_tokens: int | None,
     waiting_served_ratio: float | None,
     max_batch_prefill_tokens: int | None,
     max_batch_total_tokens: int | None,
@@ -108,7 +138,7 @@ def check_batching(
 ) -> None:
     """ValueError (one line) for inconsistent batching settings; shared with the launcher.
     ``max_sequence_length`` None: not known yet (the checks against it are skipped)."""
-    if max_waiting_tokens < 0:
+    if max_waiting_tokens is not None and max_waiting_tokens < 0:
         raise ValueError(f"max_waiting_tokens ({max_waiting_tokens}) must be >= 0")
     if waiting_served_ratio is not None and not 0.0 <= waiting_served_ratio < math.inf:
         raise ValueError(f"waiting_served_ratio ({waiting_served_ratio}) must be >= 0")

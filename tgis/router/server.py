@@ -72,12 +72,13 @@ def _bind(server: grpc.aio.Server, port: int, tls: TlsConfig | None) -> None:
 
 def scheduler_limits(config: RouterConfig, info: ShardInfo) -> SchedulerLimits:
     """The scheduler's budgets from the flags (capacity comes from the shard)."""
+    max_waiting_tokens, waiting_served_ratio = config.joining_rule
     return SchedulerLimits(
-        max_batch_size=config.max_batch_size,
+        max_batch_size=config.effective_max_batch_size,
         max_batch_prefill_tokens=config.effective_max_batch_prefill_tokens,
         max_batch_total_tokens=config.max_batch_total_tokens,
-        max_waiting_tokens=config.max_waiting_tokens,
-        waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=max_waiting_tokens,
+        waiting_served_ratio=waiting_served_ratio,
         preemption=not info.is_seq2seq,
     )
 
@@ -144,7 +145,7 @@ class Router:
         metrics = Metrics(
             max_sequence_length=config.max_sequence_length,
             max_new_tokens=config.effective_max_new_tokens,
-            max_batch_size=config.max_batch_size,
+            max_batch_size=config.effective_max_batch_size,
         )
         engine = Engine(
             shard=self.shard,

@@ -4,7 +4,10 @@ The router admits work by this capacity (and ``--max-batch-total-tokens`` if it 
 so it is measured once at start-up:
 
 * **CPU** — a configured budget: ``--max-batch-total-tokens`` if given, else
-  ``TGIS_KV_CACHE_BLOCKS``, else ``max_batch_size`` sequences of ``max_sequence_length``.
+  ``TGIS_KV_CACHE_BLOCKS``, else ``--max-batch-size`` sequences of ``max_sequence_length``
+  when that flag is set, else (by capacity) ``CPU_KV_CACHE_BYTES`` of memory (1 GiB, or a
+  quarter of the memory available if that is less), and always at least one sequence of
+  ``max_sequence_length``.
 * **GPU** — ``TGIS_KV_CACHE_BLOCKS`` if set (tests, benchmarks); otherwise measured:
   ``warm_up`` runs one prefill of ``--max-batch-prefill-tokens`` tokens (the largest step
   the router will send) with a temporary cache, recording the peak memory of its
@@ -39,20 +42,41 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+CPU_KV_CACHE_BYTES = 1 << 30
+"""The CPU cache by capacity (no --max-batch-size, --max-batch-total-tokens or override)."""
+
+
 def configured_blocks(
     block_size: int,
     *,
-    max_batch_size: int,
+    max_batch_size: int | None,
     max_sequence_length: int,
     max_batch_total_tokens: int | None,
     override: int | None,
+    bytes_per_block: int,
 ) -> int:
     """The CPU budget (see the module docstring)."""
     if max_batch_total_tokens is not None:
         return blocks_for(max_batch_total_tokens, block_size)
     if override is not None:
         return override
-    return max_batch_size * math.ceil(max_sequence_length / block_size)
+    per_sequence = math.ceil(max_sequence_length / block_size)
+    if max_batch_size is not None:
+        return max_batch_size * per_sequence
+    budget = min(CPU_KV_CACHE_BYTES, available_memory() // 4)
+    return max(budget // bytes_per_block, per_sequence)
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo in bytes (CPU_KV_CACHE_BYTES × 4 if unreadable)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 4 * CPU_KV_CACHE_BYTES
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,12 @@ def main() -> None:
 )
 @click.option("--max-sequence-length", type=int, default=2048, show_default=True)
 @click.option("--max-new-tokens", type=int, default=1024, show_default=True)
-@click.option("--max-batch-size", type=int, default=12, show_default=True)
+@click.option(
+    "--max-batch-size",
+    type=int,
+    default=None,
+    help="Sizes the CPU KV cache (that many max-length sequences); default: by capacity.",
+)
 @click.option(
     "--batch-safety-margin",
     type=int,
@@ -71,7 +76,7 @@ def serve(
     dtype: str | None,
     max_sequence_length: int,
     max_new_tokens: int,
-    max_batch_size: int,
+    max_batch_size: int | None,
     batch_safety_margin: int,
     revision: str | None,
     quantize: str | None,

@@ -29,7 +29,7 @@ class ShardConfig:
     dtype: str | None = None  # None: float32 on CPU, the config's dtype on GPU
     max_sequence_length: int = 2048
     max_new_tokens: int = 1024  # the router enforces it; validated only
-    max_batch_size: int = 12
+    max_batch_size: int | None = None  # None: by capacity (capacity.py)
     batch_safety_margin: int = 20  # percent of free GPU memory kept back
     sharded: bool = False
     cuda_process_memory_fraction: float = 1.0
@@ -62,7 +62,7 @@ class ShardConfig:
             ("--max-batch-size", self.max_batch_size),
             ("--max-new-tokens", self.max_new_tokens),
         ):
-            if value < 1:
+            if value is not None and value < 1:
                 raise StartupError(f"{name} must be at least 1")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise StartupError(f"invalid RANK={self.rank} for WORLD_SIZE={self.world_size}")

@@ -7,9 +7,10 @@ engine can batch (recurrent and hybrid caches are refused at start-up) and learn
 shapes.
 
 There is no paging: ``Info`` reports 16-token blocks, enough of them for
-``max_batch_size`` sequences of ``max_sequence_length`` tokens (or
-``--max-batch-total-tokens``, or ``TGIS_KV_CACHE_BLOCKS``), so the router's block
-accounting runs unchanged and bounds the batch the engine has to hold.
+``max_batch_size`` (default ``HF_DEFAULT_BATCH_SIZE``, TGIS's 12: this engine pads)
+sequences of ``max_sequence_length`` tokens (or ``--max-batch-total-tokens``, or
+``TGIS_KV_CACHE_BLOCKS``), so the router's block accounting runs unchanged and bounds the
+batch the engine has to hold.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from tgis.shard_api.messages import ModelKind, ShardInfo
 
 log = logging.getLogger(__name__)
 
+HF_DEFAULT_BATCH_SIZE = 12
+"""Sequences the fallback's capacity is sized for when --max-batch-size is unset."""
+
 BLOCK_SIZE = 16
 ATTENTION_BACKEND = "hf_transformers"
 
@@ -59,10 +63,11 @@ def load_hf_runner(config: ShardConfig, model_dir: Path, model_config: ModelConf
     text_config = hf_config.get_text_config()
     num_blocks = configured_blocks(
         BLOCK_SIZE,
-        max_batch_size=config.max_batch_size,
+        max_batch_size=config.max_batch_size or HF_DEFAULT_BATCH_SIZE,
         max_sequence_length=config.max_sequence_length,
         max_batch_total_tokens=config.max_batch_total_tokens,
         override=config.kv_cache_blocks,
+        bytes_per_block=1,  # unused: the batch size is always set here
     )
     info = ShardInfo(
         model_kind=kind,

@@ -8,8 +8,10 @@ the allocation (which block ids a sequence gets); the shard owns the tensors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 BLOCK_SIZE = 16
@@ -33,20 +35,25 @@ class KVCacheSpec:
 
 
 class KVCache:
-    """Per-layer K and V block tensors."""
+    """Per-layer K and V block tensors, zeroed (masked positions must never hold NaN)."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.k = [
-            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
-        ]
-        self.v = [
-            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
-        ]
+        self.k = [zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
+        self.v = [zeros(shape, spec.dtype, device) for _ in range(spec.num_layers)]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (K, V) block tensors of layer ``index``."""
         return self.k[index], self.v[index]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on the CPU from the operating system's zero pages (numpy's calloc),
+    so a large cache costs memory only as it fills, and start-up does not write it."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -105,6 +105,7 @@ def _kv_cache_blocks(
             max_sequence_length=config.max_sequence_length,
             max_batch_total_tokens=config.max_batch_total_tokens if device.type != "cuda" else None,
             override=config.kv_cache_blocks,
+            bytes_per_block=spec.bytes_per_block,
         )
     measured = measure_cuda_blocks(
         model,
