@@ -1,9 +1,11 @@
-"""Build hook: generate the gRPC stubs from protos/ before packaging (see scripts/gen_protos.py)."""
+"""Build hooks: generate the gRPC stubs from protos/ before packaging (see
+scripts/gen_protos.py), and compile the optional CPU attention kernel (plain C, no torch
+headers; the shard falls back to torch when it could not be built)."""
 
 import runpy
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 
@@ -14,4 +16,11 @@ class BuildWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildWithProtos})
+CPU_ATTENTION = Extension(
+    "tgis.shard._cpu_attention",
+    sources=["tgis/shard/csrc/cpu_attention.c"],
+    extra_compile_args=["-O3", "-fopenmp-simd", "-std=c11"],
+    optional=True,
+)
+
+setup(cmdclass={"build_py": BuildWithProtos}, ext_modules=[CPU_ATTENTION])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import random
 from typing import Any
 
@@ -18,6 +19,7 @@ from tgis.shard.attention import (
 )
 from tgis.shard.attention_varlen import FlashVarlenAttention, SdpaVarlenAttention
 from tgis.shard.config import ShardConfig
+from tgis.shard.cpu_attention import CpuPagedAttention, load_kernel
 from tgis.shard.loader import load_runner
 
 BLOCK, HEADS, KV_HEADS, DIM, NUM_BLOCKS = 16, 4, 2, 8, 32
@@ -108,10 +110,84 @@ def test_flash_varlen_equals_reference_on_gpu() -> None:
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
 
 
+KERNEL = load_kernel()
+needs_kernel = pytest.mark.skipif(
+    KERNEL is None and os.environ.get("CI") != "true",
+    reason="the CPU attention extension was not built (no C compiler at install)",
+)
+
+
+@needs_kernel
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_cpu_paged_equals_reference(scale: float | None) -> None:
+    assert KERNEL is not None, "CI builds the CPU attention extension (make install)"
+    cpu = torch.device("cpu")
+    expected = two_steps(TorchPagedAttention(BLOCK), torch.float32, cpu, scale)
+    got = two_steps(CpuPagedAttention(BLOCK, KERNEL), torch.float32, cpu, scale)
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    # bfloat16 caches are left to the reference: the same result.
+    expected = two_steps(TorchPagedAttention(BLOCK), torch.bfloat16, cpu, scale)
+    got = two_steps(CpuPagedAttention(BLOCK, KERNEL), torch.bfloat16, cpu, scale)
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block", [(8, 2, 64, 16), (4, 4, 128, 4), (6, 1, 32, 1)]
+)
+def test_cpu_paged_decodes_random_batches(heads: int, kv_heads: int, dim: int, block: int) -> None:
+    """Many decoding sequences of random lengths (block boundaries, one token, long) with
+    shuffled tables over a cache full of garbage, against the reference."""
+    assert KERNEL is not None
+    rng = random.Random(heads * 1000 + dim)
+    gen = torch.Generator().manual_seed(dim)
+    lengths = [1, block, block + 1, 2 * block, *(rng.randrange(1, 300) for _ in range(20))]
+    num_blocks = sum(-(-n // block) for n in lengths) + 16
+    shape = (num_blocks, block, kv_heads, dim)
+    caches = [torch.randn(shape, generator=gen) * 3 for _ in "kv"]
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables, slots = [], []
+    for n in lengths:
+        table = [free.pop() for _ in range(-(-n // block))]
+        tables.append(table)
+        slots.append(table[(n - 1) // block] * block + (n - 1) % block)
+    layout = BatchLayout.from_lists([1] * len(lengths), lengths, tables, slots)
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    k = torch.randn(len(lengths), kv_heads, dim, generator=gen)
+    v = torch.randn(len(lengths), kv_heads, dim, generator=gen)
+    outs = []
+    for backend in (TorchPagedAttention(block), CpuPagedAttention(block, KERNEL)):
+        metadata = backend.prepare(layout, torch.device("cpu"))
+        outs.append(backend.forward(q, k, v, *(c.clone() for c in caches), metadata))
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+def test_cpu_kernel_refuses_out_of_range_blocks_and_contexts() -> None:
+    assert KERNEL is not None
+    q = torch.zeros(1, 2, 8)
+    out = torch.empty_like(q)
+    cache = torch.zeros(4, 4, 1, 8)
+    context = torch.tensor([5], dtype=torch.int64)
+    for table, max_context in (([0, 4], 5), ([0, 1], 4)):  # block 4 of 4; context > max
+        tables = torch.tensor([table], dtype=torch.int64)
+        args = (q, cache, cache, out, tables, context)
+        with pytest.raises(ValueError, match=r"out of range|too long"):
+            KERNEL.paged_decode_attention(
+                *(t.data_ptr() for t in args), 1, 2, 1, 8, 4, 2, 4, max_context, 1.0
+            )
+
+
 def test_selection_on_cpu_and_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     for var in ("TGIS_ATTENTION_BACKEND", "FLASH_ATTENTION", "PAGED_ATTENTION"):
         monkeypatch.delenv(var, raising=False)
+    default = "cpu_paged" if KERNEL is not None else "torch_paged"
+    assert select_attention_backend(cpu, BLOCK).name == default
+    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "torch_paged")
     assert select_attention_backend(cpu, BLOCK).name == "torch_paged"
     monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "sdpa_varlen")
     assert select_attention_backend(cpu, BLOCK).name == "sdpa_varlen"
@@ -119,16 +195,17 @@ def test_selection_on_cpu_and_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="TGIS_ATTENTION_BACKEND"):
         select_attention_backend(cpu, BLOCK)
     monkeypatch.delenv("TGIS_ATTENTION_BACKEND")
-    monkeypatch.setenv("FLASH_ATTENTION", "true")  # TGIS's switch: no flash on CPU -> reference
-    assert select_attention_backend(cpu, BLOCK).name == "torch_paged"
+    monkeypatch.setenv("FLASH_ATTENTION", "true")  # TGIS's switch: no flash on CPU
+    assert select_attention_backend(cpu, BLOCK).name == default
 
 
-def test_model_runner_on_sdpa_varlen_matches_hf(
-    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("backend", ["sdpa_varlen", pytest.param("cpu_paged", marks=needs_kernel)])
+def test_model_runner_on_other_backends_matches_hf(
+    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch, backend: str
 ) -> None:
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "sdpa_varlen")
+    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", backend)
     runner = load_runner(ShardConfig(model_name=str(tiny_model.path), kv_cache_blocks=32))
-    assert runner.info.attention_backend == "sdpa_varlen"
+    assert runner.info.attention_backend == backend
     prompts = {1: [5, 6, 7], 2: list(range(10, 39)), 3: [40, 41, 42, 43, 44, 45, 46, 47, 48]}
     router = Router(runner)
     for rid, prompt in prompts.items():

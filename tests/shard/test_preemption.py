@@ -139,18 +139,18 @@ def test_preempted_greedy_and_seeded_sequences_resume_identically(
         assert preempted.runner.sequences.keys() == set(PROMPTS)
 
 
-def test_seeded_output_depends_on_the_kept_generator(
+def test_seeded_output_depends_on_the_kept_seed(
     tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The check above can fail: a resumed sequence with a fresh generator diverges."""
+    """The check above can fail: a resumed sequence with another seed diverges."""
     runner = make("native", tiny_model, monkeypatch)
     reference = drive(make("native", tiny_model, monkeypatch), {2: SEEDED}).generated
     original = Sequence.preempt
 
     def preempt_and_reseed(self: Sequence) -> None:
         original(self)
-        if self.generator is not None:
-            self.generator.manual_seed(999)
+        if self.seed:
+            self.seed = 999
 
     monkeypatch.setattr(Sequence, "preempt", preempt_and_reseed)
     preempted = drive(runner, {2: SEEDED}, Preemption(2, 4, 1, 7)).generated
@@ -217,7 +217,7 @@ def test_preempt_rules(tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch) -
 
 def test_engines_that_cannot_recompute_refuse_to_preempt_generated_sequences() -> None:
     seq = Sequence(1, [5, 6, 7], prompt_len=2, sampling=SamplingParams(), details=DetailOptions(),
-                   generator=None, block_table=[0], num_computed=2)  # fmt: skip
+                   seed=0, block_table=[0], num_computed=2)  # fmt: skip
     limits = PlanLimits(4096, 8, 16, torch.device("cpu"), resumes_generated=False)
     with pytest.raises(InvalidStepError, match="cannot preempt"):
         resolve_plan(StepPlan(preempted_request_ids=(1,)), {1: seq}, limits)

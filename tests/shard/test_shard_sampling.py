@@ -16,7 +16,13 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from tgis.shard.sampling import SamplingBatch, SamplingRow, make_generator, sample
+from tgis.shard.sampling import (
+    SamplingBatch,
+    SamplingRow,
+    exponential_noise,
+    sample,
+    stream_key,
+)
 from tgis.shard.token_details import first_input_detail, token_details
 from tgis.shard_api.messages import DetailOptions, LengthPenalty, SamplingParams
 
@@ -26,15 +32,7 @@ VOCAB = 64
 
 
 def rows_of(*params: SamplingParams, ids=(5, 6, 7), generated: int = 0) -> list[SamplingRow]:
-    return [
-        SamplingRow(
-            p,
-            list(ids),
-            generated,
-            None if p.is_greedy else make_generator(p.seed if p.seed is not None else 0, CPU),
-        )
-        for p in params
-    ]
+    return [SamplingRow(p, list(ids), generated, p.seed or 0) for p in params]
 
 
 def run(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,12 +45,45 @@ def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
     def draws(seed: int) -> list[int]:
-        row = rows_of(SamplingParams(temperature=1.0, seed=seed))
-        return [int(run(torch.zeros(1, VOCAB), row)[0][0]) for _ in range(20)]
+        """The first 20 draws of a sequence: one per generated-token count."""
+        return [
+            int(
+                run(torch.zeros(1, VOCAB), rows_of(SamplingParams(1.0, seed=seed), generated=n))[0][
+                    0
+                ]
+            )
+            for n in range(20)
+        ]
 
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
     assert len(set(draws(7))) > 5  # a uniform distribution really is sampled
+    # A draw depends only on (seed, tokens generated): the same alone or in any batch.
+    batch = rows_of(*(SamplingParams(1.0, seed=s) for s in (8, 7, 9)), generated=4)
+    assert int(run(torch.zeros(3, VOCAB), batch)[0][1]) == draws(7)[4]
+
+
+def test_sampling_follows_the_distribution() -> None:
+    """The counter-based noise draws each token with its softmax probability."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * (VOCAB - 4)])
+    expected = logits.softmax(-1)[0, :4]
+    draws = 4000
+    counts = torch.zeros(4)
+    for n in range(draws):
+        (token,), _ = run(logits, rows_of(SamplingParams(1.0, seed=12345), generated=n))
+        counts[int(token)] += 1
+    # Within 4 standard deviations of a multinomial count.
+    std = (draws * expected * (1 - expected)).sqrt()
+    assert ((counts - draws * expected).abs() <= 4 * std + 1).all(), (counts, draws * expected)
+
+
+def test_exponential_noise_is_a_fixed_function_of_key_and_index() -> None:
+    keys = torch.tensor([stream_key(3, 0), stream_key(3, 1), stream_key(2**40 + 3, 0)])
+    noise = exponential_noise(keys, 50_000)
+    assert noise.shape == (3, 50_000) and (noise > 0).all() and torch.isfinite(noise).all()
+    assert torch.equal(noise[:1], exponential_noise(keys[:1], 50_000))
+    assert len({tuple(row[:8].tolist()) for row in noise}) == 3  # keys differ, streams differ
+    assert abs(float(noise.mean()) - 1.0) < 0.02  # Exp(1) has mean 1
 
 
 def test_sampled_row_does_not_disturb_greedy_row() -> None:

@@ -81,7 +81,9 @@ def test_info_and_health(served: ShardServer, tiny_model: TinyModel) -> None:
     assert (info.block_size, info.num_blocks, info.world_size) == (16, 64, 1)
     assert info.max_position_embeddings == 512
     assert (info.model_type, info.dtype, info.device) == ("llama", "float32", "cpu")
-    assert info.attention_backend == "torch_paged"
+    assert info.attention_backend == served.runner.info.attention_backend
+    assert info.attention_backend in ("cpu_paged", "torch_paged")  # the CPU default
+    assert info.step_channel == f"{served.socket_path}.steps"
     stub.Health(shard_pb2.HealthRequest(), timeout=10)
 
 

@@ -254,7 +254,7 @@ class TorchPagedAttention:
         return attn.squeeze(2)
 
 
-BACKENDS = ("torch_paged", "sdpa_varlen", "flash_varlen")
+BACKENDS = ("torch_paged", "cpu_paged", "sdpa_varlen", "flash_varlen")
 
 
 def _env_true(name: str) -> bool:
@@ -267,11 +267,13 @@ def select_attention_backend(device: torch.device, block_size: int) -> Attention
     ``TGIS_ATTENTION_BACKEND`` (one of ``BACKENDS``) forces a choice. Otherwise: on CUDA,
     flash-attn's varlen kernel when the package is installed, else the reference (whose
     prefills use PyTorch's causal SDPA kernels and whose decodes share one SDPA call); on
-    CPU the reference, which BENCHMARKS.md measures faster there than the padded
-    ``sdpa_varlen``. TGIS's ``FLASH_ATTENTION=true`` asks for flash-attn (a warning when it
-    is missing); ``PAGED_ATTENTION`` needs nothing: the KV cache is always paged.
+    CPU ``cpu_paged`` (the reference with its decodes in a C kernel that reads the paged
+    cache in place, BENCHMARKS.md) when the extension was built, else the reference.
+    TGIS's ``FLASH_ATTENTION=true`` asks for flash-attn (a warning when it is missing);
+    ``PAGED_ATTENTION`` needs nothing: the KV cache is always paged.
     """
     from tgis.shard.attention_varlen import FlashVarlenAttention, SdpaVarlenAttention
+    from tgis.shard.cpu_attention import CpuPagedAttention, load_kernel
 
     choice = os.environ.get("TGIS_ATTENTION_BACKEND", "").strip().lower()
     if choice and choice not in BACKENDS:
@@ -281,6 +283,16 @@ def select_attention_backend(device: torch.device, block_size: int) -> Attention
         if _env_true("FLASH_ATTENTION") and not has_flash:
             log.warning("FLASH_ATTENTION=true but flash-attn is not installed")
         choice = "flash_varlen" if has_flash else "torch_paged"
+    kernel = load_kernel() if device.type == "cpu" else None
+    if not choice:
+        choice = "cpu_paged" if kernel is not None else "torch_paged"
+    if choice == "cpu_paged":
+        if kernel is None:
+            raise ValueError(
+                "TGIS_ATTENTION_BACKEND=cpu_paged needs the CPU kernel (built by pip install "
+                "with a C compiler) and a CPU device"
+            )
+        return CpuPagedAttention(block_size, kernel)
     if choice == "flash_varlen":
         return FlashVarlenAttention(block_size)
     if choice == "sdpa_varlen":

@@ -32,7 +32,7 @@ import torch
 from tgis.shard.attention import AttentionBackend
 from tgis.shard.errors import StartupError
 from tgis.shard.kv_cache import KVCache, KVCacheSpec
-from tgis.shard.model_runner import ModelRunner
+from tgis.shard.model_runner import ForwardFn, ModelRunner
 from tgis.shard.models import CausalLM
 from tgis.shard_api.messages import NewSequence, ScheduledSequence, ShardInfo, StepPlan
 
@@ -130,10 +130,13 @@ def warm_up(
     device: torch.device,
     plan: StepPlan,
     num_blocks: int,
+    forward: ForwardFn | None = None,
 ) -> None:
     """Run ``plan`` through a throw-away runner and cache of ``num_blocks`` blocks."""
     cache = KVCache(spec, num_blocks, device)
-    runner = ModelRunner(model, cache, attention, replace(info, num_blocks=num_blocks), device)
+    runner = ModelRunner(
+        model, cache, attention, replace(info, num_blocks=num_blocks), device, forward
+    )
     runner.step(plan)
     del runner, cache
     gc.collect()
@@ -150,6 +153,7 @@ def measure_cuda_blocks(
     max_sequence_length: int,
     memory_fraction: float,
     safety_margin: int,
+    forward: ForwardFn | None = None,
 ) -> int:
     """The GPU measurement (see the module docstring)."""
     plan, warm_blocks = warmup_plan(
@@ -159,7 +163,7 @@ def measure_cuda_blocks(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        warm_up(model, spec, attention, info, device, plan, warm_blocks)
+        warm_up(model, spec, attention, info, device, plan, warm_blocks, forward)
     except torch.cuda.OutOfMemoryError as e:
         raise StartupError(
             f"out of GPU memory in the warm-up prefill of --max-batch-prefill-tokens "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 
 import torch
@@ -10,14 +11,16 @@ import torch
 from tgis.model_files import resolve_model_dir
 from tgis.shard.attention import AttentionBackend, select_attention_backend
 from tgis.shard.capacity import blocks_for, check_fits, configured_blocks, measure_cuda_blocks
+from tgis.shard.compiled import CompiledForward, compile_mode, should_compile
 from tgis.shard.config import ShardConfig
 from tgis.shard.device import dtype_name, select_device, select_dtype
 from tgis.shard.engines import select_engine
 from tgis.shard.errors import StartupError
 from tgis.shard.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.model_config import ModelConfig
-from tgis.shard.model_runner import ModelRunner
+from tgis.shard.model_runner import ForwardFn, ModelRunner
 from tgis.shard.models import CausalLM, model_class
+from tgis.shard.models.layers import DecoderLM
 from tgis.shard.parallel.distributed import min_over_ranks
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 from tgis.shard.runner import Runner
@@ -72,7 +75,10 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         device=str(device),
         attention_backend=attention.name,
     )
-    num_blocks = min_over_ranks(tp, _kv_cache_blocks(config, model, spec, attention, info, device))
+    forward = _forward(model, tp, device)
+    num_blocks = min_over_ranks(
+        tp, _kv_cache_blocks(config, model, spec, attention, info, device, forward)
+    )
     kv_cache = KVCache(spec, num_blocks, device)
     info = replace(info, num_blocks=num_blocks)
     log.info(
@@ -85,7 +91,32 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         num_blocks,
         spec.block_size,
     )
-    return ModelRunner(model, kv_cache, attention, info, device)
+    runner = ModelRunner(model, kv_cache, attention, info, device, forward)
+    if isinstance(forward, CompiledForward):
+        started = time.monotonic()
+        try:
+            runner.warm_up()
+        except Exception as e:
+            if compile_mode() == "on":
+                raise StartupError(f"compiling the step failed (TGIS_COMPILE=1): {e}") from e
+            log.warning("Compiling the step failed, running it eagerly: %s", e)
+            runner.forward = model.forward
+        else:
+            log.info("Compiled the step in %.1f s", time.monotonic() - started)
+    return runner
+
+
+def _forward(model: CausalLM, tp: TensorParallel, device: torch.device) -> ForwardFn:
+    """The compiled forward (``compiled.py``: on CUDA, or with ``TGIS_COMPILE=1``), else the
+    eager one; tensor parallelism always runs eagerly (its collectives are outside graphs)."""
+    try:
+        compiled = should_compile(device)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+    if compiled and isinstance(model, DecoderLM) and not tp.is_parallel:
+        return CompiledForward(model)
+    log.info("The step runs eagerly (TGIS_COMPILE=%s)", compile_mode())
+    return model.forward
 
 
 def _kv_cache_blocks(
@@ -95,6 +126,7 @@ def _kv_cache_blocks(
     attention: AttentionBackend,
     info: ShardInfo,
     device: torch.device,
+    forward: ForwardFn,
 ) -> int:
     """This rank's KV capacity in blocks (``capacity`` explains the rules)."""
     block_size = spec.block_size
@@ -113,6 +145,7 @@ def _kv_cache_blocks(
         attention,
         info,
         device,
+        forward=forward,
         max_prefill_tokens=config.max_batch_prefill_tokens,
         max_sequence_length=config.max_sequence_length,
         memory_fraction=config.cuda_process_memory_fraction,

@@ -10,15 +10,16 @@
    sequences that asked for input-token details also get logits at their prompt positions;
 4. only then is the state committed (new registered, block tables, computed counts and
    tokens updated), so a step that raises changes nothing but the forgetting of finished
-   sequences, the preemptions (applied first, with the forgetting) and the generators'
-   state.
+   sequences and the preemptions (applied first, with the forgetting).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,13 +33,18 @@ from tgis.shard.step_plan import PlanLimits, WorkItem
 from tgis.shard.step_results import commit_step, sample_tokens
 from tgis.shard.token_details import first_input_detail, token_details
 from tgis.shard_api.messages import (
+    NewSequence,
     SampledToken,
+    ScheduledSequence,
     SequenceError,
     ShardInfo,
     StepOutput,
     StepPlan,
     TokenDetail,
 )
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, KVCache, Any], torch.Tensor]
+"""``forward(input_ids, positions, kv_cache, attention metadata)`` → final hidden states."""
 
 # Prompt positions whose logits are materialised at once for input-token details.
 INPUT_DETAIL_ROWS = 256
@@ -68,8 +74,11 @@ class ModelRunner(SequenceRunner):
         attention: AttentionBackend,
         info: ShardInfo,
         device: torch.device,
+        forward: ForwardFn | None = None,
     ) -> None:
         self.model = model
+        # The model's forward: eager (the reference), or compiled.CompiledForward.
+        self.forward: ForwardFn = forward or model.forward
         self.kv_cache = kv_cache
         self.attention = attention
         self.info = info
@@ -88,6 +97,16 @@ class ModelRunner(SequenceRunner):
         super().reset()
         self.block_tables.clear()
 
+    def warm_up(self) -> None:
+        """Run a prompt and a decode step through the forward (compiling it, if it is
+        compiled) and forget them."""
+        prompt = tuple(range(3, 3 + min(4, self.kv_cache.block_size)))
+        self.step(
+            StepPlan(1, (NewSequence(1, prompt),), (ScheduledSequence(1, len(prompt), (0,)),))
+        )
+        self.step(StepPlan(2, (), (ScheduledSequence(1, 1),)))
+        self.reset()
+
     def _forget(self, request_id: int) -> None:
         super()._forget(request_id)
         self.block_tables.release(request_id)
@@ -104,7 +123,7 @@ class ModelRunner(SequenceRunner):
         try:
             batch = self._flatten(resolved.work)
             metadata = self.attention.prepare(batch.layout, self.device, batch.slot_mapping)
-            hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_cache, metadata)
+            hidden = self.forward(batch.input_ids, batch.positions, self.kv_cache, metadata)
             sampled, errors = self._sample(hidden, batch)
             input_details = self._input_details(hidden, batch, resolved.work)
         except BaseException:

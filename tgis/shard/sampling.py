@@ -7,16 +7,23 @@ The logits of each row go through, in this order (TGIS's ``HeterogeneousNextToke
    with ``k = generated - start_index`` when ``k > 0``.
 3. repetition penalty over the prompt and generated ids: ``x * p`` if ``x < 0`` else ``x / p``.
 4. only if some row samples: temperature, top-k, top-p, typical-p (greedy rows untouched).
-5. greedy rows take the argmax (lowest id on ties); sampled rows draw from the softmax with
-   their own seeded ``torch.Generator`` (exponential race: ``argmax(p / Exp(1))``).
+5. greedy rows take the argmax (lowest id on ties); sampled rows draw from the softmax by an
+   exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)`` per vocabulary entry.
+
+The random numbers are counter-based: the noise of a row is a fixed function of the
+sequence's seed, the number of tokens it has generated and the vocabulary index (an integer
+hash, ``exponential_noise``). So a seeded sequence draws the same tokens alone, in any batch
+and after a preemption, needs no generator object, and the whole batch's noise is one
+vectorised computation. A batch with only plain greedy rows (no processing at all) is
+``SamplingBatch.plain`` and takes the argmax directly.
 
 The processed scores are returned too: token details (logprobs, ranks, top-n) are computed
-from them. Building the parameter tensors loops over rows; the processing itself does not,
-except that each sampled row draws its noise from its own generator.
+from them. Building the parameter tensors loops over rows; the processing does not.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,12 +36,12 @@ NEG_INF = float("-inf")
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """One row's inputs: its parameters, generator and the ids it has seen so far."""
+    """One row's inputs: its parameters, seed and the ids it has seen so far."""
 
     params: SamplingParams
     token_ids: Sequence[int]  # prompt + generated so far
     num_generated: int
-    generator: torch.Generator | None = None  # required when params samples
+    seed: int = 0  # the sequence's random stream (sampled rows)
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,7 @@ class _Penalties:
 @dataclass(frozen=True)
 class _Warpers:
     sample_rows: torch.Tensor  # [S] rows that sample
-    generators: tuple[torch.Generator, ...]  # one per sampled row
+    stream_keys: torch.Tensor  # [S] int64: each sampled row's (seed, step) key
     temperature: torch.Tensor | None  # [B, 1], 1.0 for rows that do not scale
     top_k: tuple[int, ...] | None  # per row, 0 = disabled
     top_p: torch.Tensor | None  # [B, 1], 1.0 = disabled
@@ -72,6 +79,13 @@ class SamplingBatch:
         self.eos_boost = self._eos_boost(rows, device)
         self.penalties = self._penalties(rows, device)
         self.warpers = self._warpers(rows, device)
+        self.plain = (
+            self.warpers is None
+            and self.penalties is None
+            and self.eos_boost is None
+            and (self.min_tokens_mask is None or self.eos_ids is None)
+        )
+        """Greedy rows only, nothing to process: the scores are the logits."""
 
     @staticmethod
     def _min_tokens_mask(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor | None:
@@ -117,12 +131,7 @@ class SamplingBatch:
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not sampled:
             return None
-        generators = []
-        for i in sampled:
-            generator = rows[i].generator
-            if generator is None:
-                raise ValueError("a sampled row needs a generator")
-            generators.append(generator)
+        keys = [stream_key(rows[i].seed, rows[i].num_generated) for i in sampled]
         # Greedy rows get the neutral value of every warper, so their scores are unchanged.
         params = [r.params if not r.params.is_greedy else SamplingParams() for r in rows]
         temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
@@ -137,7 +146,7 @@ class SamplingBatch:
 
         return _Warpers(
             sample_rows=torch.tensor(sampled, dtype=torch.long, device=device),
-            generators=tuple(generators),
+            stream_keys=torch.tensor(keys, dtype=torch.long, device=device),
             temperature=column(temperature),
             top_k=top_k if any(top_k) else None,
             top_p=column(top_p),
@@ -212,27 +221,69 @@ def choose_tokens(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if warpers is None:
         return tokens
     probs = scores[warpers.sample_rows].softmax(dim=-1)
-    noise = torch.stack(
-        [
-            torch.empty(scores.shape[-1], device=scores.device).exponential_(1.0, generator=g)
-            for g in warpers.generators
-        ]
-    )
+    noise = exponential_noise(warpers.stream_keys, scores.shape[-1])
     tokens[warpers.sample_rows] = (probs / noise).argmax(dim=-1)
     return tokens
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Process ``logits`` and choose one token per row → (token ids, processed scores)."""
+    """Process ``logits`` and choose one token per row → (token ids, processed scores);
+    a plain batch's scores are ``logits`` themselves."""
+    if batch.plain:
+        return logits.argmax(dim=-1), logits
     scores = process_logits(logits, batch)
     return choose_tokens(scores, batch), scores
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A per-sequence generator on ``device``, seeded with ``seed`` (random if None)."""
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+# ---- counter-based random numbers ------------------------------------------------------------
+#
+# A 32-bit integer hash (xor-shift and multiply rounds). Every product stays below 2**63
+# (32-bit values times constants below 2**31), so the same arithmetic is exact in Python
+# ints and in int64 tensors on any device.
+
+_MASK = 0xFFFFFFFF
+_M1 = 0x7FEB352D
+_M2 = 0x2C1B3C6D
+
+
+def _mix(x: int) -> int:
+    x ^= x >> 16
+    x = (x * _M1) & _MASK
+    x ^= x >> 15
+    x = (x * _M2) & _MASK
+    return x ^ (x >> 16)
+
+
+def _mix_tensor(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * _M1) & _MASK
+    x = x ^ (x >> 15)
+    x = (x * _M2) & _MASK
+    return x ^ (x >> 16)
+
+
+def stream_key(seed: int, step: int) -> int:
+    """The 32-bit key of a sequence's ``step``-th draw (``seed``: any non-negative int)."""
+    key = _mix(seed & _MASK)
+    key = _mix(key ^ ((seed >> 32) & _MASK))
+    return _mix(key ^ (step & _MASK))
+
+
+_VOCAB_HASH: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``Exp(1)`` noise [rows, vocab] (float32): a fixed function of each row's key and the
+    vocabulary index, on the keys' device."""
+    cached = _VOCAB_HASH.get((vocab, keys.device))
+    if cached is None:
+        index = torch.arange(vocab, dtype=torch.long, device=keys.device)
+        cached = _VOCAB_HASH[(vocab, keys.device)] = _mix_tensor(_mix_tensor(index) ^ 0x9E3779B9)
+    bits = _mix_tensor(keys[:, None] ^ cached[None, :])
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -torch.log(uniform)
+
+
+def random_seed() -> int:
+    """A seed for a sampled sequence that came without one."""
+    return random.getrandbits(63)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from tgis.shard_api.messages import DetailOptions, SamplingParams, TokenDetail
 
 
@@ -23,7 +21,7 @@ class Sequence:
     prompt_len: int
     sampling: SamplingParams
     details: DetailOptions
-    generator: torch.Generator | None
+    seed: int  # the random stream of a sampled sequence (sampling.stream_key)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
     # Prompt-token details gathered chunk by chunk until the prompt completes.
@@ -36,7 +34,7 @@ class Sequence:
 
     def preempt(self) -> None:
         """Drop the block table and the computed count (the router gave the blocks away);
-        token ids, counters and the generator stay, so a recompute resumes the sequence."""
+        token ids, counters and the seed stay, so a recompute resumes the sequence."""
         self.block_table = []
         self.num_computed = 0
         self.input_details = []

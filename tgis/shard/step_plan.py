@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.sampling import make_generator
+from tgis.shard.sampling import random_seed
 from tgis.shard.sequence import Sequence
 from tgis.shard_api.messages import NewSequence, SamplingParams, SequenceError, StepPlan
 
@@ -146,9 +146,9 @@ def resolve_plan(
             prompt_len=len(ns.prompt_token_ids),
             sampling=ns.sampling,
             details=ns.details,
-            generator=None
+            seed=0
             if ns.sampling.is_greedy
-            else make_generator(ns.sampling.seed, limits.device),
+            else (random_seed() if ns.sampling.seed is None else ns.sampling.seed),
         )
     work: list[WorkItem] = []
     seen: set[int] = set()

@@ -27,39 +27,42 @@ def sample_tokens(
 ) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
     """One token (with its requested details) per row of ``logits`` / item of ``items``.
 
-    ``history`` gives the ids the repetition penalty considers for a sequence.
+    ``history`` gives the ids the repetition penalty considers for a sequence. A row whose
+    logits hold a NaN fails on its own (its choice is NaN: the argmax of a row with a NaN
+    is the NaN, and its softmax is NaN throughout).
     """
     items = list(items)
-    errors: list[SequenceError] = []
-    bad = torch.isnan(logits).any(dim=-1).tolist()
-    if any(bad):
-        errors = [
-            SequenceError(item.seq.request_id, "the model produced NaN logits")
-            for item, b in zip(items, bad, strict=True)
-            if b
-        ]
-        keep = [i for i, b in enumerate(bad) if not b]
-        items = [items[i] for i in keep]
-        logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-        if not items:
-            return {}, errors
     rows = [
         SamplingRow(
             params=item.seq.sampling,
-            token_ids=history(item.seq),
+            token_ids=history(item.seq) if item.seq.sampling.repetition_penalty != 1.0 else (),
             num_generated=item.seq.num_generated,
-            generator=item.seq.generator,
+            seed=item.seq.seed,
         )
         for item in items
     ]
     batch = SamplingBatch(rows, info.eos_token_ids, info.vocab_size, logits.device)
     tokens, scores = sample(logits, batch)
-    details = token_details(
-        scores,
-        tokens,
-        [item.seq.details if item.seq.details.generated_tokens else None for item in items],
-    )
-    return {item.seq.request_id: d for item, d in zip(items, details, strict=True)}, errors
+    nan = torch.isnan(scores.gather(1, tokens[:, None])[:, 0])
+    if batch.warpers is not None:  # a sampled row with a NaN can draw a non-NaN score
+        nan[batch.warpers.sample_rows] |= torch.isnan(logits[batch.warpers.sample_rows]).any(-1)
+    errors: list[SequenceError] = []
+    if bool(nan.any()):
+        bad = nan.tolist()
+        errors = [
+            SequenceError(item.seq.request_id, "the model produced NaN logits")
+            for item, b in zip(items, bad, strict=True)
+            if b
+        ]
+    wanted = [item.seq.details if item.seq.details.generated_tokens else None for item in items]
+    details = token_details(scores, tokens, wanted)
+    failed = {e.request_id for e in errors}
+    sampled = {
+        item.seq.request_id: d
+        for item, d in zip(items, details, strict=True)
+        if item.seq.request_id not in failed
+    }
+    return sampled, errors
 
 
 def commit_step(

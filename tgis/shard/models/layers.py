@@ -186,14 +186,29 @@ def fused_qkv_linear(weights: Weights, prefix: str, heads: Heads, bias: bool) ->
     return ColumnLinear(weights.get_row_ranges(name, ranges), b)
 
 
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
+"""``attend(layer, q, k, v, scale)``: store ``k``/``v`` in layer ``layer``'s cache and attend
+(q [tokens, heads, dim], k/v [tokens, kv_heads, dim] → like q)."""
+
+
 @dataclass(frozen=True)
 class StepContext:
     """What every layer needs, besides its input, for one forward pass."""
 
-    backend: AttentionBackend
-    kv_cache: KVCache
-    metadata: Any
+    attend: AttendFn
     rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin; None: no rotary embedding
+
+
+def paged_attend(backend: AttentionBackend, kv_cache: KVCache, metadata: Any) -> AttendFn:
+    """The eager ``attend`` of one step: the backend over the paged cache."""
+
+    def attend(
+        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache.layer(layer)
+        return backend.forward(q, k, v, k_cache, v_cache, metadata, scale=scale)
+
+    return attend
 
 
 class Attention:
@@ -224,8 +239,7 @@ class Attention:
         v = v.view(tokens, h.num_kv_heads, h.head_dim)
         if ctx.rope is not None:
             q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
-        k_cache, v_cache = ctx.kv_cache.layer(self.index)
-        attn = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.metadata, scale=self.scale)
+        attn = ctx.attend(self.index, q, k, v, self.scale)
         return self.out(attn.reshape(tokens, h.q_size))
 
 
@@ -319,10 +333,18 @@ class DecoderLM:
         kv_cache: KVCache,
         attn_metadata: Any,
     ) -> torch.Tensor:
-        """Final (normed) hidden states [tokens, hidden] for flattened ``input_ids``."""
+        """Final (normed) hidden states [tokens, hidden] for flattened ``input_ids``, eagerly
+        (``compiled.CompiledForward`` runs ``hidden_states`` compiled instead)."""
+        attend = paged_attend(self.attention, kv_cache, attn_metadata)
+        return self.hidden_states(input_ids, positions, attend)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor:
+        """Embed, every layer (attending through ``attend``), final norm."""
         x = self.embed_tokens(input_ids, positions)
         rope = None if self.rotary is None else self.rotary.cos_sin(positions, x.dtype)
-        ctx = StepContext(self.attention, kv_cache, attn_metadata, rope)
+        ctx = StepContext(attend, rope)
         for layer in self.layers:
             x = layer.forward(x, ctx)
         return self.final_norm(x)
