@@ -67,6 +67,7 @@ def test_defaults_change_nothing_tgis_would_accept() -> None:
     config = parse([])
     assert config.max_batch_prefill_tokens is None
     assert config.effective_max_batch_prefill_tokens == 4096
+    assert config.prefill_budget(on_cpu=True) == 512
     assert (config.max_batch_total_tokens, config.max_client_batch_size) == (None, None)
     assert config.max_input_tokens is None
     # By capacity and joining at the next step, unless the TGIS flags are set.
@@ -97,8 +98,10 @@ def test_flags_env_vars_and_aliases() -> None:
     assert (config.max_batch_prefill_tokens, config.max_sequence_length) == (64, 100)
     assert config.max_waiting_tokens == 0
     config = parse(["--max-sequence-length", "512", "--max-batch-total-tokens", "1000"])
-    limits = scheduler_limits(config, INFO)
+    gpu = replace(INFO, device="cuda:0")
+    limits = scheduler_limits(config, gpu)
     assert limits.max_batch_prefill_tokens == 1000  # the default is lowered to the total
+    assert scheduler_limits(config, INFO).max_batch_prefill_tokens == 512  # the CPU default
     assert kv_capacity_blocks(limits, INFO) == 63  # 1000 tokens in whole blocks, < 100
     seq2seq = scheduler_limits(parse([]), replace(INFO, model_kind=ModelKind.SEQ2SEQ_LM))
     assert not seq2seq.preemption

@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 
 DEFAULT_MAX_BATCH_PREFILL_TOKENS = 4096
+DEFAULT_MAX_BATCH_PREFILL_TOKENS_CPU = 512
+"""On a CPU shard: a 4,096-token prefill step stalls every decode for a long time there
+(BENCHMARKS.md: TTFT p50 at 32 streams 405 -> 226 ms for the same throughput)."""
 DEFAULT_MAX_BATCH_SIZE = 256
 """The running batch's ceiling when --max-batch-size is unset (vLLM's max_num_seqs); the KV
 cache is the real limit."""
@@ -92,9 +95,17 @@ class RouterConfig:
 
     @property
     def effective_max_batch_prefill_tokens(self) -> int:
+        """The prefill budget on a GPU shard (``prefill_budget`` chooses by device)."""
+        return self.prefill_budget(on_cpu=False)
+
+    def prefill_budget(self, on_cpu: bool) -> int:
+        """--max-batch-prefill-tokens, else 4,096 (512 on a CPU shard), at most the total."""
         if self.max_batch_prefill_tokens is not None:
             return self.max_batch_prefill_tokens
-        return min(DEFAULT_MAX_BATCH_PREFILL_TOKENS, self.max_batch_total_tokens or 1 << 62)
+        default = (
+            DEFAULT_MAX_BATCH_PREFILL_TOKENS_CPU if on_cpu else DEFAULT_MAX_BATCH_PREFILL_TOKENS
+        )
+        return min(default, self.max_batch_total_tokens or 1 << 62)
 
     def __post_init__(self) -> None:
         if self.max_concurrent_requests <= 0:

@@ -75,7 +75,7 @@ def scheduler_limits(config: RouterConfig, info: ShardInfo) -> SchedulerLimits:
     max_waiting_tokens, waiting_served_ratio = config.joining_rule
     return SchedulerLimits(
         max_batch_size=config.effective_max_batch_size,
-        max_batch_prefill_tokens=config.effective_max_batch_prefill_tokens,
+        max_batch_prefill_tokens=config.prefill_budget(on_cpu=info.device == "cpu"),
         max_batch_total_tokens=config.max_batch_total_tokens,
         max_waiting_tokens=max_waiting_tokens,
         waiting_served_ratio=waiting_served_ratio,

@@ -25,6 +25,7 @@ import torch
 
 from tgis.shard.attention import AttentionBackend, BatchLayout
 from tgis.shard.block_tables import BlockTables, flatten
+from tgis.shard.device import cpu_threads
 from tgis.shard.kv_cache import KVCache
 from tgis.shard.models import CausalLM
 from tgis.shard.runner import SequenceRunner
@@ -86,6 +87,7 @@ class ModelRunner(SequenceRunner):
         self.sequences: dict[int, Sequence] = {}
         self.dropped: set[int] = set()
         self.block_tables = BlockTables()
+        self.threads = cpu_threads(info.world_size) if device.type == "cpu" else None
         self.limits = PlanLimits(
             vocab_size=info.vocab_size,
             num_blocks=kv_cache.num_blocks,
@@ -120,6 +122,11 @@ class ModelRunner(SequenceRunner):
             self._drop_failed(resolved.errors)
             return StepOutput(step_id=plan.step_id, errors=resolved.errors)
         started = time.perf_counter_ns()
+        if self.threads is not None:
+            tokens = sum(item.num_tokens for item in resolved.work)
+            wanted = self.threads.for_step(tokens)
+            if torch.get_num_threads() != wanted:
+                torch.set_num_threads(wanted)
         try:
             batch = self._flatten(resolved.work)
             metadata = self.attention.prepare(batch.layout, self.device, batch.slot_mapping)

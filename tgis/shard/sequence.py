@@ -26,6 +26,12 @@ class Sequence:
     num_computed: int = 0
     # Prompt-token details gathered chunk by chunk until the prompt completes.
     input_details: list[TokenDetail] = field(default_factory=list)
+    # Greedy without penalties (at most EOS masked by min_new_tokens): the sampler's fast path.
+    plain_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.sampling
+        self.plain_greedy = p.is_greedy and p.repetition_penalty == 1.0 and p.length_penalty is None
 
     @property
     def num_generated(self) -> int:

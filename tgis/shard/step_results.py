@@ -12,7 +12,7 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
-from tgis.shard.sampling import SamplingBatch, SamplingRow, sample
+from tgis.shard.sampling import NEG_INF, SamplingBatch, SamplingRow, argmax_rows, sample
 from tgis.shard.sequence import Sequence
 from tgis.shard.step_plan import ResolvedStep, WorkItem
 from tgis.shard.token_details import token_details
@@ -32,6 +32,8 @@ def sample_tokens(
     is the NaN, and its softmax is NaN throughout).
     """
     items = list(items)
+    if all(item.seq.plain_greedy for item in items):
+        return _plain_greedy_tokens(logits, items, info)
     rows = [
         SamplingRow(
             params=item.seq.sampling,
@@ -62,6 +64,38 @@ def sample_tokens(
         for item, d in zip(items, details, strict=True)
         if item.seq.request_id not in failed
     }
+    return sampled, errors
+
+
+def _plain_greedy_tokens(
+    logits: torch.Tensor, items: list[WorkItem], info: ShardInfo
+) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
+    """``sample_tokens`` for greedy rows without penalties: the argmax, EOS masked while a
+    row is short of its min_new_tokens."""
+    short = [
+        i
+        for i, item in enumerate(items)
+        if item.seq.num_generated < item.seq.sampling.min_new_tokens
+    ]
+    eos = [t for t in info.eos_token_ids if 0 <= t < info.vocab_size]
+    scores = logits
+    if short and eos:
+        scores = logits.clone()
+        rows = torch.tensor(short, dtype=torch.long, device=logits.device)
+        ids = torch.tensor(eos, dtype=torch.long, device=logits.device)
+        scores[rows[:, None], ids[None, :]] = NEG_INF
+    tokens = argmax_rows(scores)
+    nan = torch.isnan(scores.gather(1, tokens[:, None].to(scores.device))[:, 0])
+    bad = nan.tolist() if bool(nan.any()) else None
+    wanted = [item.seq.details if item.seq.details.generated_tokens else None for item in items]
+    details = token_details(scores, tokens, wanted)
+    sampled: dict[int, TokenDetail] = {}
+    errors: list[SequenceError] = []
+    for i, (item, detail) in enumerate(zip(items, details, strict=True)):
+        if bad is not None and bad[i]:
+            errors.append(SequenceError(item.seq.request_id, "the model produced NaN logits"))
+        else:
+            sampled[item.seq.request_id] = detail
     return sampled, errors
 
 
