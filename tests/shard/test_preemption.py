@@ -229,3 +229,27 @@ def test_engines_that_cannot_recompute_refuse_to_preempt_generated_sequences() -
     )
     assert resolved.preempted == (1,)
     assert (resolved.work[0].start, resolved.work[0].block_table) == (0, (3,))
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_32(
+    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The counter-based draws depend only on the seed and the position: 31 neighbours
+    (greedy and sampled with other seeds, different prompt lengths) change nothing."""
+    prompt = PROMPTS[2]
+    alone = Router(make("native", tiny_model, monkeypatch))  # type: ignore[arg-type]
+    alone.add(1, prompt, sampling=SEEDED)
+    alone.step({1: len(prompt)})
+    for _ in range(NEW_TOKENS - 1):
+        alone.decode([1])
+    batch = Router(make("native", tiny_model, monkeypatch))  # type: ignore[arg-type]
+    others = {rid: prompt_of(3 + rid % 17, rid) for rid in range(2, 33)}
+    for rid, other in others.items():
+        sampling = None if rid % 2 else SamplingParams(temperature=1.1, seed=rid * 31)
+        batch.add(rid, other, sampling=sampling)
+    batch.add(1, prompt, sampling=SEEDED)
+    batch.step({1: len(prompt), **{rid: len(p) for rid, p in others.items()}})
+    for _ in range(NEW_TOKENS - 1):
+        batch.decode([1, *others])
+    assert batch.generated[1] == alone.generated[1]
+    assert len(set(alone.generated[1])) > 3  # really sampled

@@ -103,6 +103,14 @@ def _default_tokenization_workers() -> int:
 @click.option("--otlp-endpoint", envvar="OTLP_ENDPOINT", help="Accepted; tracing comes later.")
 @click.option("--otlp-service-name", envvar="OTEL_SERVICE_NAME")
 @click.option("--shard-connect-timeout", envvar="SHARD_CONNECT_TIMEOUT", default=60.0)
+@click.option(
+    "--pipeline-depth",
+    envvar="TGIS_PIPELINE_DEPTH",
+    type=int,
+    default=2,
+    help="Steps in flight: 2 plans and sends the next step while one runs (overlap); 1 is "
+    "the serial loop (a reference for debugging).",
+)
 def main(
     max_concurrent_requests: int,
     max_sequence_length: int,
@@ -130,6 +138,7 @@ def main(
     otlp_endpoint: str | None,
     otlp_service_name: str | None,
     shard_connect_timeout: float,
+    pipeline_depth: int,
 ) -> None:
     """Serve fmaas.GenerationService, /health and /metrics in front of a running shard."""
     setup_logging(json_output, "router")
@@ -172,6 +181,7 @@ def main(
             output_special_tokens=output_special_tokens,
             default_include_stop_seqs=default_include_stop_seqs,
             shard_connect_timeout=shard_connect_timeout,
+            pipeline_depth=pipeline_depth,
         )
     except ValueError as err:
         fail_startup(str(err))

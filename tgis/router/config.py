@@ -66,6 +66,8 @@ class RouterConfig:
     output_special_tokens: bool = False
     default_include_stop_seqs: bool = False
     shard_connect_timeout: float = 60.0
+    pipeline_depth: int = 2
+    """Steps in flight: 2 overlaps the router's work with the shard's, 1 is the serial loop."""
 
     @property
     def effective_max_batch_size(self) -> int:
@@ -119,6 +121,8 @@ class RouterConfig:
             )
         if self.tokenization_workers <= 0:
             raise ValueError("tokenization_workers must be > 0")
+        if self.pipeline_depth not in (1, 2):
+            raise ValueError(f"pipeline depth ({self.pipeline_depth}) must be 1 or 2")
         if not 0.0 <= self.max_prefill_padding <= 1.0:
             raise ValueError(
                 f"max_prefill_padding ({self.max_prefill_padding}) must be a percentage in the "

@@ -21,7 +21,7 @@ from tgis.router.engine import Engine
 from tgis.router.errors import GenerationError, RouterError, ValidationError
 from tgis.router.limits import enforce_client_batch_size
 from tgis.router.metrics import Metrics
-from tgis.router.request_state import InputTokensEvent, RequestState, TokenEvent
+from tgis.router.request_state import Event, InputTokensEvent, RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.validation import ServerLimits, convert_params, validate_inputs, validate_params
@@ -241,14 +241,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             seed=seed,
         )
         output: list[str] = []
+        carry: Event | None = None
         while True:
-            event = await state.events.get()
+            event = carry if carry is not None else await state.events.get()
+            carry = None
             if isinstance(event, BaseException):
                 raise event
             if isinstance(event, InputTokensEvent):
                 infos = [self._token_info(t) for t in event.tokens]
                 yield pb.GenerationResponse(input_token_count=len(infos), input_tokens=infos)
                 continue
+            if not event.tokens:  # no token details asked for: one message for what is queued
+                event, carry = _merge_queued(state.events, event)
             output.append(event.text)
             message = self._token_message(event)
             if event.is_final:
@@ -314,6 +318,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             len(output.encode()),
             output[:32],
         )
+
+
+def _merge_queued(
+    events: asyncio.Queue[Event], event: TokenEvent
+) -> tuple[TokenEvent, Event | None]:
+    """``event`` merged with the token events already queued behind it (a client, or the
+    transport, that reads slower than tokens come): one message, the texts concatenated,
+    the latest count and stop reason. Only for requests without token details, so a message
+    never carries more than one token's details and no client can tell the difference but
+    by counts that jump (TGIS's own messages skip tokens whose text is held back). Returns
+    the merged event and the first queued event that could not be merged, if any."""
+    if event.is_final or events.empty():
+        return event, None
+    texts = [event.text]
+    last = event
+    while not last.is_final and not events.empty():
+        queued = events.get_nowait()
+        if not isinstance(queued, TokenEvent) or queued.tokens:
+            return _merged(texts, last), queued
+        texts.append(queued.text)
+        last = queued
+    return _merged(texts, last), None
+
+
+def _merged(texts: list[str], last: TokenEvent) -> TokenEvent:
+    if len(texts) == 1:
+        return last
+    return TokenEvent(
+        "".join(texts), last.generated_token_count, (), last.stop_reason, last.stop_sequence
+    )
 
 
 async def _all_or_nothing(coros: list[Any]) -> list[Any]:

@@ -154,6 +154,7 @@ class Router:
             limits=limits,
             metrics=metrics,
             output_special_tokens=config.output_special_tokens,
+            pipeline_depth=config.pipeline_depth,
         )
         engine.on_token_generated = self._mark_serving
         servicer = GenerationServicer(
