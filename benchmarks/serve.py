@@ -104,7 +104,9 @@ def launch(args: argparse.Namespace, log_dir: Path) -> LauncherProcess:
     if args.dtype:
         extra += ["--dtype", args.dtype]
     # The embedded model unless asked otherwise; GPU settings stay as the shell has them.
-    return start_launcher(log_dir, [*extra, *args.launcher_args], log_name="launcher.log")
+    return start_launcher(
+        log_dir, [*extra, *args.launcher_args], log_name="launcher.log", max_batch_size=None
+    )
 
 
 def scrape_step_metrics(url: str | None) -> dict[str, float] | None:

@@ -107,8 +107,10 @@ def start_launcher(
     *,
     unset_env: Sequence[str] = ("MODEL_NAME",),
     log_name: str | None = None,
+    max_batch_size: int | None = 16,
 ) -> LauncherProcess:
-    """Start the launcher on free ports (batch size 16 unless ``extra_args`` say otherwise).
+    """Start the launcher on free ports (``--max-batch-size`` 16 unless ``extra_args`` say
+    otherwise; ``max_batch_size=None`` leaves the launcher's default, by capacity).
 
     ``env`` is added to this process's environment; the variables in ``unset_env`` are
     removed unless ``env`` sets them (by default MODEL_NAME, so the embedded model serves).
@@ -126,8 +128,7 @@ def start_launcher(
         str(socket_dir / "shard"),
         "--master-port",
         str(free_port()),
-        "--max-batch-size",
-        "16",
+        *(["--max-batch-size", str(max_batch_size)] if max_batch_size is not None else []),
         *extra_args,  # the launcher takes the last value of a repeated flag
     ]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
