@@ -131,10 +131,6 @@ class ShardClient:
         except (StepFailed, ConnectionError) as err:
             raise _step_error(err) from err
 
-    async def step(self, plan: StepPlan) -> StepOutput:
-        """Send ``plan`` and wait for its output."""
-        return await self.step_result(self.send_step(plan))
-
     async def close(self) -> None:
         if self._steps is not None:
             self._steps.close()

@@ -121,7 +121,9 @@ class TorchPagedMetadata:
     slot_mapping: torch.Tensor  # [tokens]
     prefill: tuple[_PrefillSeq, ...]  # sequences with several new tokens, one at a time
     decode_rows: torch.Tensor | slice | None  # rows of the one-token sequences
-    decode_blocks: torch.Tensor | None  # [decodes * max_blocks] their block tables, flat
+    decode_tables: torch.Tensor | None  # [decodes, max_blocks] int64: their block tables
+    decode_context: torch.Tensor | None  # [decodes] int64: their context lengths
+    max_context: int  # the longest of them
     decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] key visible
 
 
@@ -135,6 +137,9 @@ class TorchPagedAttention:
     """
 
     name = "torch_paged"
+    # The decode group's padded key mask is built once per step (backends that attend to
+    # decodes otherwise skip it).
+    masks_decodes = True
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -159,26 +164,30 @@ class TorchPagedAttention:
                 mask = key_pos[None, :] <= query_pos[:, None]
             prefill.append(_PrefillSeq(int(starts[i]), n, ctx, blocks, mask))
         decode_rows: torch.Tensor | slice | None = None
-        decode_blocks = decode_mask = None
+        decode_tables = decode_context = decode_mask = None
+        max_context = 0
         decode = np.flatnonzero(lens == 1)
         if len(decode):
             count = len(decode)
             rows = starts[decode]
             contiguous = int(rows[0]) == 0 and int(rows[-1]) == count - 1
             decode_rows = slice(0, count) if contiguous else torch.from_numpy(rows).to(device)
-            decode_ctx = ctx_lens[decode]
-            max_blocks = int(-(-decode_ctx.max() // bs))
-            decode_blocks = torch.from_numpy(
-                np.ascontiguousarray(layout.block_tables[decode, :max_blocks]).reshape(-1)
+            decode_ctx = np.ascontiguousarray(ctx_lens[decode], dtype=np.int64)
+            max_context = int(decode_ctx.max())
+            max_blocks = -(-max_context // bs)
+            decode_tables = torch.from_numpy(
+                np.ascontiguousarray(layout.block_tables[decode, :max_blocks], dtype=np.int64)
             ).to(device)
-            key_pos = torch.arange(max_blocks * bs, device=device)
-            visible = key_pos[None, :] < torch.from_numpy(decode_ctx).to(device)[:, None]
-            decode_mask = visible[:, None, None, :]
+            decode_context = torch.from_numpy(decode_ctx).to(device)
+            if self.masks_decodes:
+                decode_mask = _key_mask(decode_context, max_blocks * bs)
         return TorchPagedMetadata(
             slot_mapping=slot_mapping,
             prefill=tuple(prefill),
             decode_rows=decode_rows,
-            decode_blocks=decode_blocks,
+            decode_tables=decode_tables,
+            decode_context=decode_context,
+            max_context=max_context,
             decode_mask=decode_mask,
         )
 
@@ -237,21 +246,32 @@ class TorchPagedAttention:
         cache_dtype: torch.dtype,
     ) -> torch.Tensor:
         """The one-token sequences, in one SDPA call over their gathered contexts."""
-        assert metadata.decode_blocks is not None and metadata.decode_rows is not None
+        tables, context = metadata.decode_tables, metadata.decode_context
+        assert tables is not None and context is not None and metadata.decode_rows is not None
         queries = q[metadata.decode_rows].unsqueeze(2)  # [decodes, heads, 1, dim]
         count, _, _, head_dim = queries.shape
         shape = (count, -1, k_blocks.shape[1] // (self.block_size * head_dim), head_dim)
-        keys = k_blocks.index_select(0, metadata.decode_blocks).view(shape).transpose(1, 2)
-        values = v_blocks.index_select(0, metadata.decode_blocks).view(shape).transpose(1, 2)
+        flat = tables.view(-1)
+        keys = k_blocks.index_select(0, flat).view(shape).transpose(1, 2)
+        values = v_blocks.index_select(0, flat).view(shape).transpose(1, 2)
+        mask = metadata.decode_mask
+        if mask is None:
+            mask = _key_mask(context, tables.shape[1] * self.block_size)
         attn = F.scaled_dot_product_attention(
             queries,
             keys.to(q.dtype),
             values.to(q.dtype),
-            attn_mask=metadata.decode_mask,
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )
         return attn.squeeze(2)
+
+
+def _key_mask(context: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, 1, 1, width]: key position < the row's context length."""
+    key_pos = torch.arange(width, device=context.device)
+    return (key_pos[None, :] < context[:, None])[:, None, None, :]
 
 
 BACKENDS = ("torch_paged", "cpu_paged", "sdpa_varlen", "flash_varlen")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,7 +96,6 @@ class CompiledForward:
 
     def __init__(self, model: DecoderLM) -> None:
         self.model = model
-        self.compile_seconds = 0.0
 
         def hidden_states(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model.hidden_states(input_ids, positions, _opaque_attend)
@@ -117,8 +115,5 @@ class CompiledForward:
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
         with _active_step(self.model.attention, kv_cache, attn_metadata):
-            started = time.monotonic()
             out: torch.Tensor = self._compiled(input_ids, positions)
-            if not self.compile_seconds:  # the first call compiles
-                self.compile_seconds = time.monotonic() - started
         return out

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import importlib
 import math
-from dataclasses import dataclass
 from types import ModuleType
 
-import numpy as np
 import torch
 
-from tgis.shard.attention import BatchLayout, TorchPagedAttention, TorchPagedMetadata
+from tgis.shard.attention import TorchPagedAttention, TorchPagedMetadata
 
 
 def load_kernel() -> ModuleType | None:
@@ -31,49 +29,15 @@ def load_kernel() -> ModuleType | None:
         return None
 
 
-@dataclass(frozen=True)
-class CpuPagedMetadata(TorchPagedMetadata):
-    """The reference's metadata plus the decode group's tables for the kernel."""
-
-    decode_tables: torch.Tensor | None = None  # [decodes, max_blocks] int64, contiguous
-    decode_context: torch.Tensor | None = None  # [decodes] int64
-    max_context: int = 0
-
-
 class CpuPagedAttention(TorchPagedAttention):
     """``TorchPagedAttention`` with decodes in the C kernel (float32 CPU caches)."""
 
     name = "cpu_paged"
+    masks_decodes = False  # the kernel bounds each sequence by its context length
 
     def __init__(self, block_size: int, kernel: ModuleType) -> None:
         super().__init__(block_size)
         self.kernel = kernel
-
-    def prepare(
-        self, layout: BatchLayout, device: torch.device, slot_mapping: torch.Tensor | None = None
-    ) -> CpuPagedMetadata:
-        base = super().prepare(layout, device, slot_mapping)
-        decode = np.flatnonzero(layout.query_lens == 1)
-        tables = context = None
-        max_context = 0
-        if len(decode):
-            ctx = np.ascontiguousarray(layout.context_lens[decode], dtype=np.int64)
-            max_context = int(ctx.max())
-            width = -(-max_context // self.block_size)
-            tables = torch.from_numpy(
-                np.ascontiguousarray(layout.block_tables[decode, :width], dtype=np.int64)
-            )
-            context = torch.from_numpy(ctx)
-        return CpuPagedMetadata(
-            slot_mapping=base.slot_mapping,
-            prefill=base.prefill,
-            decode_rows=base.decode_rows,
-            decode_blocks=base.decode_blocks,
-            decode_mask=base.decode_mask,
-            decode_tables=tables,
-            decode_context=context,
-            max_context=max_context,
-        )
 
     def _decode(
         self,
@@ -85,11 +49,11 @@ class CpuPagedAttention(TorchPagedAttention):
         cache_dtype: torch.dtype,
     ) -> torch.Tensor:
         if (
-            not isinstance(metadata, CpuPagedMetadata)
-            or metadata.decode_tables is None
+            metadata.decode_tables is None
             or metadata.decode_context is None
             or q.dtype != torch.float32
             or cache_dtype != torch.float32
+            or q.device.type != "cpu"
         ):
             return super()._decode(q, k_blocks, v_blocks, metadata, scale, cache_dtype)
         assert metadata.decode_rows is not None

@@ -88,5 +88,4 @@ def cpu_threads(world_size: int, env: Mapping[str, str] | None = None) -> CpuThr
     return CpuThreads(
         small=max(1, ((cores or 1) - 1) // ranks),
         large=max(1, (cores or 1) // ranks),
-        large_from_tokens=int(environ.get("TGIS_CPU_LARGE_STEP", "512")),
     )
