@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from tgis.router.tokenization import RouterTokenizer, TokenizeResult
+from tgis.router.tokenization import INLINE_ENCODE_CHARS, RouterTokenizer, TokenizeResult
 
 
 def test_bos_detection(
@@ -146,6 +146,23 @@ def test_async_helpers(any_tokenizer: RouterTokenizer, sample_texts: list[str]) 
     assert one == any_tokenizer.encode("Hello world")
     assert many == any_tokenizer.encode_batch(sample_texts)
     assert tokenized == any_tokenizer.tokenize(sample_texts, True, True, 2)
+
+
+def test_short_inputs_are_encoded_on_the_loop_long_ones_on_the_pool(
+    bytelevel_raw: Tokenizer,
+) -> None:
+    """Up to INLINE_ENCODE_CHARS in all the loop encodes (no thread hop); beyond, the pool
+    does. With the pool shut down, only the inline path can still answer."""
+    any_tokenizer = RouterTokenizer(Tokenizer.from_str(bytelevel_raw.to_str()))
+    short = ["Hello", "world " * 10]
+    long = ["x" * (INLINE_ENCODE_CHARS + 1)]
+    expected = any_tokenizer.encode_batch(short)
+    expected_long = any_tokenizer.encode_batch(long)
+    assert asyncio.run(any_tokenizer.encode_batch_async(long)) == expected_long
+    any_tokenizer.close()
+    assert asyncio.run(any_tokenizer.encode_batch_async(short)) == expected
+    with pytest.raises(RuntimeError):
+        asyncio.run(any_tokenizer.encode_batch_async(long))
 
 
 def test_id_to_token(llama_tokenizer: RouterTokenizer) -> None:
