@@ -17,7 +17,7 @@ from tgis.shard.capacity import (
     kv_budget_bytes,
     measure_cuda_blocks,
     warm_up,
-    warmup_plan,
+    warmup_plans,
 )
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
@@ -55,14 +55,54 @@ def test_kv_budget_arithmetic() -> None:
     assert kv_budget_bytes(reading, 1.0, 99) == 0  # never negative
 
 
-def test_warmup_plan_covers_the_prefill_budget() -> None:
-    plan, blocks = warmup_plan(1000, 300, 16, 256)
-    lengths = [s.num_tokens for s in plan.scheduled]
+def test_warmup_plans_cover_the_prefill_budget_and_a_full_batch_next_to_it() -> None:
+    plan = warmup_plans(1000, 300, 8, 16, 256)
+    prefill, mixed = plan.steps
+    lengths = [s.num_tokens for s in prefill.scheduled]
     assert sum(lengths) == 1000 and max(lengths) == 299
-    assert blocks == sum(-(-n // 16) for n in lengths)
-    ids = {b for s in plan.scheduled for b in s.new_block_ids}
-    assert ids == set(range(blocks))
-    assert all(0 < t < 256 for ns in plan.new_sequences for t in ns.prompt_token_ids)
+    assert all(n.details.input_tokens for n in prefill.new_sequences)
+    # The mixed step: the 4 prefilled sequences decode, 4 one-token prompts fill the batch of
+    # 8, and a fresh 1000-token chunk runs next to them.
+    prefilled = {s.request_id for s in prefill.scheduled}
+    decodes = [s for s in mixed.scheduled if s.request_id in prefilled]
+    fresh = [s for s in mixed.scheduled if s.request_id not in prefilled]
+    assert [s.num_tokens for s in decodes] == [1] * 4
+    assert sorted(s.num_tokens for s in fresh) == [1, 1, 1, 1, 103, 299, 299, 299]
+    assert {n.request_id for n in mixed.new_sequences} == {s.request_id for s in fresh}
+    # Every block id is handed out once, and a decode gets a block only when it crosses one.
+    ids = [b for step in plan.steps for s in step.scheduled for b in s.new_block_ids]
+    assert sorted(ids) == list(range(plan.num_blocks))
+    grown = {s.request_id: len(s.new_block_ids) for s in decodes}
+    assert grown == {s.request_id: int(s.num_tokens % 16 == 0) for s in prefill.scheduled}
+    tokens = [t for step in plan.steps for n in step.new_sequences for t in n.prompt_token_ids]
+    assert all(2 < t < 256 for t in tokens)
+    assert all(n.sampling.top_k and n.details.top_n for n in mixed.new_sequences)
+
+
+def test_warmup_plans_with_a_batch_smaller_than_the_prefilled_sequences() -> None:
+    plan = warmup_plans(63, 8, 3, 4, 100)
+    prefill, mixed = plan.steps
+    assert len(prefill.scheduled) == 9  # 63 tokens in prompts of at most 7
+    assert sum(1 for s in mixed.scheduled if s.num_tokens == 1) == 3
+    assert sum(s.num_tokens for s in mixed.scheduled) == 3 + 63
+    ids = [b for step in plan.steps for s in step.scheduled for b in s.new_block_ids]
+    assert sorted(ids) == list(range(plan.num_blocks))  # no block handed out unused
+
+
+def test_warm_up_runs_every_step_on_the_model(
+    make_runner: Callable[..., ModelRunner],
+) -> None:
+    runner = make_runner()
+    plan = warmup_plans(40, 32, 6, runner.kv_cache.block_size, runner.info.vocab_size)
+    prefill, mixed = warm_up(
+        runner.model, runner.kv_cache.spec, runner.attention, runner.info,
+        torch.device("cpu"), plan,
+    )  # fmt: skip
+    # Every sequence whose prompt completed sampled a token, with the details asked for.
+    assert len(prefill.tokens) == len(plan.steps[0].scheduled) == 2  # prompts of 31 and 9
+    assert len(mixed.tokens) == 2 + 4 + 2  # the decodes, 4 one-token prompts, the chunk
+    assert all(len(t.token.top_tokens) == 10 for t in mixed.tokens)
+    assert [len(d.tokens) for d in prefill.input_tokens] == [31, 9]
 
 
 def test_cpu_budget_from_max_batch_total_tokens(tiny_model: TinyModel) -> None:
@@ -111,9 +151,10 @@ def test_gpu_measurement_runs_the_warm_up(
     _fake_cuda(monkeypatch, free=40 * GIB, total=80 * GIB, allocated=10 * GIB)
     blocks = measure_cuda_blocks(
         runner.model, spec, runner.attention, info, torch.device("cpu"),
-        max_prefill_tokens=300, max_sequence_length=128, memory_fraction=1.0, safety_margin=20,
+        max_prefill_tokens=300, max_sequence_length=128, max_batch_size=16,
+        memory_fraction=1.0, safety_margin=20,
     )  # fmt: skip
-    _, warm_blocks = warmup_plan(300, 128, spec.block_size, info.vocab_size)
+    warm_blocks = warmup_plans(300, 128, 16, spec.block_size, info.vocab_size).num_blocks
     activations = 5 * GIB - warm_blocks * spec.bytes_per_block
     assert ran == [1]
     assert blocks == (40 * GIB * 80 // 100 - activations) // spec.bytes_per_block
@@ -129,10 +170,12 @@ def test_warm_up_out_of_memory_is_a_one_line_startup_error(
 
     monkeypatch.setattr(capacity, "warm_up", oom)
     _fake_cuda(monkeypatch, free=GIB, total=GIB, allocated=0)
-    with pytest.raises(StartupError, match="lower it") as info:
+    with pytest.raises(
+        StartupError, match=r"--max-batch-size next to another\): lower them"
+    ) as info:
         measure_cuda_blocks(
             runner.model, runner.kv_cache.spec, runner.attention, runner.info,
             torch.device("cpu"), max_prefill_tokens=64, max_sequence_length=64,
-            memory_fraction=1.0, safety_margin=0,
+            max_batch_size=8, memory_fraction=1.0, safety_margin=0,
         )  # fmt: skip
     assert "\n" not in str(info.value)

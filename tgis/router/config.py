@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tgis.shard_api.messages import DEFAULT_MAX_BATCH_SIZE
+
 DEFAULT_MAX_BATCH_PREFILL_TOKENS = 4096
 DEFAULT_MAX_BATCH_PREFILL_TOKENS_CPU = 512
 """On a CPU shard: a 4,096-token prefill step stalls every decode for a long time there
 (BENCHMARKS.md: TTFT p50 at 32 streams 405 -> 226 ms for the same throughput)."""
-DEFAULT_MAX_BATCH_SIZE = 256
-"""The running batch's ceiling when --max-batch-size is unset (vLLM's max_num_seqs); the KV
-cache is the real limit."""
 DEFAULT_MAX_WAITING_TOKENS = 24
 DEFAULT_WAITING_SERVED_RATIO = 1.2
 """TGIS's joining rule, applied when either of its flags is set."""

@@ -9,13 +9,18 @@ so it is measured once at start-up:
   quarter of the memory available if that is less), and always at least one sequence of
   ``max_sequence_length``.
 * **GPU** — ``TGIS_KV_CACHE_BLOCKS`` if set (tests, benchmarks); otherwise measured:
-  ``warm_up`` runs one prefill of ``--max-batch-prefill-tokens`` tokens (the largest step
-  the router will send) with a temporary cache, recording the peak memory of its
-  activations; then ``kv_budget_bytes`` takes the memory this process may still use (the
-  device's free memory, and at most ``--cuda-process-memory-fraction`` of its total, already
-  set as torch's per-process limit), holds back ``--batch-safety-margin`` percent of it,
-  subtracts the activation peak, and divides by the bytes of one block. The result is
-  capped by ``--max-batch-total-tokens`` when given. With tensor parallelism every rank
+  ``warm_up`` runs the steps of ``warmup_plans`` with a temporary cache, recording the peak
+  memory of their activations: a prefill of ``--max-batch-prefill-tokens`` tokens whose
+  every position asks for input-token details (logits of the whole chunk), then the largest
+  mixed step the router can send: ``--max-batch-size`` sequences producing a token (the
+  prefilled ones decoding over their long contexts, the rest one-token prompts) next to
+  another full prefill chunk, every sequence sampled with top-k, top-p, typical-p, a
+  repetition penalty and top-n details (the sampler's largest buffers). Then
+  ``kv_budget_bytes`` takes the memory this process may still use (the device's free
+  memory, and at most ``--cuda-process-memory-fraction`` of its total, already set as
+  torch's per-process limit), holds back ``--batch-safety-margin`` percent of it, subtracts
+  the activation peak, and divides by the bytes of one block. The result is capped by
+  ``--max-batch-total-tokens`` when given. With tensor parallelism every rank
   measures and the smallest count wins (``loader``).
 
 Either way one sequence of ``max_sequence_length`` tokens must fit, else start-up fails.
@@ -34,7 +39,15 @@ from tgis.shard.errors import StartupError
 from tgis.shard.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.model_runner import ForwardFn, ModelRunner
 from tgis.shard.models import CausalLM
-from tgis.shard_api.messages import NewSequence, ScheduledSequence, ShardInfo, StepPlan
+from tgis.shard_api.messages import (
+    DetailOptions,
+    NewSequence,
+    SamplingParams,
+    ScheduledSequence,
+    ShardInfo,
+    StepOutput,
+    StepPlan,
+)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -99,27 +112,89 @@ def kv_budget_bytes(reading: MemoryReading, memory_fraction: float, safety_margi
     return max(available * (100 - safety_margin) // 100 - activations, 0)
 
 
-def warmup_plan(
-    max_prefill_tokens: int, max_sequence_length: int, block_size: int, vocab_size: int
-) -> tuple[StepPlan, int]:
-    """One step prefilling ``max_prefill_tokens`` tokens (in sequences no longer than a
-    request's prompt can be) and the number of blocks it writes to."""
-    per_sequence = max(1, min(max_prefill_tokens, max_sequence_length - 1))
-    lengths = [per_sequence] * (max_prefill_tokens // per_sequence)
-    if max_prefill_tokens % per_sequence:
-        lengths.append(max_prefill_tokens % per_sequence)
-    new: list[NewSequence] = []
-    scheduled: list[ScheduledSequence] = []
-    next_block = 0
-    for rid, length in enumerate(lengths):
-        ids = tuple(3 + (rid + p) % max(vocab_size - 3, 1) for p in range(length))
-        count = blocks_for(length, block_size)
-        new.append(NewSequence(rid, ids))
-        scheduled.append(
-            ScheduledSequence(rid, length, tuple(range(next_block, next_block + count)))
-        )
-        next_block += count
-    return StepPlan(step_id=0, new_sequences=tuple(new), scheduled=tuple(scheduled)), next_block
+WARMUP_SAMPLING = SamplingParams(
+    temperature=0.7, top_k=50, top_p=0.9, typical_p=0.95, seed=0, repetition_penalty=1.1
+)
+"""Every warm-up sequence samples with every processor on (the sampler's largest path)."""
+WARMUP_DETAILS = DetailOptions(
+    logprobs=True, ranks=True, top_n=10, input_tokens=True, generated_tokens=True
+)
+
+
+@dataclass(frozen=True)
+class WarmUpPlan:
+    """The steps the warm-up runs, in order, and the blocks of the cache they need."""
+
+    steps: tuple[StepPlan, ...]
+    num_blocks: int
+
+
+class _PlanBuilder:
+    """Hands out request ids, prompts and consecutive block ids for the warm-up steps."""
+
+    def __init__(self, block_size: int, vocab_size: int, max_prompt: int) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_prompt = max_prompt
+        self.next_block = 0
+        self.next_id = 0
+        self.lengths: dict[int, int] = {}
+
+    def blocks(self, count: int) -> tuple[int, ...]:
+        ids = tuple(range(self.next_block, self.next_block + count))
+        self.next_block += count
+        return ids
+
+    def prompts(
+        self, num_tokens: int, *, max_length: int
+    ) -> tuple[list[NewSequence], list[ScheduledSequence]]:
+        """Fresh sequences of at most ``max_length`` tokens, ``num_tokens`` in all."""
+        new: list[NewSequence] = []
+        scheduled: list[ScheduledSequence] = []
+        while num_tokens > 0:
+            length = min(num_tokens, max_length)
+            rid, self.next_id = self.next_id, self.next_id + 1
+            span = max(self.vocab_size - 3, 1)
+            ids = tuple(3 + (rid + p) % span for p in range(length))
+            new.append(NewSequence(rid, ids, WARMUP_SAMPLING, WARMUP_DETAILS))
+            blocks = self.blocks(blocks_for(length, self.block_size))
+            scheduled.append(ScheduledSequence(rid, length, blocks))
+            self.lengths[rid] = length
+            num_tokens -= length
+        return new, scheduled
+
+    def decode(self, rid: int) -> ScheduledSequence:
+        """One more token for a sequence prefilled before (a block if it needs one)."""
+        length = self.lengths[rid]
+        grows = blocks_for(length + 1, self.block_size) - blocks_for(length, self.block_size)
+        self.lengths[rid] = length + 1
+        return ScheduledSequence(rid, 1, self.blocks(grows))
+
+
+def warmup_plans(
+    max_prefill_tokens: int,
+    max_sequence_length: int,
+    max_batch_size: int,
+    block_size: int,
+    vocab_size: int,
+) -> WarmUpPlan:
+    """The warm-up steps (see the module docstring): prompts no longer than a request's can
+    be (``max_sequence_length - 1``), and a second step of ``max_batch_size`` sampling
+    sequences next to a fresh prefill chunk of ``max_prefill_tokens``."""
+    build = _PlanBuilder(block_size, vocab_size, max(1, max_sequence_length - 1))
+    longest = build.max_prompt
+    new, scheduled = build.prompts(max_prefill_tokens, max_length=longest)
+    prefill = StepPlan(step_id=1, new_sequences=tuple(new), scheduled=tuple(scheduled))
+    decodes = [build.decode(s.request_id) for s in scheduled[:max_batch_size]]
+    new_ones, one_token = build.prompts(max(max_batch_size - len(decodes), 0), max_length=1)
+    new_chunk, chunk = build.prompts(max_prefill_tokens, max_length=longest)
+    mixed = StepPlan(
+        step_id=2,
+        new_sequences=tuple(new_ones + new_chunk),
+        scheduled=tuple(decodes + one_token + chunk),
+        base_step_id=1,
+    )
+    return WarmUpPlan((prefill, mixed), build.next_block)
 
 
 def warm_up(
@@ -128,18 +203,23 @@ def warm_up(
     attention: AttentionBackend,
     info: ShardInfo,
     device: torch.device,
-    plan: StepPlan,
-    num_blocks: int,
+    plan: WarmUpPlan,
     forward: ForwardFn | None = None,
-) -> None:
-    """Run ``plan`` through a throw-away runner and cache of ``num_blocks`` blocks."""
-    cache = KVCache(spec, num_blocks, device)
+) -> list[StepOutput]:
+    """Run ``plan``'s steps through a throw-away runner and cache; their outputs."""
+    cache = KVCache(spec, plan.num_blocks, device)
     runner = ModelRunner(
-        model, cache, attention, replace(info, num_blocks=num_blocks), device, forward
+        model, cache, attention, replace(info, num_blocks=plan.num_blocks), device, forward
     )
-    runner.step(plan)
+    outputs = []
+    for step in plan.steps:
+        output = runner.step(step)
+        if output.errors:
+            raise RuntimeError(f"warm-up step {step.step_id} failed: {output.errors[0].message}")
+        outputs.append(output)
     del runner, cache
     gc.collect()
+    return outputs
 
 
 def measure_cuda_blocks(
@@ -151,23 +231,26 @@ def measure_cuda_blocks(
     *,
     max_prefill_tokens: int,
     max_sequence_length: int,
+    max_batch_size: int,
     memory_fraction: float,
     safety_margin: int,
     forward: ForwardFn | None = None,
 ) -> int:
     """The GPU measurement (see the module docstring)."""
-    plan, warm_blocks = warmup_plan(
-        max_prefill_tokens, max_sequence_length, spec.block_size, info.vocab_size
+    plan = warmup_plans(
+        max_prefill_tokens, max_sequence_length, max_batch_size, spec.block_size, info.vocab_size
     )
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        warm_up(model, spec, attention, info, device, plan, warm_blocks, forward)
+        warm_up(model, spec, attention, info, device, plan, forward)
     except torch.cuda.OutOfMemoryError as e:
         raise StartupError(
-            f"out of GPU memory in the warm-up prefill of --max-batch-prefill-tokens "
-            f"{max_prefill_tokens} tokens: lower it ({' '.join(str(e).split())[:200]})"
+            f"out of GPU memory in the warm-up (a prefill of --max-batch-prefill-tokens "
+            f"{max_prefill_tokens} tokens, then {max_batch_size} sequences of "
+            f"--max-batch-size next to another): lower them "
+            f"({' '.join(str(e).split())[:200]})"
         ) from None
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
@@ -179,7 +262,7 @@ def measure_cuda_blocks(
         reserved=torch.cuda.memory_reserved(device),
         allocated=torch.cuda.memory_allocated(device),
         peak=peak,
-        warmup_cache=warm_blocks * spec.bytes_per_block,
+        warmup_cache=plan.num_blocks * spec.bytes_per_block,
     )
     return kv_budget_bytes(reading, memory_fraction, safety_margin) // spec.bytes_per_block
 

@@ -25,7 +25,7 @@ from tgis.shard.parallel.distributed import min_over_ranks
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 from tgis.shard.runner import Runner
 from tgis.shard.weights import Weights
-from tgis.shard_api.messages import ModelKind, ShardInfo
+from tgis.shard_api.messages import DEFAULT_MAX_BATCH_SIZE, ModelKind, ShardInfo
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ def _kv_cache_blocks(
         forward=forward,
         max_prefill_tokens=config.max_batch_prefill_tokens,
         max_sequence_length=config.max_sequence_length,
+        max_batch_size=config.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
         memory_fraction=config.cuda_process_memory_fraction,
         safety_margin=config.batch_safety_margin,
     )

@@ -156,6 +156,12 @@ class StepOutput:
     forward_time_ns: int = 0
 
 
+DEFAULT_MAX_BATCH_SIZE = 256
+"""The running batch's ceiling when --max-batch-size is unset (vLLM's max_num_seqs; the KV
+cache is the real limit): the router schedules no more, and a GPU shard's warm-up measures a
+step this large."""
+
+
 @dataclass(frozen=True, slots=True)
 class ShardInfo:
     """Static facts about the loaded model and its KV cache (``InfoResponse``)."""
