@@ -17,7 +17,7 @@ from tgis.shard.attention import (
     TorchPagedAttention,
     select_attention_backend,
 )
-from tgis.shard.attention_varlen import FlashVarlenAttention, SdpaVarlenAttention
+from tgis.shard.attention_varlen import FlashVarlenAttention, SdpaVarlenAttention, prepare_packed
 from tgis.shard.config import ShardConfig
 from tgis.shard.cpu_attention import CpuPagedAttention, load_kernel
 from tgis.shard.loader import load_runner
@@ -108,6 +108,34 @@ def test_flash_varlen_equals_reference_on_gpu() -> None:
     got = two_steps(FlashVarlenAttention(BLOCK), dtype, cuda, None)
     for e, g in zip(expected, got, strict=True):
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not HAS_FLASH, reason="needs CUDA and the flash-attn package")
+def test_flash_probe_passes_on_a_working_install() -> None:
+    FlashVarlenAttention(BLOCK).probe(torch.device("cuda"))
+
+
+def test_packed_context_slots_follow_every_block_table() -> None:
+    """The vectorised packing equals a per-position walk of each (shuffled) block table."""
+    rng = random.Random(3)
+    block = 4
+    free = list(range(64))
+    rng.shuffle(free)
+    contexts = [1, 4, 5, 13, 9, 16]
+    tables = [[free.pop() for _ in range(-(-c // block))] for c in contexts]
+    layout = BatchLayout.from_lists([1, 2, 5, 1, 9, 3], contexts, tables, list(range(21)))
+    expected = [
+        t[p // block] * block + p % block
+        for c, t in zip(contexts, tables, strict=True)
+        for p in range(c)
+    ]
+    packed = prepare_packed(layout, block, torch.device("cpu"))
+    assert packed.context_slots.tolist() == expected
+    assert packed.slot_mapping.tolist() == list(range(21))
+    assert packed.cu_seqlens_q.tolist() == [0, 1, 3, 8, 9, 18, 21]
+    assert packed.cu_seqlens_k.tolist() == [0, 1, 5, 10, 23, 32, 48]
+    assert packed.cu_seqlens_q.dtype == packed.cu_seqlens_k.dtype == torch.int32
+    assert (packed.max_seqlen_q, packed.max_seqlen_k) == (9, 16)
 
 
 KERNEL = load_kernel()

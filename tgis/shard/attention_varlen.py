@@ -5,7 +5,8 @@ Both backends write the step's new K/V into the paged cache exactly as the refer
 the cache into one packed (or padded) batch, so any block size works:
 
 - `FlashVarlenAttention` calls flash-attn's `flash_attn_varlen_func` on the packed batch
-  (CUDA only, when the `flash-attn` package is installed);
+  (CUDA only, when the `flash-attn` package is installed and a probe call succeeded at
+  start-up); its metadata is the packed indices alone, built with numpy and copied once;
 - `SdpaVarlenAttention` pads the batch and makes a single PyTorch SDPA call with a
   bottom-right causal mask (any device; the fallback on GPUs without flash-attn).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -26,8 +28,8 @@ from tgis.shard.attention import BatchLayout
 
 
 @dataclass(frozen=True)
-class VarlenMetadata:
-    """Tensors shared by every layer of one step."""
+class PackedMetadata:
+    """What flash-attn's varlen call needs, shared by every layer of one step."""
 
     slot_mapping: torch.Tensor  # [tokens] where each new K/V is written
     context_slots: torch.Tensor  # [sum(context_lens)] every sequence's cache slots, packed
@@ -35,7 +37,13 @@ class VarlenMetadata:
     cu_seqlens_k: torch.Tensor  # [seqs + 1] int32 offsets of the packed keys
     max_seqlen_q: int
     max_seqlen_k: int
-    # SDPA only: padded layout.
+
+
+@dataclass(frozen=True)
+class PaddedMetadata:
+    """SDPA's padded layout on top of the packed one (it needs both)."""
+
+    packed: PackedMetadata
     query_index: torch.Tensor  # [seqs, max_q] row of q (or of a zero pad row) per position
     padded_slots: torch.Tensor  # [seqs, max_k] cache slot of each padded key position
     mask: torch.Tensor  # [seqs, 1, max_q, max_k] True where attention is allowed
@@ -53,32 +61,54 @@ def _write_kv(
     return flat_k, flat_v
 
 
-def prepare_varlen(layout: BatchLayout, block_size: int, device: torch.device) -> VarlenMetadata:
-    """Build the packed and padded indices of one step (plain Python, once per step)."""
-    offsets = torch.arange(block_size)
-    slot_parts: list[torch.Tensor] = []
-    cu_q, cu_k = [0], [0]
-    for n, ctx, table in zip(
-        layout.query_lens.tolist(), layout.context_lens.tolist(), layout.block_tables, strict=True
-    ):
-        blocks = torch.tensor(table[: -(-ctx // block_size)])
-        slot_parts.append((blocks[:, None] * block_size + offsets).flatten()[:ctx])
-        cu_q.append(cu_q[-1] + n)
-        cu_k.append(cu_k[-1] + ctx)
+def context_slots(layout: BatchLayout, block_size: int) -> np.ndarray:
+    """Every sequence's cache slots, positions 0 .. context - 1, packed in work order."""
+    lens = layout.context_lens.astype(np.int64)
+    total = int(lens.sum())
+    seq = np.repeat(np.arange(len(lens)), lens)
+    position = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+    blocks = layout.block_tables[seq, position // block_size]
+    return np.asarray(blocks * block_size + position % block_size, dtype=np.int64)
+
+
+def prepare_packed(layout: BatchLayout, block_size: int, device: torch.device) -> PackedMetadata:
+    """The packed indices of one step, vectorised on the host and sent in one copy."""
+    q_lens = layout.query_lens.astype(np.int64)
+    k_lens = layout.context_lens.astype(np.int64)
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)])
+    cu_k = np.concatenate([[0], np.cumsum(k_lens)])
+    slots = np.asarray(layout.slot_mapping, dtype=np.int64)
+    host = np.concatenate([slots, context_slots(layout, block_size), cu_q, cu_k])
+    packed = torch.from_numpy(host)
+    if device.type != "cpu":
+        packed = packed.to(device, non_blocking=True)
+    n, c, s = len(slots), int(cu_k[-1]), len(q_lens) + 1
+    return PackedMetadata(
+        slot_mapping=packed[:n],
+        context_slots=packed[n : n + c],
+        cu_seqlens_q=packed[n + c : n + c + s].to(torch.int32),
+        cu_seqlens_k=packed[n + c + s :].to(torch.int32),
+        max_seqlen_q=int(q_lens.max()),
+        max_seqlen_k=int(k_lens.max()),
+    )
+
+
+def prepare_padded(layout: BatchLayout, block_size: int, device: torch.device) -> PaddedMetadata:
+    """SDPA's padded indices and bottom-right causal mask (built on the host, then copied)."""
+    packed = prepare_packed(layout, block_size, device)
     seqs = len(layout.query_lens)
-    max_q, max_k = int(layout.query_lens.max()), int(layout.context_lens.max())
-    total_q = cu_q[-1]
+    max_q, max_k = packed.max_seqlen_q, packed.max_seqlen_k
+    q_lens = torch.from_numpy(layout.query_lens.astype(np.int64))
+    k_lens = torch.from_numpy(layout.context_lens.astype(np.int64))
+    q_starts = torch.cumsum(q_lens, 0) - q_lens
+    k_starts = torch.cumsum(k_lens, 0) - k_lens
+    total_q, total_k = int(q_lens.sum()), int(k_lens.sum())
     q_pos = torch.arange(max_q)
     k_pos = torch.arange(max_k)
-    q_lens = torch.tensor(layout.query_lens)
-    k_lens = torch.tensor(layout.context_lens)
-    q_starts = torch.tensor(cu_q[:-1])
-    k_starts = torch.tensor(cu_k[:-1])
     q_valid = q_pos[None, :] < q_lens[:, None]
     # Pad positions point at row `total_q`, a zero row appended to q in `forward`.
     query_index = torch.where(q_valid, q_starts[:, None] + q_pos[None, :], total_q)
-    context_slots = torch.cat(slot_parts)
-    key_index = torch.clamp(k_starts[:, None] + k_pos[None, :], max=max(cu_k[-1] - 1, 0))
+    key_index = torch.clamp(k_starts[:, None] + k_pos[None, :], max=max(total_k - 1, 0))
     # Absolute position of each query row, aligned to the end of the context.
     q_abs = (k_lens - q_lens)[:, None] + q_pos[None, :]
     allowed = (k_pos[None, None, :] <= q_abs[:, :, None]) & (
@@ -93,32 +123,27 @@ def prepare_varlen(layout: BatchLayout, block_size: int, device: torch.device) -
     def on(t: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return t.to(device=device, dtype=dtype)
 
-    return VarlenMetadata(
-        slot_mapping=on(torch.tensor(layout.slot_mapping)),
-        context_slots=on(context_slots),
-        cu_seqlens_q=on(torch.tensor(cu_q), torch.int32),
-        cu_seqlens_k=on(torch.tensor(cu_k), torch.int32),
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
+    return PaddedMetadata(
+        packed=packed,
         query_index=on(query_index),
-        padded_slots=on(context_slots[key_index]),
+        padded_slots=packed.context_slots[on(key_index)],
         mask=on(allowed[:, None], torch.bool),
         query_rows=on(query_rows),
     )
 
 
-class _VarlenBackend:
-    """What both varlen backends share: the per-step metadata, then one kernel per layer."""
+class SdpaVarlenAttention:
+    """All sequences in one padded `scaled_dot_product_attention` call."""
 
-    name = ""
+    name = "sdpa_varlen"
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
     def prepare(
         self, layout: BatchLayout, device: torch.device, slot_mapping: torch.Tensor | None = None
-    ) -> VarlenMetadata:
-        return prepare_varlen(layout, self.block_size, device)
+    ) -> PaddedMetadata:
+        return prepare_padded(layout, self.block_size, device)
 
     def forward(
         self,
@@ -127,37 +152,11 @@ class _VarlenBackend:
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        metadata: VarlenMetadata,
+        metadata: PaddedMetadata,
         scale: float | None = None,
     ) -> torch.Tensor:
-        """Store this step's K/V in the paged cache, then attend (``_attend``)."""
-        flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        return self._attend(q, flat_k, flat_v, metadata, scale)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        flat_k: torch.Tensor,
-        flat_v: torch.Tensor,
-        metadata: VarlenMetadata,
-        scale: float | None,
-    ) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class SdpaVarlenAttention(_VarlenBackend):
-    """All sequences in one padded `scaled_dot_product_attention` call."""
-
-    name = "sdpa_varlen"
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        flat_k: torch.Tensor,
-        flat_v: torch.Tensor,
-        metadata: VarlenMetadata,
-        scale: float | None,
-    ) -> torch.Tensor:
+        """Store this step's K/V in the paged cache, gather the padded contexts, attend."""
+        flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.packed.slot_mapping)
         keys = flat_k[metadata.padded_slots].to(q.dtype)  # one gather, straight to padded
         values = flat_v[metadata.padded_slots].to(q.dtype)
         padded_q = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[metadata.query_index]
@@ -173,25 +172,51 @@ class SdpaVarlenAttention(_VarlenBackend):
         return flat_out[metadata.query_rows]
 
 
-class FlashVarlenAttention(_VarlenBackend):
-    """flash-attn's varlen kernel over the packed batch (CUDA, fp16/bf16)."""
+class FlashVarlenAttention:
+    """flash-attn's varlen kernel over the packed batch (CUDA, fp16/bf16).
+
+    The contexts are gathered out of the paged cache: flash-attn 2's own block-table
+    support needs pages of a multiple of 256 tokens, and the cache's blocks are 16.
+    """
 
     name = "flash_varlen"
 
     def __init__(self, block_size: int) -> None:
         from flash_attn import flash_attn_varlen_func
 
-        super().__init__(block_size)
+        self.block_size = block_size
         self._kernel = flash_attn_varlen_func
 
-    def _attend(
+    def probe(self, device: torch.device) -> None:
+        """One real call on ``device`` (an ABI-mismatched or wrong-architecture build fails
+        here, at start-up, not in the first request's step); raises what the call raised."""
+        layout = BatchLayout.from_lists([3, 1], [3, 5], [[0], [1]], [0, 1, 2, 20])
+        q = torch.randn(4, 2, 64, device=device, dtype=torch.float16)
+        cache = torch.zeros(2, self.block_size, 1, 64, device=device, dtype=torch.float16)
+        kv = torch.randn(4, 1, 64, device=device, dtype=torch.float16)
+        metadata = self.prepare(layout, device)
+        out = self.forward(q, kv, kv, cache, cache.clone(), metadata)
+        torch.cuda.synchronize(device)
+        if out.shape != q.shape or not bool(torch.isfinite(out).all()):
+            raise RuntimeError("flash-attn returned a wrong or non-finite result")
+
+    def prepare(
+        self, layout: BatchLayout, device: torch.device, slot_mapping: torch.Tensor | None = None
+    ) -> PackedMetadata:
+        return prepare_packed(layout, self.block_size, device)
+
+    def forward(
         self,
         q: torch.Tensor,
-        flat_k: torch.Tensor,
-        flat_v: torch.Tensor,
-        metadata: VarlenMetadata,
-        scale: float | None,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: PackedMetadata,
+        scale: float | None = None,
     ) -> torch.Tensor:
+        """Store this step's K/V in the paged cache, gather the packed contexts, attend."""
+        flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out: torch.Tensor = self._kernel(
             q,
             flat_k[metadata.context_slots],
