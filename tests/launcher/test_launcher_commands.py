@@ -74,6 +74,14 @@ def test_all_optional_arguments(model_dir: Path, tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
+def test_load_format_is_passed_to_the_shard_only(model_dir: Path) -> None:
+    cfg = resolved(model_dir, load_format="dummy")
+    assert cfg.load_format == "dummy"
+    assert shard_argv("tgs", cfg)[-2:] == ["--load-format", "dummy"]
+    assert "--load-format" not in router_argv("tgr", cfg, model_dir / "tokenizer.json")
+    assert "--load-format" not in shard_argv("tgs", resolved(model_dir, load_format="auto"))
+
+
 def test_service_name_only_with_endpoint(model_dir: Path) -> None:
     argv = router_argv("tgr", resolved(model_dir, otlp_service_name="svc"), Path("/t"))
     assert "--otlp-service-name" not in argv

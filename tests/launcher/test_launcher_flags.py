@@ -58,6 +58,7 @@ def test_defaults_are_tgis_defaults() -> None:
         "otlp_endpoint": None,
         "otlp_service_name": None,
         "shard_startup_timeout": 600.0,
+        "load_format": "auto",
     }
 
 
@@ -71,7 +72,8 @@ def test_every_flag_from_the_command_line() -> None:
             "-g 9033 --shard-uds-path /tmp/x --master-addr h --master-port 1234 --json-output "
             "--tls-cert-path c --tls-key-path k --tls-client-ca-cert-path ca "
             "--output-special-tokens -c 0.5 --default-include-stop-seqs false "
-            "--otlp-endpoint e --otlp-service-name s --shard-startup-timeout 30 --dry-run"
+            "--otlp-endpoint e --otlp-service-name s --shard-startup-timeout 30 "
+            "--load-format dummy --dry-run"
         )
     )
     assert dry_run
@@ -84,7 +86,7 @@ def test_every_flag_from_the_command_line() -> None:
         tls_cert_path="c", tls_key_path="k", tls_client_ca_cert_path="ca",
         output_special_tokens=True, cuda_process_memory_fraction=0.5,
         default_include_stop_seqs=False, otlp_endpoint="e", otlp_service_name="s",
-        shard_startup_timeout=30.0,
+        shard_startup_timeout=30.0, load_format="dummy",
     )  # fmt: skip
 
 
@@ -118,6 +120,7 @@ ENV = {
     "OTLP_ENDPOINT": "env-otlp",
     "OTLP_SERVICE_NAME": "env-svc",
     "SHARD_STARTUP_TIMEOUT": "45",
+    "LOAD_FORMAT": "dummy",
 }
 
 
@@ -135,6 +138,7 @@ def test_every_flag_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
         tls_key_path="env-key", tls_client_ca_cert_path="env-ca", output_special_tokens=True,
         cuda_process_memory_fraction=0.8, default_include_stop_seqs=False,
         otlp_endpoint="env-otlp", otlp_service_name="env-svc", shard_startup_timeout=45.0,
+        load_format="dummy",
     )  # fmt: skip
 
 
@@ -216,3 +220,37 @@ def test_legacy_deployment_framework_warns(run_launcher: RunLauncher, model_dir:
     assert run.returncode == 0, run.stderr
     assert "hf_custom_tp is deprecated" in run.stderr
     assert f" serve {model_dir} tgis_native " in run.stdout
+
+
+def shard_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("Shard ")]
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["--load-format", "dummy"], {}),
+        ([], {"LOAD_FORMAT": "dummy"}),
+        ([], {"LOAD_FORMAT": " Dummy"}),
+    ],
+)
+def test_load_format_reaches_every_shard(
+    run_launcher: RunLauncher, model_dir: Path, args: list[str], env: dict[str, str]
+) -> None:
+    run = run_launcher(
+        ["--model-name", str(model_dir), "--num-shard", "2", *args, "--dry-run"], env
+    )
+    assert run.returncode == 0, run.stderr
+    shards = shard_lines(run.stdout)
+    assert len(shards) == 2
+    assert all(line.endswith(" --sharded --load-format dummy") for line in shards)
+    router = next(line for line in run.stdout.splitlines() if line.startswith("Router: "))
+    assert "load-format" not in router  # the router needs only the tokenizer
+
+
+def test_load_format_auto_is_the_default_and_not_passed(
+    run_launcher: RunLauncher, model_dir: Path
+) -> None:
+    run = run_launcher(["--model-name", str(model_dir), "--dry-run"], {"LOAD_FORMAT": "auto"})
+    assert run.returncode == 0, run.stderr
+    assert "--load-format" not in shard_lines(run.stdout)[0]

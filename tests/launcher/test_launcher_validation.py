@@ -238,6 +238,18 @@ CASES = [
         {},
         f"tls: client ca cert file not found: {MISSING}",
     ),
+    Case(
+        "load-format-unknown",
+        ["--load-format", "npz"],
+        {},
+        "unknown load_format 'npz': expected one of auto, dummy",
+    ),
+    Case(
+        "load-format-env-unknown",
+        [],
+        {"LOAD_FORMAT": "random"},
+        "unknown load_format 'random': expected one of auto, dummy",
+    ),
     Case("num-gpus-text", [], {"NUM_GPUS": "two"}, "NUM_GPUS must be a positive integer"),
     Case("num-gpus-negative", [], {"NUM_GPUS": "-1"}, "NUM_GPUS must be a positive integer"),
     Case(

@@ -212,6 +212,13 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
     type=float,
     help="Seconds to wait for every shard to become ready.",
 )
+@_option(
+    "--load-format",
+    envvar="LOAD_FORMAT",
+    help="auto: read the model's safetensors weights; dummy: random weights created on the "
+    "device from config.json alone, for benchmarks without the real weights (native models "
+    "only; the tokenizer is still needed).",
+)
 @click.option(
     "--dry-run",
     is_flag=True,

@@ -66,6 +66,8 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
         argv.append("--sharded")
     if flags.revision:
         argv += ["--revision", flags.revision]
+    if cfg.load_format != "auto":
+        argv += ["--load-format", cfg.load_format]
     return argv
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from tgis.model_files import ModelNotFoundError, resolve_model_dir
 from tgis.router.config import DEFAULT_MAX_BATCH_PREFILL_TOKENS, check_batching
+from tgis.shard.config import LOAD_FORMATS
 
 DEPLOYMENT_FRAMEWORKS = (
     "hf_transformers",
@@ -108,6 +109,7 @@ class LauncherConfig:
     otlp_endpoint: str | None = None
     otlp_service_name: str | None = None
     shard_startup_timeout: float = 600.0
+    load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
 
 
 def default_of(name: str) -> Any:
@@ -130,6 +132,7 @@ class ResolvedConfig:
     num_shard: int
     max_sequence_length: int
     hf_hub_cache: Path
+    load_format: str = "auto"
 
 
 def _blank(value: str | None) -> bool:
@@ -167,6 +170,16 @@ def resolve_dtype(dtype: str | None, dtype_str: str | None) -> str | None:
     if len(canonical) == 2 and canonical[0] != canonical[1]:
         raise ConfigError("dtype and dtype_str args both provided with different values")
     return canonical[0] if canonical else None
+
+
+def resolve_load_format(value: str) -> str:
+    """``auto`` or ``dummy`` (any case); ConfigError otherwise."""
+    name = value.strip().lower()
+    if name not in LOAD_FORMATS:
+        raise ConfigError(
+            f"unknown load_format '{value}': expected one of {', '.join(LOAD_FORMATS)}"
+        )
+    return name
 
 
 def validate_quantize(quantize: str | None) -> None:
@@ -371,6 +384,7 @@ def resolve(
     """Validate every flag and derive the settings the shards and the router are started with."""
     framework = normalize_deployment_framework(flags.deployment_framework, log)
     dtype = resolve_dtype(flags.dtype, flags.dtype_str)
+    load_format = resolve_load_format(flags.load_format)
     validate_quantize(flags.quantize)
     validate_limits(flags)
     validate_tls(flags)
@@ -395,4 +409,5 @@ def resolve(
         num_shard=num_shard,
         max_sequence_length=max_sequence_length,
         hf_hub_cache=hf_hub_cache,
+        load_format=load_format,
     )

@@ -10,6 +10,7 @@ import click
 from tgis.log import setup_logging
 from tgis.shard.config import (
     DEFAULT_UDS_PATH,
+    LOAD_FORMATS,
     ShardConfig,
     canonical_dtype,
     env_int,
@@ -69,6 +70,14 @@ def main() -> None:
     help="KV tokens of the running batch: the CPU cache size, a cap on the GPU one "
     "(default: what fits).",
 )
+@click.option(
+    "--load-format",
+    type=click.Choice(LOAD_FORMATS),
+    default="auto",
+    show_default=True,
+    help="auto: read the safetensors weights; dummy: random weights created on the device "
+    "from config.json alone (benchmarks; native models only).",
+)
 @click.option("--uds-path", default=DEFAULT_UDS_PATH, show_default=True)
 def serve(
     model_name: str,
@@ -84,6 +93,7 @@ def serve(
     cuda_process_memory_fraction: float,
     max_batch_prefill_tokens: int,
     max_batch_total_tokens: int | None,
+    load_format: str,
     uds_path: str,
 ) -> None:
     """Load MODEL_NAME ("" = the embedded model) and serve it on ``{uds-path}-{rank}``."""
@@ -116,6 +126,7 @@ def serve(
             kv_cache_blocks=env_optional_int("TGIS_KV_CACHE_BLOCKS"),
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_batch_total_tokens=max_batch_total_tokens,
+            load_format=load_format,
         )
         config.validate()
         tp = init_distributed(config.rank, config.world_size)

@@ -17,6 +17,9 @@ DTYPE_ALIASES = {
     "bf16": "bfloat16",
 }
 DEFAULT_UDS_PATH = "/tmp/text-generation-server"
+# How the weights are obtained: read from the model's safetensors files, or created at
+# random from config.json alone (vLLM's name; for benchmarks without the real weights).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class ShardConfig:
     max_batch_prefill_tokens: int = 4096
     # KV tokens of the whole running batch: the CPU budget, a cap on the GPU measurement.
     max_batch_total_tokens: int | None = None
+    load_format: str = "auto"  # LOAD_FORMATS: "dummy" creates random weights
 
     @property
     def socket_path(self) -> str:
@@ -64,6 +68,11 @@ class ShardConfig:
         ):
             if value is not None and value < 1:
                 raise StartupError(f"{name} must be at least 1")
+        if self.load_format not in LOAD_FORMATS:
+            raise StartupError(
+                f"unknown --load-format '{self.load_format}' "
+                f"(expected one of {', '.join(LOAD_FORMATS)})"
+            )
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise StartupError(f"invalid RANK={self.rank} for WORLD_SIZE={self.world_size}")
         if self.sharded != (self.world_size > 1):

@@ -14,12 +14,13 @@ from tgis.shard.capacity import blocks_for, check_fits, configured_blocks, measu
 from tgis.shard.compiled import CompiledForward, compile_mode, should_compile
 from tgis.shard.config import ShardConfig
 from tgis.shard.device import dtype_name, select_device, select_dtype
-from tgis.shard.engines import select_engine
+from tgis.shard.dummy_weights import DummyWeights, parameter_count
+from tgis.shard.engines import ENGINE_ENV, select_engine
 from tgis.shard.errors import StartupError
 from tgis.shard.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.model_config import ModelConfig
 from tgis.shard.model_runner import ForwardFn, ModelRunner
-from tgis.shard.models import CausalLM, model_class
+from tgis.shard.models import CausalLM, ModelFactory, check_config, model_class
 from tgis.shard.models.layers import DecoderLM
 from tgis.shard.parallel.distributed import min_over_ranks
 from tgis.shard.parallel.group import SINGLE, TensorParallel
@@ -49,6 +50,8 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         max_sequence_length=config.max_sequence_length,
     )
     if engine == "hf":
+        if config.load_format == "dummy":
+            raise StartupError(_no_dummy_fallback(model_config, config.max_sequence_length))
         from tgis.shard.hf_loader import load_hf_runner  # imports transformers
 
         return load_hf_runner(config, model_dir, model_config)
@@ -58,9 +61,7 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     attention = select_attention_backend(device, BLOCK_SIZE)
     if tp.world_size != config.world_size:
         raise StartupError(f"{tp.world_size} ranks joined but WORLD_SIZE={config.world_size}")
-    weights = Weights(model_dir, device, dtype, tp=tp)
-    model = factory(model_config, weights, attention, config.max_sequence_length)
-    weights.close()
+    model = _build_model(config, factory, model_config, attention, device, dtype, tp)
     spec = model.kv_cache_spec
     info = ShardInfo(
         model_kind=ModelKind.CAUSAL_LM,
@@ -82,10 +83,11 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     kv_cache = KVCache(spec, num_blocks, device)
     info = replace(info, num_blocks=num_blocks)
     log.info(
-        "Loaded %s (%s) from %s: %s on %s, %d KV blocks of %d tokens",
+        "Loaded %s (%s) from %s%s: %s on %s, %d KV blocks of %d tokens",
         model_config.architecture,
         model_config.model_type,
         model_dir,
+        " with dummy weights" if config.load_format == "dummy" else "",
         info.dtype,
         info.device,
         num_blocks,
@@ -104,6 +106,55 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         else:
             log.info("Compiled the step in %.1f s", time.monotonic() - started)
     return runner
+
+
+def _build_model(
+    config: ShardConfig,
+    factory: ModelFactory,
+    model_config: ModelConfig,
+    attention: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel,
+) -> CausalLM:
+    """The model with this rank's weights: read from the safetensors files, or with
+    ``--load-format dummy`` created at random on the device (nothing read but config.json)."""
+    if config.load_format != "dummy":
+        weights = Weights(model_config.model_dir, device, dtype, tp=tp)
+        model = factory(model_config, weights, attention, config.max_sequence_length)
+        weights.close()
+        return model
+    started = time.monotonic()
+    shapes = factory.checkpoint_shapes(model_config, config.max_sequence_length)
+    dummy = DummyWeights(shapes, device, dtype, tp=tp)
+    model = factory(model_config, dummy, attention, config.max_sequence_length)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    log.info(
+        "Dummy weights (--load-format dummy): %s random parameters on %s (rank %d of %d; "
+        "%s in the model) in %.2f s",
+        f"{dummy.created:,}",
+        device,
+        tp.rank,
+        tp.world_size,
+        f"{parameter_count(shapes):,}",
+        time.monotonic() - started,
+    )
+    return model
+
+
+def _no_dummy_fallback(model_config: ModelConfig, max_sequence_length: int) -> str:
+    """Why ``--load-format dummy`` cannot serve a model the transformers fallback would."""
+    try:
+        check_config(model_config, max_sequence_length)
+        reason = f"{ENGINE_ENV}=hf"  # a native model, but the fallback was asked for
+    except StartupError as e:
+        reason = str(e)
+    name = model_config.architecture or model_config.model_type
+    return (
+        f"--load-format dummy needs the native engine, but {name} is served by the "
+        f"transformers fallback: {reason}"
+    )
 
 
 def _forward(model: CausalLM, tp: TensorParallel, device: torch.device) -> ForwardFn:

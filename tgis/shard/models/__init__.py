@@ -13,6 +13,7 @@ from tgis.shard.model_config import ModelConfig
 from tgis.shard.models.falcon import FalconForCausalLM
 from tgis.shard.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tgis.shard.models.gpt_neox import GPTNeoXForCausalLM
+from tgis.shard.models.layers import Shapes
 from tgis.shard.models.llama import LlamaForCausalLM
 from tgis.shard.weights import Weights
 
@@ -41,7 +42,8 @@ class CausalLM(Protocol):
 
 
 class ModelFactory(Protocol):
-    """A model class: its constructor, and the check of a config before any weight is read."""
+    """A model class: its constructor, the check of a config before any weight is read, and
+    the checkpoint layout it reads."""
 
     def __call__(
         self,
@@ -53,6 +55,11 @@ class ModelFactory(Protocol):
 
     def check_config(self, config: ModelConfig, max_sequence_length: int) -> None:
         """StartupError for a variant of the architecture the class cannot run."""
+        ...
+
+    def checkpoint_shapes(self, config: ModelConfig, max_sequence_length: int) -> Shapes:
+        """Every tensor a checkpoint of ``config`` holds, by name, with its full shape (the
+        names the class reads); what ``--load-format dummy`` creates instead."""
         ...
 
 

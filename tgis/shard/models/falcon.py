@@ -32,10 +32,13 @@ from tgis.shard.models.layers import (
     DecoderLM,
     Heads,
     LayerNorm,
+    Shapes,
     StepContext,
     activation,
     first_key,
     fused_qkv_linear,
+    layer_norm_shapes,
+    linear_shapes,
     load_lm_head,
 )
 from tgis.shard.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
@@ -118,20 +121,23 @@ def _num_kv_heads(raw: dict[str, Any], new_arch: bool, heads: int) -> int:
     return 1 if raw.get("multi_query", True) else heads
 
 
+def _norm_names(args: FalconArgs) -> tuple[str, str | None]:
+    """A layer's (attention, MLP) LayerNorm names; no MLP norm when the MLP shares the first."""
+    if args.two_norms:
+        return "ln_attn", "ln_mlp"
+    return "input_layernorm", None if args.parallel_attn else "post_attention_layernorm"
+
+
 def _layer_norms(
     args: FalconArgs, weights: Weights, prefix: str
 ) -> tuple[LayerNorm, LayerNorm | None]:
-    """A layer's (attention, MLP) LayerNorms; no MLP norm when the MLP shares the first."""
+    """A layer's (attention, MLP) LayerNorms (``_norm_names``)."""
     eps = args.layer_norm_eps
-    if args.two_norms:
-        return (
-            LayerNorm(weights, f"{prefix}.ln_attn", eps),
-            LayerNorm(weights, f"{prefix}.ln_mlp", eps),
-        )
-    first = LayerNorm(weights, f"{prefix}.input_layernorm", eps)
-    if args.parallel_attn:
-        return first, None
-    return first, LayerNorm(weights, f"{prefix}.post_attention_layernorm", eps)
+    attn, mlp = _norm_names(args)
+    return (
+        LayerNorm(weights, f"{prefix}.{attn}", eps),
+        None if mlp is None else LayerNorm(weights, f"{prefix}.{mlp}", eps),
+    )
 
 
 class FalconLayer:
@@ -186,3 +192,25 @@ class FalconForCausalLM(DecoderLM):
         self.lm_head = load_lm_head(weights, self.embed, args.vocab_size, args.tie_word_embeddings)
         inv_freq = inverse_frequencies(args.rope, args.head_dim, args.max_position_embeddings)
         self.rotary = RotaryEmbedding(inv_freq, weights.device)
+
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig, max_sequence_length: int) -> Shapes:
+        """Every tensor of a checkpoint of ``config`` (the names this class reads)."""
+        args = FalconArgs.from_config(config, max_sequence_length)
+        h, ffn, bias = args.hidden_size, args.ffn_hidden_size, args.bias
+        qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+        shapes: Shapes = {"transformer.word_embeddings.weight": (args.vocab_size, h)}
+        for i in range(args.num_layers):
+            prefix = f"transformer.h.{i}"
+            for norm in _norm_names(args):
+                if norm is not None:
+                    shapes |= layer_norm_shapes(f"{prefix}.{norm}", h)
+            attn, mlp = f"{prefix}.self_attention", f"{prefix}.mlp"
+            shapes |= linear_shapes(f"{attn}.query_key_value", qkv, h, bias)
+            shapes |= linear_shapes(f"{attn}.dense", h, h, bias)
+            shapes |= linear_shapes(f"{mlp}.dense_h_to_4h", ffn, h, bias)
+            shapes |= linear_shapes(f"{mlp}.dense_4h_to_h", h, ffn, bias)
+        shapes |= layer_norm_shapes("transformer.ln_f", h)
+        if not args.tie_word_embeddings:
+            shapes["lm_head.weight"] = (args.vocab_size, h)
+        return shapes

@@ -23,10 +23,13 @@ from tgis.shard.models.layers import (
     DecoderLM,
     Heads,
     LayerNorm,
+    Shapes,
     StepContext,
     activation,
     first_key,
     fused_qkv_linear,
+    layer_norm_shapes,
+    linear_shapes,
     load_lm_head,
 )
 from tgis.shard.parallel.layers import VocabEmbedding, row_linear
@@ -49,6 +52,7 @@ class GPTBigCodeArgs:
     act: Activation
     attention_scale: float | None  # None: 1/sqrt(head_dim)
     tie_word_embeddings: bool
+    num_positions: int  # learned position embeddings (n_positions)
 
     @property
     def head_dim(self) -> int:
@@ -81,6 +85,7 @@ class GPTBigCodeArgs:
             act=activation(raw.get("activation_function", "gelu_pytorch_tanh"), ARCHITECTURE),
             attention_scale=None if raw.get("scale_attn_weights", True) else 1.0,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            num_positions=positions,
         )
 
 
@@ -131,6 +136,29 @@ class GPTBigCodeForCausalLM(DecoderLM):
         ]
         self.final_norm = LayerNorm(weights, "transformer.ln_f", args.layer_norm_eps)
         self.lm_head = load_lm_head(weights, self.embed, args.vocab_size, args.tie_word_embeddings)
+
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig, max_sequence_length: int) -> Shapes:
+        """Every tensor of a checkpoint of ``config`` (the names this class reads)."""
+        args = GPTBigCodeArgs.from_config(config, max_sequence_length)
+        h, inner = args.hidden_size, args.inner_size
+        qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim
+        shapes: Shapes = {
+            "transformer.wte.weight": (args.vocab_size, h),
+            "transformer.wpe.weight": (args.num_positions, h),
+        }
+        for i in range(args.num_layers):
+            prefix = f"transformer.h.{i}"
+            shapes |= layer_norm_shapes(f"{prefix}.ln_1", h)
+            shapes |= linear_shapes(f"{prefix}.attn.c_attn", qkv, h, bias=True)
+            shapes |= linear_shapes(f"{prefix}.attn.c_proj", h, h, bias=True)
+            shapes |= layer_norm_shapes(f"{prefix}.ln_2", h)
+            shapes |= linear_shapes(f"{prefix}.mlp.c_fc", inner, h, bias=True)
+            shapes |= linear_shapes(f"{prefix}.mlp.c_proj", h, inner, bias=True)
+        shapes |= layer_norm_shapes("transformer.ln_f", h)
+        if not args.tie_word_embeddings:
+            shapes["lm_head.weight"] = (args.vocab_size, h)
+        return shapes
 
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token plus learned position embeddings."""

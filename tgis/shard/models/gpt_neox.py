@@ -25,9 +25,12 @@ from tgis.shard.models.layers import (
     DecoderLM,
     Heads,
     LayerNorm,
+    Shapes,
     StepContext,
     activation,
     fused_qkv_linear,
+    layer_norm_shapes,
+    linear_shapes,
     load_lm_head,
 )
 from tgis.shard.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
@@ -145,3 +148,22 @@ class GPTNeoXForCausalLM(DecoderLM):
         )
         inv_freq = inverse_frequencies(args.rope, args.rotary_dim, args.max_position_embeddings)
         self.rotary = RotaryEmbedding(inv_freq, weights.device)
+
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig, max_sequence_length: int) -> Shapes:
+        """Every tensor of a checkpoint of ``config`` (the names this class reads)."""
+        args = GPTNeoXArgs.from_config(config, max_sequence_length)
+        h, inter, bias = args.hidden_size, args.intermediate_size, args.attention_bias
+        shapes: Shapes = {"gpt_neox.embed_in.weight": (args.vocab_size, h)}
+        for i in range(args.num_layers):
+            prefix = f"gpt_neox.layers.{i}"
+            shapes |= layer_norm_shapes(f"{prefix}.input_layernorm", h)
+            shapes |= layer_norm_shapes(f"{prefix}.post_attention_layernorm", h)
+            shapes |= linear_shapes(f"{prefix}.attention.query_key_value", 3 * h, h, bias)
+            shapes |= linear_shapes(f"{prefix}.attention.dense", h, h, bias)
+            shapes |= linear_shapes(f"{prefix}.mlp.dense_h_to_4h", inter, h, bias=True)
+            shapes |= linear_shapes(f"{prefix}.mlp.dense_4h_to_h", h, inter, bias=True)
+        shapes |= layer_norm_shapes("gpt_neox.final_layer_norm", h)
+        if not args.tie_word_embeddings:
+            shapes[LM_HEAD_NAMES[0]] = (args.vocab_size, h)
+        return shapes

@@ -36,6 +36,9 @@ from tgis.shard.weights import Weights
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
+Shapes = dict[str, tuple[int, ...]]
+"""A checkpoint's layout: every tensor's Hugging Face name → its full (unsharded) shape."""
+
 _GELU_TANH: Activation = functools.partial(F.gelu, approximate="tanh")
 
 # Hugging Face activation names → functions (the tanh approximations are one function).
@@ -90,6 +93,19 @@ class RMSNorm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+def linear_shapes(prefix: str, out_features: int, in_features: int, bias: bool) -> Shapes:
+    """The checkpoint tensors of the linear layer ``prefix``: weight [out, in], bias [out]."""
+    shapes: Shapes = {f"{prefix}.weight": (out_features, in_features)}
+    if bias:
+        shapes[f"{prefix}.bias"] = (out_features,)
+    return shapes
+
+
+def layer_norm_shapes(prefix: str, size: int) -> Shapes:
+    """The checkpoint tensors of the LayerNorm ``prefix``: weight and bias [size]."""
+    return {f"{prefix}.weight": (size,), f"{prefix}.bias": (size,)}
 
 
 class LayerNorm:

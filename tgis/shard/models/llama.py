@@ -26,7 +26,9 @@ from tgis.shard.models.layers import (
     DecoderLM,
     Heads,
     RMSNorm,
+    Shapes,
     StepContext,
+    linear_shapes,
     load_lm_head,
 )
 from tgis.shard.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
@@ -205,6 +207,29 @@ class LlamaForCausalLM(DecoderLM):
         self.lm_head = load_lm_head(weights, self.embed, args.vocab_size, args.tie_word_embeddings)
         inv_freq = inverse_frequencies(args.rope, args.head_dim, args.max_position_embeddings)
         self.rotary = RotaryEmbedding(inv_freq, weights.device)
+
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig, max_sequence_length: int) -> Shapes:
+        """Every tensor of a checkpoint of ``config`` (the names this class reads)."""
+        args = LlamaArgs.from_config(config, max_sequence_length)
+        h, inter = args.hidden_size, args.intermediate_size
+        q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        shapes: Shapes = {"model.embed_tokens.weight": (args.vocab_size, h)}
+        for i in range(args.num_layers):
+            prefix = f"model.layers.{i}"
+            attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+            shapes[f"{prefix}.input_layernorm.weight"] = (h,)
+            shapes[f"{prefix}.post_attention_layernorm.weight"] = (h,)
+            for proj, rows in (("q", q), ("k", kv), ("v", kv)):
+                shapes |= linear_shapes(f"{attn}.{proj}_proj", rows, h, args.qkv_bias)
+            shapes |= linear_shapes(f"{attn}.o_proj", h, q, args.o_bias)
+            shapes |= linear_shapes(f"{mlp}.gate_proj", inter, h, args.mlp_bias)
+            shapes |= linear_shapes(f"{mlp}.up_proj", inter, h, args.mlp_bias)
+            shapes |= linear_shapes(f"{mlp}.down_proj", h, inter, args.mlp_bias)
+        shapes["model.norm.weight"] = (h,)
+        if not args.tie_word_embeddings:
+            shapes["lm_head.weight"] = (args.vocab_size, h)
+        return shapes
 
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token embeddings, times Granite's ``embedding_multiplier``."""
