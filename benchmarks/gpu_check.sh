@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# One command on a GPU machine: set up from carried wheels, run the GPU tests, benchmark the
+# step in process and the served 8B-shaped model, and write everything to OUTDIR.
+#
+#   benchmarks/gpu_wheels.sh            # here, with a package registry: wheels into .whl/
+#   benchmarks/gpu_check.sh OUTDIR      # there, in the repository root, .whl/ carried along
+#
+# Budget: under 9 minutes on one H100 (each part has its own time limit below). Needs
+# python3 with torch (CUDA), triton, transformers, tokenizers, safetensors, numpy, click,
+# aiohttp, prometheus-client and pytest, as the GPU image has them; everything else comes
+# from .whl/ (gpu_wheels.sh says which). Nothing is installed outside /tmp.
+#
+# OUTDIR receives: env.json (GPU, driver, versions), gpu-tests.xml and gpu-tests.log (the
+# tests marked `gpu`: every CUDA attention backend against the reference, the compiled
+# step and the CUDA graphs against eager, NCCL with one rank), step.json and step.log
+# (benchmarks/step_bench.py: batch 1/8/32/64 x context 512/4096 on the Llama-3.1-8B shape),
+# serve-1.json, serve-64.json and serve.log (benchmarks/serve.py at 1 and 64 streams against
+# the launcher serving that shape with --load-format dummy), launcher.log, and summary.txt
+# with each part's exit status.
+#
+# For a dry run of the plumbing elsewhere (a CPU host, say), these override the defaults:
+# PYTHON (python3), GPU_CHECK_MODEL (benchmarks/models/llama-3.1-8b), GPU_CHECK_LOAD_FORMAT
+# (dummy), GPU_CHECK_BATCHES (1,8,32,64), GPU_CHECK_CONTEXTS (512,4096), GPU_CHECK_PORT
+# (8033; HTTP on the next port).
+set -uo pipefail
+out="${1:?usage: benchmarks/gpu_check.sh OUTDIR}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+cd "$(dirname "$0")/.."
+root="$(pwd)"
+summary="$out/summary.txt"
+: >"$summary"
+started=$SECONDS
+py="${PYTHON:-python3}"
+model="${GPU_CHECK_MODEL:-benchmarks/models/llama-3.1-8b}"
+format="${GPU_CHECK_LOAD_FORMAT:-dummy}"
+batches="${GPU_CHECK_BATCHES:-1,8,32,64}"
+contexts="${GPU_CHECK_CONTEXTS:-512,4096}"
+port="${GPU_CHECK_PORT:-8033}"
+http_port=$((port + 1))
+log() { echo "[gpu_check $((SECONDS - started))s] $*" | tee -a "$summary"; }
+part() { # part NAME LIMIT_S COMMAND...: run with a time limit, record the exit status
+    local name="$1" limit="$2"
+    shift 2
+    log "$name: start (limit ${limit}s)"
+    timeout --signal=TERM --kill-after=15 "$limit" "$@"
+    local rc=$?
+    log "$name: exit $rc"
+    return $rc
+}
+
+# ---- set-up: carried wheels, generated stubs, the three console scripts -----------------
+site=/tmp/tgis-site
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" .whl/*.whl || { log "set-up: wheel install failed"; exit 1; }
+fi
+export PYTHONPATH="$site:$root${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+"$py" scripts/gen_protos.py >/dev/null || { log "set-up: gen_protos failed"; exit 1; }
+bin=/tmp/tgis-bin
+mkdir -p "$bin"
+for pair in launcher:tgis.launcher.cli router:tgis.router.cli server:tgis.shard.cli; do
+    name="${pair%%:*}" module="${pair#*:}"
+    printf '#!/bin/sh\nexec %s -c "import sys; from %s import main; sys.argv[0] = \\"%s\\"; main()" "$@"\n' \
+        "$py" "$module" "text-generation-$name" >"$bin/text-generation-$name"
+    chmod +x "$bin/text-generation-$name"
+done
+export PATH="$bin:$PATH"
+
+"$py" - "$out/env.json" <<'PY'
+import json, subprocess, sys
+import torch, triton, grpc, google.protobuf
+info = {
+    "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton.__version__,
+    "grpcio": grpc.__version__, "protobuf": google.protobuf.__version__,
+    "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    "capability": list(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None,
+    "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    if torch.cuda.is_available() else None,
+}
+try:
+    info["nvidia_smi"] = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+         "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+except Exception as e:  # noqa: BLE001
+    info["nvidia_smi"] = f"unavailable: {e}"
+json.dump(info, open(sys.argv[1], "w"), indent=2)
+print(json.dumps(info))
+PY
+log "set-up done"
+
+# ---- 1. the GPU tests --------------------------------------------------------------------
+part gpu-tests 210 "$py" -m pytest -q -m gpu tests -p no:cacheprovider \
+    --junitxml "$out/gpu-tests.xml" >"$out/gpu-tests.log" 2>&1
+tail -5 "$out/gpu-tests.log" | tee -a "$summary"
+
+# ---- 2. the in-process step benchmark ----------------------------------------------------
+part step-bench 150 "$py" benchmarks/step_bench.py --model "$model" --load-format "$format" \
+    --batches "$batches" --contexts "$contexts" --steps 20 --json "$out/step.json" \
+    >"$out/step.log" 2>&1
+tail -12 "$out/step.log" | tee -a "$summary"
+
+# ---- 3. the served model at 1 and 64 streams ----------------------------------------------
+[ -f "$model/tokenizer.json" ] || "$py" benchmarks/make_synthetic_tokenizer.py "$model" >/dev/null
+text-generation-launcher --model-name "$model" --load-format "$format" \
+    --grpc-port "$port" --port "$http_port" >"$out/launcher.log" 2>&1 &
+launcher=$!
+ready=0
+for _ in $(seq 240); do
+    if "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$http_port/health', timeout=2)" \
+        >/dev/null 2>&1; then ready=1; break; fi
+    kill -0 "$launcher" 2>/dev/null || break
+    sleep 1
+done
+if [ "$ready" = 1 ]; then
+    log "serve: launcher ready"
+    for streams in 1 64; do
+        part "serve-$streams" 75 "$py" benchmarks/serve.py --target "127.0.0.1:$port" \
+            --metrics-url "http://127.0.0.1:$http_port/metrics" --model-label "$model ($format)" \
+            --concurrency "$streams" --num-requests $((streams * 2)) \
+            --input-tokens 512 --output-tokens 128 --json "$out/serve-$streams.json" \
+            >>"$out/serve.log" 2>&1
+    done
+    tail -30 "$out/serve.log" | tee -a "$summary"
+else
+    log "serve: the launcher did not become ready"
+    tail -20 "$out/launcher.log" | tee -a "$summary"
+fi
+kill -TERM "$launcher" 2>/dev/null
+wait "$launcher" 2>/dev/null
+log "done in $((SECONDS - started)) s"
