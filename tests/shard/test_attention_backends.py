@@ -16,14 +16,18 @@ from tgis.shard.attention import (
     BatchLayout,
     TorchPagedAttention,
     select_attention_backend,
+    start_attention_backend,
 )
 from tgis.shard.attention_varlen import FlashVarlenAttention, SdpaVarlenAttention, prepare_packed
 from tgis.shard.config import ShardConfig
 from tgis.shard.cpu_attention import CpuPagedAttention, load_kernel
+from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
 
 BLOCK, HEADS, KV_HEADS, DIM, NUM_BLOCKS = 16, 4, 2, 8, 32
 HAS_FLASH = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+# On a GPU machine these run on CUDA too (benchmarks/gpu_check.sh: pytest -m gpu).
+pytestmark = pytest.mark.gpu
 LENGTHS = (23, 40, 50, 2, 17)
 # Step 1 computes the first `f` tokens of each sequence (prefill or chunk), step 2 the rest
 # (a decode where one token is left, a chunk otherwise).
@@ -243,3 +247,26 @@ def test_model_runner_on_other_backends_matches_hf(
         router.decode(list(prompts))
     for rid, prompt in prompts.items():
         assert router.generated[rid] == tiny_model.greedy(prompt, 8)[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe must fail: no CUDA here")
+def test_a_backend_failing_its_start_up_probe(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The probe makes a real call: on a host without CUDA the CUDA backends fail it. The
+    default falls back to the reference with a warning; a forced one is a StartupError."""
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("TGIS_ATTENTION_BACKEND", raising=False)
+    with caplog.at_level("WARNING"):
+        backend = start_attention_backend(cuda, BLOCK, torch.bfloat16)
+    assert backend.name == "torch_paged"
+    assert "failed its start-up probe" in caplog.text
+    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "triton_paged")
+    with pytest.raises(StartupError, match="triton_paged failed its start-up probe") as info:
+        start_attention_backend(cuda, BLOCK, torch.bfloat16)
+    assert "\n" not in str(info.value)
+    # Backends without kernels of their own, and the CPU, need no probe.
+    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "sdpa_varlen")
+    assert start_attention_backend(cuda, BLOCK, torch.bfloat16).name == "sdpa_varlen"
+    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "torch_paged")
+    assert start_attention_backend(torch.device("cpu"), BLOCK, torch.float32).name == "torch_paged"

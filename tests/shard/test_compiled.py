@@ -73,6 +73,7 @@ def test_compiled_equals_eager(
 
 
 @pytest.mark.slow
+@pytest.mark.gpu
 def test_compiled_llama_equals_eager_and_transformers(
     tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:

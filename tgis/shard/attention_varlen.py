@@ -187,13 +187,14 @@ class FlashVarlenAttention:
         self.block_size = block_size
         self._kernel = flash_attn_varlen_func
 
-    def probe(self, device: torch.device) -> None:
-        """One real call on ``device`` (an ABI-mismatched or wrong-architecture build fails
-        here, at start-up, not in the first request's step); raises what the call raised."""
+    def probe(self, device: torch.device, dtype: torch.dtype = torch.float16) -> None:
+        """One real call on ``device`` in ``dtype`` (an ABI-mismatched or wrong-architecture
+        build, or a dtype flash-attn lacks, fails here, at start-up, not in the first
+        request's step); raises what the call raised."""
         layout = BatchLayout.from_lists([3, 1], [3, 5], [[0], [1]], [0, 1, 2, 20])
-        q = torch.randn(4, 2, 64, device=device, dtype=torch.float16)
-        cache = torch.zeros(2, self.block_size, 1, 64, device=device, dtype=torch.float16)
-        kv = torch.randn(4, 1, 64, device=device, dtype=torch.float16)
+        q = torch.randn(4, 2, 64, device=device, dtype=dtype)
+        cache = torch.zeros(2, self.block_size, 1, 64, device=device, dtype=dtype)
+        kv = torch.randn(4, 1, 64, device=device, dtype=dtype)
         metadata = self.prepare(layout, device)
         out = self.forward(q, kv, kv, cache, cache.clone(), metadata)
         torch.cuda.synchronize(device)

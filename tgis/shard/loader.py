@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 
 from tgis.model_files import resolve_model_dir
-from tgis.shard.attention import AttentionBackend, select_attention_backend
+from tgis.shard.attention import AttentionBackend, start_attention_backend
 from tgis.shard.capacity import blocks_for, check_fits, configured_blocks, measure_cuda_blocks
 from tgis.shard.compiled import CompiledForward, compile_mode, should_compile
 from tgis.shard.config import ShardConfig
@@ -58,7 +58,7 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     factory = model_class(model_config)  # fail on the architecture before touching devices
     device = select_device(config.rank, config.world_size, config.cuda_process_memory_fraction)
     dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
-    attention = select_attention_backend(device, BLOCK_SIZE)
+    attention = start_attention_backend(device, BLOCK_SIZE, dtype)
     if tp.world_size != config.world_size:
         raise StartupError(f"{tp.world_size} ranks joined but WORLD_SIZE={config.world_size}")
     model = _build_model(config, factory, model_config, attention, device, dtype, tp)

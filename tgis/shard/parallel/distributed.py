@@ -53,6 +53,17 @@ def init_distributed(
     """
     if world_size == 1:
         return SINGLE
+    return join_group(rank, world_size, local_rank, timeout_s, cuda)
+
+
+def join_group(
+    rank: int,
+    world_size: int,
+    local_rank: int | None = None,
+    timeout_s: float | None = None,
+    cuda: bool | None = None,
+) -> TensorParallel:
+    """``init_distributed`` without its one-rank shortcut (tests join a group of one)."""
     if local_rank is None:
         local_rank = env_int("LOCAL_RANK", rank)
     if timeout_s is None:

@@ -1,0 +1,195 @@
+"""On a CUDA device (skipped elsewhere; `benchmarks/gpu_check.sh` runs every test marked
+`gpu`): the tiny Llama served by each CUDA attention backend gives transformers' greedy
+tokens and logprobs, the compiled step equals the eager one, the KV warm-up measures real
+memory, dummy weights are created on the device, and NCCL joins a group of one."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Router, TinyModel, build_tiny_llama
+
+from tgis.shard.compiled import CompiledForward
+from tgis.shard.config import ShardConfig
+from tgis.shard.loader import load_runner
+from tgis.shard.model_runner import ModelRunner
+from tgis.shard_api.messages import DetailOptions
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+PROMPTS = {1: [5, 9, 33, 2, 41, 7, 8], 2: [60, 61, 62] * 7, 3: list(range(10, 47))}
+NEW_TOKENS = 12
+LOGPROBS = DetailOptions(logprobs=True, generated_tokens=True)
+
+
+def cuda_backends() -> list[str]:
+    names = ["torch_paged", "sdpa_varlen", "triton_paged"]
+    if importlib.util.find_spec("flash_attn") is not None:
+        names.append("flash_varlen")
+    return names
+
+
+def cuda_runner(
+    path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    backend: str = "",
+    compiled: bool = False,
+    dtype: str = "float32",
+) -> ModelRunner:
+    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", backend)
+    monkeypatch.setenv("TGIS_COMPILE", "1" if compiled else "0")
+    config = ShardConfig(
+        model_name=str(path), dtype=dtype, kv_cache_blocks=96, max_sequence_length=256
+    )
+    runner = load_runner(config)
+    assert isinstance(runner, ModelRunner)
+    assert runner.device.type == "cuda"
+    return runner
+
+
+def generate(runner: ModelRunner) -> Router:
+    """The three prompts: two prefilled together, the third in chunks next to their
+    decodes, then decodes to NEW_TOKENS each, on shuffled non-contiguous blocks."""
+    router = Router(runner, seed=5)
+    router.add(1, PROMPTS[1], details=LOGPROBS)
+    router.add(2, PROMPTS[2], details=LOGPROBS)
+    router.step({1: len(PROMPTS[1]), 2: len(PROMPTS[2])})
+    router.add(3, PROMPTS[3], details=LOGPROBS)
+    for chunk in (16, 16, 5):
+        router.step({1: 1, 2: 1, 3: chunk})
+    while any(len(router.generated[r]) < NEW_TOKENS for r in PROMPTS):
+        router.step({r: 1 for r in PROMPTS if len(router.generated[r]) < NEW_TOKENS})
+    return router
+
+
+def logprobs(router: Router, rid: int) -> list[float]:
+    return [t.token.logprob for o in router.outputs for t in o.tokens if t.request_id == rid]
+
+
+@pytest.fixture(autouse=True)
+def no_tf32() -> None:
+    """float32 products in full precision, as the CPU oracle computes them."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@pytest.mark.parametrize("backend", cuda_backends())
+def test_each_backend_serves_transformers_greedy_tokens(
+    backend: str, tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend == "flash_varlen":
+        pytest.skip("flash-attn takes fp16/bf16 only; its kernel is compared in its own test")
+    router = generate(cuda_runner(tiny_model.path, monkeypatch, backend=backend))
+    assert router.runner.attention.name == backend
+    for rid, prompt in PROMPTS.items():
+        expected, logits = tiny_model.greedy(prompt, NEW_TOKENS)
+        assert router.generated[rid][:NEW_TOKENS] == expected, (backend, rid)
+        for got, step_logits in zip(logprobs(router, rid), logits, strict=True):
+            ref = torch.log_softmax(step_logits, dim=-1).max().item()
+            assert abs(got - ref) < 1e-3, (backend, rid)
+
+
+@pytest.mark.parametrize("backend", cuda_backends())
+def test_each_backend_agrees_with_the_reference_in_bfloat16(
+    backend: str, tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The served dtype on GPUs: first-token logprobs of every backend within bf16 noise of
+    the reference backend's on the same bf16 model."""
+    path = tiny_model.path
+    bf16 = "bfloat16"
+    expected = generate(cuda_runner(path, monkeypatch, backend="torch_paged", dtype=bf16))
+    got = generate(cuda_runner(path, monkeypatch, backend=backend, dtype=bf16))
+    for rid in PROMPTS:
+        first_expected, first_got = logprobs(expected, rid)[0], logprobs(got, rid)[0]
+        assert abs(first_got - first_expected) < 5e-2, (backend, rid)
+        assert got.generated[rid][0] == expected.generated[rid][0], (backend, rid)
+
+
+def test_compiled_step_equals_eager_on_cuda(
+    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    eager = generate(cuda_runner(tiny_model.path, monkeypatch))
+    runner = cuda_runner(tiny_model.path, monkeypatch, compiled=True)
+    assert isinstance(runner.forward, CompiledForward)
+    compiled = generate(runner)
+    assert compiled.generated == eager.generated
+    for rid in PROMPTS:
+        for a, b in zip(logprobs(compiled, rid), logprobs(eager, rid), strict=True):
+            assert abs(a - b) < 1e-4, rid
+
+
+def test_kv_warm_up_measures_device_memory(
+    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No TGIS_KV_CACHE_BLOCKS: the warm-up runs and sizes the cache from free memory,
+    capped by --max-batch-total-tokens."""
+    monkeypatch.delenv("TGIS_KV_CACHE_BLOCKS", raising=False)
+    monkeypatch.setenv("TGIS_COMPILE", "0")
+    runner = load_runner(
+        ShardConfig(
+            model_name=str(tiny_model.path),
+            max_sequence_length=256,
+            max_batch_prefill_tokens=1024,
+            max_batch_size=32,
+            max_batch_total_tokens=1 << 20,
+        )
+    )
+    assert isinstance(runner, ModelRunner)
+    assert runner.info.num_blocks == (1 << 20) // runner.info.block_size
+    router = Router(runner)
+    router.add(1, PROMPTS[1])
+    router.step({1: len(PROMPTS[1])})
+    assert router.generated[1] == tiny_model.greedy(PROMPTS[1], 1)[0]
+
+
+def test_dummy_weights_are_created_on_the_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    build_tiny_llama(tmp_path, seed=1)
+    (tmp_path / "model.safetensors").unlink()  # nothing to read but config.json
+    monkeypatch.setenv("TGIS_COMPILE", "0")
+    runner = load_runner(
+        ShardConfig(
+            model_name=str(tmp_path),
+            dtype="bfloat16",
+            load_format="dummy",
+            kv_cache_blocks=32,
+            max_sequence_length=128,
+        )
+    )
+    assert isinstance(runner, ModelRunner)
+    router = Router(runner)
+    router.add(1, PROMPTS[3], details=LOGPROBS)
+    router.step({1: len(PROMPTS[3])})
+    (lp,) = logprobs(router, 1)
+    assert lp == lp and lp <= 0.0  # finite, a log-probability
+
+
+def test_nccl_joins_a_group_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from tgis.procinfo import free_port
+    from tgis.shard.parallel.distributed import backend_for, destroy, join_group
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    assert backend_for(True) == "nccl"
+    tp = join_group(0, 1, local_rank=0, timeout_s=60, cuda=True)
+    try:
+        assert dist.get_backend() == "nccl"
+        x = torch.arange(8, dtype=torch.float32, device="cuda")
+        dist.all_reduce(x)
+        assert x.tolist() == list(range(8))
+        parts = [torch.empty_like(x)]
+        dist.all_gather(parts, x)
+        assert torch.equal(parts[0], x)
+        assert tp.rank == 0 and tp.world_size == 1
+    finally:
+        destroy()
