@@ -105,7 +105,50 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
             runner.forward = model.forward
         else:
             log.info("Compiled the step in %.1f s", time.monotonic() - started)
+    _capture_decode_graphs(runner, config, tp)
     return runner
+
+
+def _capture_decode_graphs(runner: ModelRunner, config: ShardConfig, tp: TensorParallel) -> None:
+    """CUDA graphs of the decode steps (``cuda_graphs.py``) where they apply: CUDA,
+    ``triton_paged``, one rank, ``TGIS_CUDA_GRAPHS`` not 0."""
+    from tgis.shard.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
+
+    mode = graphs_mode()
+    applies = (
+        runner.device.type == "cuda"
+        and runner.attention.name == "triton_paged"
+        and not tp.is_parallel
+    )
+    if mode == "off" or not applies:
+        if mode == "on" and not applies:
+            log.warning("TGIS_CUDA_GRAPHS=1 ignored: graphs need CUDA, triton_paged, one rank")
+        return
+    max_batch = min(config.max_batch_size or DEFAULT_MAX_BATCH_SIZE, runner.info.num_blocks)
+    graphs = DecodeGraphs(
+        runner.forward,
+        runner.kv_cache,
+        runner.device,
+        graph_buckets(max_batch),
+        config.max_sequence_length,
+        runner.info.vocab_size,
+    )
+    try:
+        seconds = graphs.capture()
+        graphs.verify()
+    except Exception as e:
+        reason = " ".join(str(e).split())[:300]
+        if mode == "on":
+            raise StartupError(f"capturing the decode CUDA graphs failed: {reason}") from None
+        log.warning("Capturing the decode CUDA graphs failed, running without: %s", reason)
+        return
+    runner.graphs = graphs
+    log.info(
+        "Captured decode CUDA graphs for %d batch sizes (1 to %d) in %.1f s",
+        len(graphs.buckets),
+        graphs.max_batch,
+        seconds,
+    )
 
 
 def _build_model(

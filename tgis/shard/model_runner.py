@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from tgis.shard_api.messages import (
     TokenDetail,
 )
 
+if TYPE_CHECKING:
+    from tgis.shard.cuda_graphs import DecodeGraphs
+
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, KVCache, Any], torch.Tensor]
 """``forward(input_ids, positions, kv_cache, attention metadata)`` → final hidden states."""
 
@@ -55,9 +58,6 @@ INPUT_DETAIL_ROWS = 256
 class _FlatBatch:
     """The flattened inputs of one step and where each sequence's rows are."""
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
     layout: BatchLayout
     sample_rows: torch.Tensor  # [sampling items] last row of each, in work order
     sample_items: tuple[WorkItem, ...]
@@ -80,6 +80,8 @@ class ModelRunner(SequenceRunner):
         self.model = model
         # The model's forward: eager (the reference), or compiled.CompiledForward.
         self.forward: ForwardFn = forward or model.forward
+        # Decode steps replayed from CUDA graphs (cuda_graphs.py; set by the loader).
+        self.graphs: DecodeGraphs | None = None
         self.kv_cache = kv_cache
         self.attention = attention
         self.info = info
@@ -129,8 +131,7 @@ class ModelRunner(SequenceRunner):
                 torch.set_num_threads(wanted)
         try:
             batch = self._flatten(resolved.work)
-            metadata = self.attention.prepare(batch.layout, self.device, batch.slot_mapping)
-            hidden = self.forward(batch.input_ids, batch.positions, self.kv_cache, metadata)
+            hidden = self._hidden_states(batch.layout)
             sampled, errors = self._sample(hidden, batch)
             input_details = self._input_details(hidden, batch, resolved.work)
         except BaseException:
@@ -151,9 +152,19 @@ class ModelRunner(SequenceRunner):
             forward_time_ns=elapsed,
         )
 
+    def _hidden_states(self, layout: BatchLayout) -> torch.Tensor:
+        """The forward pass of the step: a decode step that fits a captured bucket replays
+        its CUDA graph (``cuda_graphs.py``), any other step runs the forward."""
+        bucket = self.graphs.bucket_for(layout) if self.graphs is not None else None
+        if bucket is not None:
+            assert self.graphs is not None
+            return self.graphs.run(layout, bucket)
+        input_ids, positions, slot_mapping = layout.to_device(self.device)
+        metadata = self.attention.prepare(layout, self.device, slot_mapping)
+        return self.forward(input_ids, positions, self.kv_cache, metadata)
+
     def _flatten(self, work: SequenceOf[WorkItem]) -> _FlatBatch:
         layout = flatten(work, self.block_tables, self.kv_cache.block_size)
-        input_ids, positions, slot_mapping = layout.to_device(self.device)
         sample_rows: list[int] = []
         sample_items: list[WorkItem] = []
         detail_spans: list[tuple[WorkItem, int, int]] = []
@@ -167,9 +178,6 @@ class ModelRunner(SequenceRunner):
                 if item.start < last_scored:
                     detail_spans.append((item, row, last_scored - item.start))
         return _FlatBatch(
-            input_ids=input_ids,
-            positions=positions,
-            slot_mapping=slot_mapping,
             layout=layout,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             sample_items=tuple(sample_items),
