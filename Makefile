@@ -53,8 +53,8 @@ prometheus-tools:
 		if [ "$${CI:-}" = true ]; then exit 1; fi; }
 
 lint: install
-	$(BIN)/ruff check tgis tests scripts
-	$(BIN)/ruff format --check tgis tests scripts
+	$(BIN)/ruff check tgis tests scripts benchmarks examples
+	$(BIN)/ruff format --check tgis tests scripts benchmarks examples
 	$(BIN)/mypy
 
 format: install
