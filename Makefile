@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint format protos tiny-model clean prometheus-tools
+.PHONY: install run test lint format protos tiny-model clean prometheus-tools image
 
 install: $(VENV)/.installed tgis/pb/generation_pb2.py
 
@@ -60,6 +60,13 @@ lint: install
 format: install
 	$(BIN)/ruff format tgis tests scripts
 	$(BIN)/ruff check --fix tgis tests scripts
+
+# The container image (Dockerfile.ubi; TORCH_VARIANT=cpu for a CPU-only image).
+CONTAINER_TOOL ?= podman
+IMAGE ?= tgis:0.1.0
+TORCH_VARIANT ?= cu130
+image:
+	$(CONTAINER_TOOL) build -f Dockerfile.ubi --build-arg TORCH_VARIANT=$(TORCH_VARIANT) -t $(IMAGE) .
 
 # Rebuild the embedded tiny model (deterministic; a few minutes on CPU).
 tiny-model: install
