@@ -1,4 +1,7 @@
-"""Start-up failures: one line on stderr, the same line in /dev/termination-log, non-zero exit.
+"""Fatal errors: one line on stderr, the same line in /dev/termination-log, non-zero exit.
+
+Used by all three processes: `fail_startup` for errors they expect (configuration, model,
+ports), and `tgis.log`'s uncaught-exception hook for the others.
 
 Kubernetes shows the termination log as the container's termination message
 (`terminationMessagePolicy: FallbackToLogsOnError`).
@@ -9,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import NoReturn
+
+from tgis.log import fatal_line, one_line
 
 TERMINATION_LOG = "/dev/termination-log"
 
@@ -31,7 +36,9 @@ def write_termination_log(message: str, path: str | None = None) -> None:
 
 
 def fail_startup(message: str, exit_code: int = 1) -> NoReturn:
-    """Report a configuration or start-up error and exit."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    """Report a configuration or start-up error (one line; a JSON object under
+    --json-output) and exit."""
+    message = one_line(message)
+    print(fatal_line(message), file=sys.stderr, flush=True)
     write_termination_log(message)
     sys.exit(exit_code)

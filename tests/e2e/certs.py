@@ -1,9 +1,12 @@
-"""Test-time PKI: a CA, a server certificate for 127.0.0.1/localhost, a client certificate."""
+"""Test-time PKI: a CA, a server certificate for 127.0.0.1/localhost, a client certificate;
+and a directory laid out like a Kubernetes Secret mount, for certificate rotation."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,3 +130,42 @@ def make_pki(directory: Path) -> Pki:
     _write_key(client[1], paths.client_key)
     paths.other_ca_cert.write_bytes(other_ca[0].public_bytes(pem))
     return paths
+
+
+class SecretMount:
+    """A directory laid out as kubelet mounts a Secret (its atomic writer): the files live in
+    a timestamped ``..<version>`` directory, ``..data`` links to it, and each visible name
+    (``tls.crt``) links to ``..data/<name>``. ``update`` swaps in a new version the way
+    kubelet does when cert-manager renews the certificate: the paths never change."""
+
+    def __init__(self, directory: Path, files: dict[str, bytes]) -> None:
+        self.directory = directory
+        self._version = 0
+        directory.mkdir(parents=True, exist_ok=True)
+        self.update(files)
+        for name in files:
+            (directory / name).symlink_to(Path("..data") / name)
+
+    def path(self, name: str) -> Path:
+        return self.directory / name
+
+    def update(self, files: dict[str, bytes]) -> None:
+        self._version += 1
+        old = (self.directory / "..data").resolve() if self._version > 1 else None
+        version = self.directory / f"..2026_01_01_00_00_{self._version:02d}.{os.getpid()}"
+        version.mkdir()
+        for name, data in files.items():
+            (version / name).write_bytes(data)
+        staging = self.directory / "..data_tmp"
+        staging.symlink_to(version.name)
+        os.replace(staging, self.directory / "..data")  # the atomic swap
+        if old is not None:
+            shutil.rmtree(old)
+
+
+def server_files(pki: Pki, client_ca: bool = False) -> dict[str, bytes]:
+    """A Secret's data as cert-manager writes it: tls.crt, tls.key, and ca.crt."""
+    files = {"tls.crt": pki.server_cert.read_bytes(), "tls.key": pki.server_key.read_bytes()}
+    if client_ca:
+        files["ca.crt"] = pki.ca_cert.read_bytes()
+    return files

@@ -82,6 +82,18 @@ def test_load_format_is_passed_to_the_shard_only(model_dir: Path) -> None:
     assert "--load-format" not in shard_argv("tgs", resolved(model_dir, load_format="auto"))
 
 
+def test_shutdown_grace_period_is_passed_only_when_set(model_dir: Path) -> None:
+    assert "--shutdown-grace-period" not in router_argv("tgr", resolved(model_dir), Path("/t"))
+    argv = router_argv("tgr", resolved(model_dir, shutdown_grace_period=110.0), Path("/t"))
+    assert argv[argv.index("--shutdown-grace-period") + 1] == "110.0"
+
+
+def test_json_output_reaches_the_shards_through_the_environment(model_dir: Path) -> None:
+    """The shard has no --json-output flag; tgis.log reads JSON_OUTPUT."""
+    assert "JSON_OUTPUT" not in shard_env(resolved(model_dir), 0, {})
+    assert shard_env(resolved(model_dir, json_output=True), 0, {})["JSON_OUTPUT"] == "true"
+
+
 def test_service_name_only_with_endpoint(model_dir: Path) -> None:
     argv = router_argv("tgr", resolved(model_dir, otlp_service_name="svc"), Path("/t"))
     assert "--otlp-service-name" not in argv

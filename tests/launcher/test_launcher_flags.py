@@ -59,6 +59,7 @@ def test_defaults_are_tgis_defaults() -> None:
         "otlp_service_name": None,
         "shard_startup_timeout": 600.0,
         "load_format": "auto",
+        "shutdown_grace_period": None,  # the router's 25 s (TGIS: no such flag)
     }
 
 
@@ -73,7 +74,7 @@ def test_every_flag_from_the_command_line() -> None:
             "--tls-cert-path c --tls-key-path k --tls-client-ca-cert-path ca "
             "--output-special-tokens -c 0.5 --default-include-stop-seqs false "
             "--otlp-endpoint e --otlp-service-name s --shard-startup-timeout 30 "
-            "--load-format dummy --dry-run"
+            "--load-format dummy --shutdown-grace-period 12.5 --dry-run"
         )
     )
     assert dry_run
@@ -86,7 +87,7 @@ def test_every_flag_from_the_command_line() -> None:
         tls_cert_path="c", tls_key_path="k", tls_client_ca_cert_path="ca",
         output_special_tokens=True, cuda_process_memory_fraction=0.5,
         default_include_stop_seqs=False, otlp_endpoint="e", otlp_service_name="s",
-        shard_startup_timeout=30.0, load_format="dummy",
+        shard_startup_timeout=30.0, load_format="dummy", shutdown_grace_period=12.5,
     )  # fmt: skip
 
 
@@ -121,6 +122,7 @@ ENV = {
     "OTLP_SERVICE_NAME": "env-svc",
     "SHARD_STARTUP_TIMEOUT": "45",
     "LOAD_FORMAT": "dummy",
+    "SHUTDOWN_GRACE_PERIOD": "40",
 }
 
 
@@ -138,7 +140,7 @@ def test_every_flag_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
         tls_key_path="env-key", tls_client_ca_cert_path="env-ca", output_special_tokens=True,
         cuda_process_memory_fraction=0.8, default_include_stop_seqs=False,
         otlp_endpoint="env-otlp", otlp_service_name="env-svc", shard_startup_timeout=45.0,
-        load_format="dummy",
+        load_format="dummy", shutdown_grace_period=40.0,
     )  # fmt: skip
 
 

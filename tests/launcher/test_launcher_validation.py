@@ -205,6 +205,12 @@ CASES = [
         {},
         "shard_startup_timeout (0.0) must be > 0 seconds",
     ),
+    Case(
+        "shutdown-grace-period",
+        [],
+        {"SHUTDOWN_GRACE_PERIOD": "-1"},
+        "shutdown_grace_period (-1.0) must be in range 0 <= x < 86400",
+    ),
     Case("tls-cert-only", ["--tls-cert-path", "{file}"], {}, "tls: must provide both cert and key"),
     Case("tls-key-only", [], {"TLS_KEY_PATH": "{file}"}, "tls: must provide both cert and key"),
     Case(

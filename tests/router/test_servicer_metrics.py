@@ -46,6 +46,9 @@ class FakeContext:
         self.code, self.details = code, details
         raise Aborted(details)
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
 
 class FakeEngine:
     """Admits every input 10 ms after arrival and answers "a b" (EOS), or fails it."""

@@ -17,7 +17,13 @@ from tgis.launcher.commands import (
     shard_env,
     shard_socket_path,
 )
-from tgis.launcher.config import ConfigError, LauncherConfig, log_ignored_env, resolve
+from tgis.launcher.config import (
+    ConfigError,
+    LauncherConfig,
+    log_ignored_env,
+    resolve,
+    shutdown_grace_period,
+)
 from tgis.launcher.health import shard_is_ready
 from tgis.launcher.logs import setup_logging
 from tgis.launcher.output import OutputForwarder
@@ -25,6 +31,9 @@ from tgis.launcher.supervisor import ChildSpec, Supervisor
 from tgis.launcher.tokenizer import TokenizerFile, prepare_tokenizer
 from tgis.shard_api.channel import step_channel_path
 from tgis.termination import fail_startup, termination_log_path, write_termination_log
+
+ROUTER_STOP_MARGIN_S = 5.0
+"""After its grace period, how long the router may take to stop before it is killed."""
 
 
 def remove_sockets(paths: Sequence[str], log: logging.Logger, *, strict: bool) -> None:
@@ -101,7 +110,12 @@ def launch(flags: LauncherConfig, *, dry_run: bool = False) -> int:
     owned = [*sockets, *(step_channel_path(s) for s in sockets)]
     try:
         remove_sockets(owned, log, strict=True)
-        supervisor = Supervisor(log, OutputForwarder(flags.json_output))
+        supervisor = Supervisor(
+            log,
+            OutputForwarder(flags.json_output),
+            # The router drains for the grace period, then needs a moment to stop.
+            router_stop_timeout=shutdown_grace_period(flags) + ROUTER_STOP_MARGIN_S,
+        )
         outcome = supervisor.run(
             shards,
             router,

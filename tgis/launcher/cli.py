@@ -204,8 +204,18 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
     type=StrictBool(),
     help="Default of include_stop_sequence (takes a value: true/false).",
 )
-@_option("--otlp-endpoint", envvar="OTLP_ENDPOINT", help="OpenTelemetry OTLP/gRPC endpoint.")
-@_option("--otlp-service-name", envvar="OTLP_SERVICE_NAME")
+@_option(
+    "--otlp-endpoint",
+    envvar="OTLP_ENDPOINT",
+    help="OpenTelemetry OTLP/gRPC collector (e.g. http://otel-collector:4317): the router "
+    "exports a span per request with validation, queue and inference spans.",
+)
+@_option(
+    "--otlp-service-name",
+    envvar="OTLP_SERVICE_NAME",
+    help="service.name of the router's spans (default: OTEL_SERVICE_NAME, else "
+    "text-generation-inference.router).",
+)
 @_option(
     "--shard-startup-timeout",
     envvar="SHARD_STARTUP_TIMEOUT",
@@ -218,6 +228,14 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
     help="auto: read the model's safetensors weights; dummy: random weights created on the "
     "device from config.json alone, for benchmarks without the real weights (native models "
     "only; the tokenizer is still needed).",
+)
+@_option(
+    "--shutdown-grace-period",
+    envvar="SHUTDOWN_GRACE_PERIOD",
+    type=float,
+    help="Seconds in-flight requests may run after SIGTERM while new ones are refused and "
+    "health reports NOT_SERVING (default 25: Kubernetes' terminationGracePeriodSeconds of 30 "
+    "less a margin; raise both together).",
 )
 @click.option(
     "--dry-run",

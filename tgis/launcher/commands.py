@@ -91,6 +91,8 @@ def shard_env(cfg: ResolvedConfig, rank: int, base: Mapping[str, str]) -> dict[s
         TORCH_NCCL_AVOID_RECORD_STREAMS="1",
         SAFETENSORS_FAST_GPU="1",
     )
+    if cfg.flags.json_output:  # the shard has no flag for it; tgis.log reads the variable
+        env["JSON_OUTPUT"] = "true"
     alloc_conf = base.get("PYTORCH_CUDA_ALLOC_CONF")
     if alloc_conf is None:
         env["PYTORCH_CUDA_ALLOC_CONF"] = DEFAULT_PYTORCH_CUDA_ALLOC_CONF
@@ -146,6 +148,8 @@ def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list
         argv.append("--output-special-tokens")
     if flags.default_include_stop_seqs:
         argv.append("--default-include-stop-seqs")
+    if flags.shutdown_grace_period is not None:
+        argv += ["--shutdown-grace-period", str(flags.shutdown_grace_period)]
     if flags.otlp_endpoint:
         argv += ["--otlp-endpoint", flags.otlp_endpoint]
         if flags.otlp_service_name:

@@ -16,7 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from tgis.model_files import ModelNotFoundError, resolve_model_dir
-from tgis.router.config import DEFAULT_MAX_BATCH_PREFILL_TOKENS, check_batching
+from tgis.router.config import (
+    DEFAULT_MAX_BATCH_PREFILL_TOKENS,
+    DEFAULT_SHUTDOWN_GRACE_S,
+    check_batching,
+)
 from tgis.shard.config import LOAD_FORMATS
 
 DEPLOYMENT_FRAMEWORKS = (
@@ -110,6 +114,7 @@ class LauncherConfig:
     otlp_service_name: str | None = None
     shard_startup_timeout: float = 600.0
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
+    shutdown_grace_period: float | None = None  # router default: DEFAULT_SHUTDOWN_GRACE_S
 
 
 def default_of(name: str) -> Any:
@@ -220,6 +225,9 @@ def validate_limits(flags: LauncherConfig) -> None:
             raise ConfigError(f"{name} ({value}) must be in range 1..65535")
     if flags.port == flags.grpc_port:
         raise ConfigError(f"port and grpc_port must differ (both {flags.port})")
+    grace = flags.shutdown_grace_period
+    if grace is not None and not 0.0 <= grace < 86400.0:
+        raise ConfigError(f"shutdown_grace_period ({grace}) must be in range 0 <= x < 86400")
     if not flags.shard_startup_timeout > 0:
         raise ConfigError(
             f"shard_startup_timeout ({flags.shard_startup_timeout}) must be > 0 seconds"
@@ -249,6 +257,12 @@ def effective_max_batch_prefill_tokens(flags: LauncherConfig) -> int | None:
     if flags.max_batch_total_tokens is not None:
         return min(DEFAULT_MAX_BATCH_PREFILL_TOKENS, flags.max_batch_total_tokens)
     return None
+
+
+def shutdown_grace_period(flags: LauncherConfig) -> float:
+    """Seconds the router lets in-flight requests run after SIGTERM."""
+    grace = flags.shutdown_grace_period
+    return DEFAULT_SHUTDOWN_GRACE_S if grace is None else grace
 
 
 def validate_tls(flags: LauncherConfig) -> None:

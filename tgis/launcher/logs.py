@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-import sys
 
-from tgis.log import JsonFormatter, log_level, utc_timestamp
+from tgis.log import setup_logging as setup_process_logging
+from tgis.log import utc_timestamp
 
 __all__ = ["LOGGER_NAME", "get_logger", "setup_logging", "utc_timestamp"]
 
@@ -18,14 +18,10 @@ def get_logger() -> logging.Logger:
 
 
 def setup_logging(json_output: bool) -> logging.Logger:
-    """Log to stderr at LOG_LEVEL (default info); return the launcher's logger."""
-    handler = logging.StreamHandler(sys.stderr)
-    if json_output:
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s launcher: %(message)s"))
+    """Log to stderr at LOG_LEVEL (default info), every logger of the process alike (the
+    root handler, uncaught exceptions included); return the launcher's logger."""
+    setup_process_logging(json_output, "launcher")
     log = get_logger()
-    log.handlers[:] = [handler]
-    log.setLevel(log_level())
-    log.propagate = False
+    log.handlers.clear()
+    log.propagate = True
     return log

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import click
 
 from tgis.log import setup_logging
-from tgis.router.config import RouterConfig, TlsConfig
+from tgis.router.config import (
+    DEFAULT_OTLP_SERVICE_NAME,
+    DEFAULT_SHUTDOWN_GRACE_S,
+    RouterConfig,
+    TlsConfig,
+    TracingConfig,
+)
 from tgis.termination import fail_startup
+
+log = logging.getLogger(__name__)
 
 
 def _default_tokenization_workers() -> int:
@@ -100,8 +109,26 @@ def _default_tokenization_workers() -> int:
 @click.option("--tls-client-ca-cert-path", envvar="TLS_CLIENT_CA_CERT_PATH")
 @click.option("--output-special-tokens", envvar="OUTPUT_SPECIAL_TOKENS", is_flag=True)
 @click.option("--default-include-stop-seqs", envvar="DEFAULT_INCLUDE_STOP_SEQS", is_flag=True)
-@click.option("--otlp-endpoint", envvar="OTLP_ENDPOINT", help="Accepted; tracing comes later.")
-@click.option("--otlp-service-name", envvar="OTEL_SERVICE_NAME")
+@click.option(
+    "--otlp-endpoint",
+    envvar=["OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"],
+    help="OpenTelemetry OTLP/gRPC collector, e.g. http://otel-collector:4317 (needs "
+    "`pip install 'tgis[otel]'`).",
+)
+@click.option(
+    "--otlp-service-name",
+    envvar="OTEL_SERVICE_NAME",
+    default=DEFAULT_OTLP_SERVICE_NAME,
+    help="service.name of the spans.",
+)
+@click.option(
+    "--shutdown-grace-period",
+    envvar="SHUTDOWN_GRACE_PERIOD",
+    type=float,
+    default=DEFAULT_SHUTDOWN_GRACE_S,
+    help="Seconds in-flight requests may run after SIGTERM (new ones get UNAVAILABLE and "
+    "health reports NOT_SERVING meanwhile).",
+)
 @click.option("--shard-connect-timeout", envvar="SHARD_CONNECT_TIMEOUT", default=60.0)
 @click.option(
     "--pipeline-depth",
@@ -136,7 +163,8 @@ def main(
     output_special_tokens: bool,
     default_include_stop_seqs: bool,
     otlp_endpoint: str | None,
-    otlp_service_name: str | None,
+    otlp_service_name: str,
+    shutdown_grace_period: float,
     shard_connect_timeout: float,
     pipeline_depth: int,
 ) -> None:
@@ -182,6 +210,12 @@ def main(
             default_include_stop_seqs=default_include_stop_seqs,
             shard_connect_timeout=shard_connect_timeout,
             pipeline_depth=pipeline_depth,
+            tracing=(
+                TracingConfig(endpoint=otlp_endpoint, service_name=otlp_service_name)
+                if otlp_endpoint
+                else None
+            ),
+            shutdown_grace_period=shutdown_grace_period,
         )
     except ValueError as err:
         fail_startup(str(err))
@@ -194,3 +228,8 @@ def main(
         fail_startup(str(err))
     except ShardError as err:
         fail_startup(f"Could not connect to server: {err.detail}")
+    except OSError as err:  # e.g. the HTTP port is taken
+        log.debug("fatal error", exc_info=True)
+        fail_startup(f"{type(err).__name__}: {err}")
+    # Anything else is a bug: tgis.log's hook logs its traceback (one record) and writes
+    # the termination log.

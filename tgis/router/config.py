@@ -14,6 +14,11 @@ DEFAULT_MAX_BATCH_PREFILL_TOKENS_CPU = 512
 DEFAULT_MAX_WAITING_TOKENS = 24
 DEFAULT_WAITING_SERVED_RATIO = 1.2
 """TGIS's joining rule, applied when either of its flags is set."""
+DEFAULT_SHUTDOWN_GRACE_S = 25.0
+"""How long in-flight requests may run after SIGTERM: Kubernetes' default
+terminationGracePeriodSeconds (30) less a margin for stopping the processes."""
+DEFAULT_OTLP_SERVICE_NAME = "text-generation-inference.router"
+"""TGIS's OpenTelemetry service.name for the router."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,6 +28,14 @@ class TlsConfig:
     cert_path: str
     key_path: str
     client_ca_path: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TracingConfig:
+    """OpenTelemetry: spans exported with OTLP/gRPC to ``endpoint``."""
+
+    endpoint: str
+    service_name: str = DEFAULT_OTLP_SERVICE_NAME
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +80,9 @@ class RouterConfig:
     shard_connect_timeout: float = 60.0
     pipeline_depth: int = 2
     """Steps in flight: 2 overlaps the router's work with the shard's, 1 is the serial loop."""
+    tracing: TracingConfig | None = None
+    shutdown_grace_period: float = DEFAULT_SHUTDOWN_GRACE_S
+    """Seconds in-flight requests may run after SIGTERM (new ones are refused meanwhile)."""
 
     @property
     def effective_max_batch_size(self) -> int:
@@ -129,6 +145,11 @@ class RouterConfig:
             )
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError("max_batch_size must be > 0")
+        if not 0.0 <= self.shutdown_grace_period < 86400.0:
+            raise ValueError(
+                f"shutdown_grace_period ({self.shutdown_grace_period}) must be in range "
+                "0 <= x < 86400"
+            )
         check_batching(
             max_sequence_length=self.max_sequence_length,
             max_waiting_tokens=self.max_waiting_tokens,

@@ -37,6 +37,7 @@ from tgis.router.block_allocator import BlockAllocator
 from tgis.router.detokenizer import IncrementalDetokenizer
 from tgis.router.errors import GenerationError
 from tgis.router.metrics import Metrics, step_method
+from tgis.router.request_context import current_correlation_id, request_log_extra
 from tgis.router.request_state import RequestState
 from tgis.router.request_types import ValidatedRequest
 from tgis.router.scheduler import (
@@ -112,6 +113,8 @@ class Engine:
                 continuation=not self.info.is_seq2seq,
             ),
             stop_checker=StopChecker(request.stopping, self.info.eos_token_ids),
+            # submit runs in the RPC's task: the id bound there (request_context.py)
+            correlation_id=current_correlation_id(),
         )
         self.scheduler.add(state)
         self.metrics.set_queue_size(len(self.scheduler.waiting))
@@ -247,6 +250,13 @@ class Engine:
 
     def _emit(self, update: StepUpdate) -> None:
         for state, event in update.events:
+            if isinstance(event, BaseException):
+                log.error(
+                    "request %d failed: %s",
+                    state.request_id,
+                    event,
+                    extra=request_log_extra(state.correlation_id, state.request_id),
+                )
             state.emit(event)
         metrics = self.metrics
         for seconds in update.time_to_first_token:
@@ -292,7 +302,12 @@ class Engine:
         if state is None:
             return False
         capacity = scheduler.allocator.num_blocks
-        log.error("request %d cannot fit in %d KV blocks", state.request_id, capacity)
+        log.error(
+            "request %d cannot fit in %d KV blocks",
+            state.request_id,
+            capacity,
+            extra=request_log_extra(state.correlation_id, state.request_id),
+        )
         update = StepUpdate()
         scheduler.fail(
             state, GenerationError(f"the request needs more than the {capacity} KV blocks"), update

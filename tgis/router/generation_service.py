@@ -3,27 +3,36 @@
 Generate: permits -> convert + validate params -> tokenize + validate each input ->
 Engine.submit per input -> wait for every input's final event -> one response per input.
 GenerateStream: the same for one input, yielding a message per event (spec §3.2).
+Around both: refused with UNAVAILABLE while draining (drain.py); the x-correlation-id is
+bound to the call's task for every log line (request_context.py); spans when tracing is
+on (tracing.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from contextvars import Token
 from typing import Any
 
 import grpc
 
+from tgis.log import bind_log_fields, reset_log_fields
 from tgis.pb import generation_pb2, generation_pb2_grpc
 from tgis.router.concurrency import ConcurrencyLimiter
+from tgis.router.drain import SHUTTING_DOWN_MESSAGE, Drain
 from tgis.router.engine import Engine
 from tgis.router.errors import GenerationError, RouterError, ValidationError
 from tgis.router.limits import enforce_client_batch_size
 from tgis.router.metrics import Metrics
+from tgis.router.request_context import correlation_id
 from tgis.router.request_state import Event, InputTokensEvent, RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
 from tgis.router.tokenization import RouterTokenizer
+from tgis.router.tracing import RequestSpan, Tracing
 from tgis.router.validation import ServerLimits, convert_params, validate_inputs, validate_params
 from tgis.shard_api.messages import TokenDetail
 
@@ -43,7 +52,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         metrics: Metrics,
         default_include_stop_seqs: bool,
         is_seq2seq: bool,
+        drain: Drain | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
+        self.drain = drain if drain is not None else Drain()
+        self.tracing = tracing
         self.engine = engine
         self.tokenizer = tokenizer
         self.limits = limits
@@ -58,6 +71,50 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.BatchedGenerationRequest, context: grpc.aio.ServicerContext
     ) -> pb.BatchedGenerationResponse:
         arrival = time.monotonic()
+        await self._enter(context)
+        metadata = context.invocation_metadata()
+        correlation = correlation_id(metadata)
+        fields = bind_log_fields(correlation_id=correlation)
+        trace = None
+        if self.tracing is not None:
+            trace = self.tracing.start("Generate", metadata, correlation, arrival)
+        error: BaseException | None = None
+        try:
+            return await self._generate(request, context, arrival, trace)
+        except BaseException as err:
+            error = err
+            raise
+        finally:
+            self._leave(fields, trace, error, context)
+
+    async def GenerateStream(
+        self, request: pb.SingleGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerationResponse]:
+        arrival = time.monotonic()
+        await self._enter(context)
+        metadata = context.invocation_metadata()
+        correlation = correlation_id(metadata)
+        fields = bind_log_fields(correlation_id=correlation)
+        trace = None
+        if self.tracing is not None:
+            trace = self.tracing.start("GenerateStream", metadata, correlation, arrival)
+        error: BaseException | None = None
+        try:
+            async for message in self._generate_stream(request, context, arrival, trace):
+                yield message
+        except BaseException as err:
+            error = err
+            raise
+        finally:
+            self._leave(fields, trace, error, context)
+
+    async def _generate(
+        self,
+        request: pb.BatchedGenerationRequest,
+        context: grpc.aio.ServicerContext,
+        arrival: float,
+        trace: RequestSpan | None,
+    ) -> pb.BatchedGenerationResponse:
         count = len(request.requests)
         kind = "single" if count == 1 else "batch"
         self.metrics.request_received(kind, count)
@@ -71,12 +128,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 request, [r.text for r in request.requests], arrival, context
             )
             states = [self.engine.submit(v, arrival) for v in validated]
+            if trace is not None:
+                trace.validated(states, time.monotonic())
             responses = await _all_or_nothing(
                 [self._collect_unary(s, kind, arrival, i, count) for i, s in enumerate(states)]
             )
             return pb.BatchedGenerationResponse(responses=responses)
         except GenerationError as err:
             self.metrics.request_failure("generate")
+            log.error("Request failed: %s", err)
             await context.abort(grpc.StatusCode.UNKNOWN, str(err))
             raise  # unreachable: abort raises
         finally:
@@ -84,10 +144,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 self.engine.abort(state)
             self.limiter.release(count)
 
-    async def GenerateStream(
-        self, request: pb.SingleGenerationRequest, context: grpc.aio.ServicerContext
+    async def _generate_stream(
+        self,
+        request: pb.SingleGenerationRequest,
+        context: grpc.aio.ServicerContext,
+        arrival: float,
+        trace: RequestSpan | None,
     ) -> AsyncIterator[pb.GenerationResponse]:
-        arrival = time.monotonic()
         self.metrics.request_received("stream", 1)
         await self._acquire(1, context)
         state: RequestState | None = None
@@ -96,6 +159,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing request")
             (validated,) = await self._validate(request, [request.request.text], arrival, context)
             state = self.engine.submit(validated, arrival)
+            if trace is not None:
+                trace.validated((state,), time.monotonic())
             async for message in self._stream(state, validated, arrival):
                 yield message
         except GenerationError as err:
@@ -148,6 +213,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         )
 
     # ---- steps of a generate call -------------------------------------------------------------
+
+    async def _enter(self, context: grpc.aio.ServicerContext) -> None:
+        """Count the call in, or refuse it while the server drains (SIGTERM)."""
+        if not self.drain.enter():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
+
+    def _leave(
+        self,
+        fields: Token[Mapping[str, object]],
+        trace: RequestSpan | None,
+        error: BaseException | None,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        self.drain.exit()
+        if trace is not None:
+            trace.finish(_failure(error, context))
+        with contextlib.suppress(ValueError):  # a generator closed from another context
+            reset_log_fields(fields)
 
     async def _acquire(self, count: int, context: grpc.aio.ServicerContext) -> None:
         if not self.limiter.try_acquire(count):
@@ -318,6 +401,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             len(output.encode()),
             output[:32],
         )
+
+
+def _failure(error: BaseException | None, context: grpc.aio.ServicerContext) -> str | None:
+    """How a call failed, for its span: the status it was aborted with, or the exception."""
+    if error is None or isinstance(error, GeneratorExit):  # GeneratorExit: closed at the end
+        return None
+    if isinstance(error, grpc.aio.AbortError):
+        try:
+            code = context.code()
+            return f"{getattr(code, 'name', code)}: {context.details()}"
+        except Exception:
+            pass
+    if isinstance(error, asyncio.CancelledError):
+        return "CANCELLED: the client went away"
+    return f"{type(error).__name__}: {error}"
 
 
 def _merge_queued(

@@ -1,4 +1,8 @@
-"""Plain HTTP on --port: GET /health (200 empty / 503 JSON) and GET /metrics (Prometheus text)."""
+"""Plain HTTP on --port: GET /health (200 empty / 503 JSON) and GET /metrics (Prometheus text).
+
+While the router drains after SIGTERM, /health answers 503 ``{"error":"shutting down"}`` at
+once (no generation check), so Kubernetes stops routing to the pod before it exits.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import logging
 
 from aiohttp import web
 
+from tgis.router.drain import Drain
 from tgis.router.health import GenerationHealth, HealthTimeoutError
 from tgis.router.metrics import Metrics
 
@@ -17,8 +22,12 @@ log = logging.getLogger(__name__)
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def build_app(health: GenerationHealth, metrics: Metrics) -> web.Application:
+def build_app(
+    health: GenerationHealth, metrics: Metrics, drain: Drain | None = None
+) -> web.Application:
     async def get_health(_: web.Request) -> web.Response:
+        if drain is not None and drain.draining:
+            return web.json_response({"error": "shutting down"}, status=503)
         try:
             healthy = await health.check()
         except HealthTimeoutError:
@@ -36,9 +45,11 @@ def build_app(health: GenerationHealth, metrics: Metrics) -> web.Application:
     return app
 
 
-async def start_http_server(port: int, health: GenerationHealth, metrics: Metrics) -> web.AppRunner:
+async def start_http_server(
+    port: int, health: GenerationHealth, metrics: Metrics, drain: Drain | None = None
+) -> web.AppRunner:
     """Listen on every interface, IPv4 and IPv6 (TGIS binds 0.0.0.0 only)."""
-    runner = web.AppRunner(build_app(health, metrics), access_log=None)
+    runner = web.AppRunner(build_app(health, metrics, drain), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host=None, port=port)
     await site.start()

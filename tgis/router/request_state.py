@@ -80,6 +80,8 @@ class RequestState:
     started_at: float | None = None
     """time.monotonic() when the request was first scheduled."""
     finish_reason: StopReason | None = None
+    correlation_id: str | None = None
+    """The client's x-correlation-id, for the engine's log lines about this request."""
 
     @property
     def prompt_length(self) -> int:

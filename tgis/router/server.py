@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,7 +14,8 @@ from grpc_reflection.v1alpha import reflection
 from tgis.pb import generation_pb2, generation_pb2_grpc
 from tgis.router.block_allocator import blocks_for
 from tgis.router.concurrency import ConcurrencyLimiter
-from tgis.router.config import RouterConfig, TlsConfig
+from tgis.router.config import RouterConfig
+from tgis.router.drain import Drain
 from tgis.router.engine import Engine
 from tgis.router.generation_service import GenerationServicer
 from tgis.router.health import LIVENESS_TEXT, GenerationHealth
@@ -22,7 +23,9 @@ from tgis.router.http_server import start_http_server
 from tgis.router.metrics import Metrics
 from tgis.router.scheduler import SchedulerLimits, kv_capacity_blocks
 from tgis.router.shard_client import ShardClient
+from tgis.router.tls import CertificateReloader, TlsError
 from tgis.router.tokenization import RouterTokenizer
+from tgis.router.tracing import Tracing, setup_tracing
 from tgis.router.validation import ServerLimits
 from tgis.shard_api.messages import ShardInfo
 
@@ -30,31 +33,18 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 _MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-SHUTDOWN_GRACE_S = 30.0
+STOP_GRACE_S = 2.0
+"""After the drain: how long the gRPC server lets the RPCs left (Tokenize, health) end."""
+TRACING_FLUSH_S = 3.0
+"""At exit: how long buffered spans may take to reach the collector."""
 
 
 class StartupError(Exception):
     """Configuration or environment problem found while starting; message is one line."""
 
 
-def _server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
-    def read(kind: str, path: str) -> bytes:
-        try:
-            return Path(path).read_bytes()
-        except OSError as err:
-            raise StartupError(f"couldn't load {kind} from {path}: {err.strerror}") from err
-
-    cert = read("cert", tls.cert_path)
-    key = read("key", tls.key_path)
-    client_ca = read("client ca cert", tls.client_ca_path) if tls.client_ca_path else None
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
-    )
-
-
-def _bind(server: grpc.aio.Server, port: int, tls: TlsConfig | None) -> None:
+def _bind(server: grpc.aio.Server, port: int, credentials: grpc.ServerCredentials | None) -> None:
     """Bind every interface, IPv6 and IPv4; TLS when configured (then no plaintext)."""
-    credentials = _server_credentials(tls) if tls else None
     for host in ("[::]", "0.0.0.0"):
         address = f"{host}:{port}"
         try:
@@ -84,11 +74,16 @@ def scheduler_limits(config: RouterConfig, info: ShardInfo) -> SchedulerLimits:
 
 
 class Router:
-    """Owns every long-lived router object; `run` serves until SIGTERM/SIGINT."""
+    """Owns every long-lived router object; `run` serves until SIGTERM/SIGINT, then drains:
+    health NOT_SERVING (gRPC) / 503 (HTTP) at once, new generation calls refused with
+    UNAVAILABLE, the calls in flight given up to ``shutdown_grace_period`` seconds (a second
+    signal cuts it short), then everything stops."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.tokenizer = RouterTokenizer(config.tokenizer_path, workers=config.tokenization_workers)
+        self.drain = Drain()
+        self.tracing: Tracing | None = None
         self._serving = False
         self._health_update: asyncio.Future[None] | None = None
 
@@ -96,6 +91,7 @@ class Router:
         config = self.config
         # grpc.aio objects bind to the running event loop: create them here, not in __init__.
         self.shard = ShardClient(config.shard_uds_path)
+        self.tracing = setup_tracing(config.tracing)
         self.health_servicer = health.aio.HealthServicer()
         await self.shard.wait_ready(config.shard_connect_timeout)
         await self.shard.reset()
@@ -170,6 +166,8 @@ class Router:
             metrics=metrics,
             default_include_stop_seqs=config.default_include_stop_seqs,
             is_seq2seq=info.is_seq2seq,
+            drain=self.drain,
+            tracing=self.tracing,
         )
         server = grpc.aio.server(
             options=[
@@ -183,7 +181,13 @@ class Router:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        _bind(server, config.grpc_port, config.tls)
+        credentials = None
+        if config.tls is not None:
+            try:
+                credentials = CertificateReloader(config.tls).credentials()
+            except TlsError as err:
+                raise StartupError(str(err)) from err
+        _bind(server, config.grpc_port, credentials)
         engine.start()
         await server.start()
         log.info(
@@ -192,19 +196,49 @@ class Router:
         health_check = GenerationHealth(
             engine, self.shard, tuple(self.tokenizer.encode(LIVENESS_TEXT))
         )
-        http = await start_http_server(config.port, health_check, metrics)
+        http = await start_http_server(config.port, health_check, metrics, self.drain)
         log.info("HTTP server started on port %d", config.port)
         warmup = asyncio.create_task(health_check.generate_one_token())
-        await _wait_for_signal()
-        log.info("shutting down: draining in-flight requests")
+        signals = _signal_event()
+        await signals.wait()
         warmup.cancel()
+        await self._drain(signals)
+        await server.stop(STOP_GRACE_S)
         await http.cleanup()
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.stop(SHUTDOWN_GRACE_S)
         await engine.stop()
         await self.shard.close()
         self.tokenizer.close()
+        if self.tracing is not None:
+            self.tracing.shutdown(TRACING_FLUSH_S)
         log.info("router stopped")
+
+    async def _drain(self, signals: asyncio.Event) -> None:
+        """Refuse new work, report NOT_SERVING, wait for the calls in flight."""
+        grace = self.config.shutdown_grace_period
+        self.drain.start()
+        await self.health_servicer.enter_graceful_shutdown()
+        log.info(
+            "shutting down: health NOT_SERVING, new requests refused, %d in flight given up "
+            "to %g s",
+            self.drain.active,
+            grace,
+        )
+        signals.clear()
+        idle = asyncio.ensure_future(self.drain.wait_idle(grace))
+        again = asyncio.ensure_future(signals.wait())
+        await asyncio.wait((idle, again), return_when=asyncio.FIRST_COMPLETED)
+        again.cancel()
+        if idle.done() and idle.result():
+            log.info("in-flight requests finished")
+            return
+        idle.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await idle
+        log.warning(
+            "%d requests still in flight after %s: cancelling them",
+            self.drain.active,
+            "a second signal" if signals.is_set() else f"the {grace:g} s grace period",
+        )
 
     def _mark_serving(self) -> None:
         if not self._serving:
@@ -218,9 +252,10 @@ class Router:
             await self.health_servicer.set(name, status)
 
 
-async def _wait_for_signal() -> None:
+def _signal_event() -> asyncio.Event:
+    """An event set by each SIGTERM / SIGINT."""
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    event = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, event.set)
+    return event
