@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import grpc
@@ -155,12 +156,31 @@ def test_length_penalty_conversion() -> None:
     alone = conv(make(decoding=pb.DecodingParameters(length_penalty=lp)))
     assert alone.sampling.length_penalty == LengthPenalty(8, 1.5)
     assert alone.sampling.repetition_penalty == 1.0
-    # TGIS dropped length_penalty without a repetition penalty, so an invalid one is accepted.
-    bad = pb.DecodingParameters.LengthPenalty(start_index=1, decay_factor=0.0)
-    p = make(decoding=pb.DecodingParameters(length_penalty=bad))
-    assert conv(p).sampling.length_penalty is None and error_of(p) is None
-    p = make(decoding=pb.DecodingParameters(repetition_penalty=1.1, length_penalty=bad))
-    assert error_of(p) == "length_penalty must be >= 1.0 and <= 10.0"
+    # Out of [1.0, 10.0] (0.0: present but unset) fails rule 8, with or without a repetition
+    # penalty.
+    for decay in (0.0, 0.99, 10.01, math.inf, math.nan):
+        bad = pb.DecodingParameters.LengthPenalty(start_index=1, decay_factor=decay)
+        p = make(decoding=pb.DecodingParameters(length_penalty=bad))
+        assert error_of(p) == LP_MSG, decay
+        p = make(decoding=pb.DecodingParameters(repetition_penalty=1.1, length_penalty=bad))
+        assert error_of(p) == LP_MSG, decay
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_floats_fail_validation(value: float) -> None:
+    """NaN and infinities in any float parameter: INVALID_ARGUMENT naming the field, before
+    anything is queued (TGIS let a NaN temperature through to fail inside the step)."""
+    cases = {
+        "temperature": make(method=pb.SAMPLE, sampling=pb.SamplingParameters(temperature=value)),
+        "top_p": make(method=pb.SAMPLE, sampling=pb.SamplingParameters(top_p=value)),
+        "typical_p": make(method=pb.SAMPLE, sampling=pb.SamplingParameters(typical_p=value)),
+        "repetition_penalty": make(decoding=pb.DecodingParameters(repetition_penalty=value)),
+    }
+    for name, params in cases.items():
+        assert error_of(params) == f"{name} must be a finite number", name
+    # GREEDY ignores the sampling fields, non-finite or not (TGIS's conversion).
+    greedy = make(method=pb.GREEDY, sampling=pb.SamplingParameters(temperature=value))
+    assert error_of(greedy) is None
 
 
 def test_top_k_above_i32_max_becomes_negative() -> None:

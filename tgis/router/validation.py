@@ -14,6 +14,7 @@ caller; :func:`prefix_lookup_error` and :func:`tokenizer_validation_error` build
 
 from __future__ import annotations
 
+import math
 import secrets
 import struct
 from collections.abc import Sequence
@@ -106,7 +107,13 @@ def _stop_sequences_message(limits: ServerLimits) -> str:
 
 
 def _decay_factor_ok(decay_factor: float) -> bool:
+    """In [1.0, 10.0] (NaN is not)."""
     return _MIN_DECAY_FACTOR <= decay_factor <= _MAX_DECAY_FACTOR
+
+
+def _require_finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValidationError(f"{name} must be a finite number")
 
 
 def convert_params(
@@ -125,10 +132,8 @@ def convert_params(
     mode every ``sampling`` field, including the seed, is ignored. ``top_k`` is cast to i32
     like TGIS, so values above 2^31-1 become negative and fail rule 4.
 
-    ``length_penalty``: TGIS only copies it when ``repetition_penalty`` is non-zero. Here a
-    length penalty with a valid ``decay_factor`` is always honoured (the proto promises it); an
-    invalid one sent without a repetition penalty is dropped silently, as TGIS did, so no
-    request that TGIS accepted is rejected.
+    ``length_penalty``: copied whenever present, so a ``decay_factor`` outside [1.0, 10.0]
+    (0.0 when the field is present but unset) fails rule 8, as in TGIS.
     """
     if pb is None:
         return GenerationParams(
@@ -160,8 +165,7 @@ def convert_params(
                 start_index=d.length_penalty.start_index,
                 decay_factor=d.length_penalty.decay_factor,
             )
-            if d.repetition_penalty != 0.0 or _decay_factor_ok(lp.decay_factor):
-                length_penalty = lp
+            length_penalty = lp
 
     stopping = StoppingParams(include_stop_sequence=default_include_stop_seqs)
     if pb.HasField("stopping"):
@@ -223,13 +227,17 @@ def validate_params(params: GenerationParams, limits: ServerLimits) -> None:
     s = params.sampling
     st = params.stopping
     r = params.response
-    # 1
+    # 1 (NaN and infinities pass TGIS's comparisons and fail later, inside a step: here
+    # every float parameter must be finite, checked where its rule is)
+    _require_finite("temperature", s.temperature)
     if s.temperature != 0.0 and s.temperature < _MIN_TEMPERATURE:
         raise ValidationError("temperature must be >= 0.05")
     # 2
+    _require_finite("top_p", s.top_p)
     if s.top_p <= 0.0 or s.top_p > 1.0:
         raise ValidationError("top_p must be > 0.0 and <= 1.0")
     # 3
+    _require_finite("typical_p", s.typical_p)
     if s.typical_p > 1.0:
         raise ValidationError("typical_p must be <= 1.0")
     # 4 (only reachable through the u32 -> i32 overflow; the message is TGIS's)
@@ -242,6 +250,7 @@ def validate_params(params: GenerationParams, limits: ServerLimits) -> None:
     if st.min_new_tokens > st.max_new_tokens:
         raise ValidationError("min_new_tokens must be <= max_new_tokens")
     # 7
+    _require_finite("repetition_penalty", s.repetition_penalty)
     if s.repetition_penalty <= 0.0:
         raise ValidationError("repetition_penalty must be > 0.0")
     # 8
