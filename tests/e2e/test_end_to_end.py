@@ -199,6 +199,8 @@ def test_cancelled_stream_is_dropped_and_the_server_carries_on(
 
 
 def test_grpcurl_all_rpcs_via_reflection(server: LauncherProcess) -> None:
+    """Reflected descriptors carry json_name, so grpcurl prints camelCase names, as against
+    TGIS and as with -proto (tests/e2e/test_clients.py)."""
     target = server.grpc_target
     services = subprocess.run(
         [GRPCURL, "-plaintext", target, "list"], capture_output=True, text=True, check=True
@@ -215,8 +217,8 @@ def test_grpcurl_all_rpcs_via_reflection(server: LauncherProcess) -> None:
         },
     )
     (response,) = generated["responses"]
-    assert response["generated_token_count"] == 5
-    assert response["stop_reason"] == "MAX_TOKENS"
+    assert response["generatedTokenCount"] == 5
+    assert response["stopReason"] == "MAX_TOKENS"
     assert response["text"]
 
     result = subprocess.run(
@@ -239,19 +241,19 @@ def test_grpcurl_all_rpcs_via_reflection(server: LauncherProcess) -> None:
         message, pos = decoder.raw_decode(text, pos)
         messages.append(message)
         pos += len(text[pos:]) - len(text[pos:].lstrip())
-    assert messages[0]["input_token_count"] > 0
-    assert messages[-1]["stop_reason"] in ("MAX_TOKENS", "EOS_TOKEN")
+    assert messages[0]["inputTokenCount"] > 0
+    assert messages[-1]["stopReason"] in ("MAX_TOKENS", "EOS_TOKEN")
 
     tokenized = grpcurl(
         target,
         "fmaas.GenerationService/Tokenize",
         {"requests": [{"text": "Hello world"}], "returnTokens": True},
     )
-    assert tokenized["responses"][0]["token_count"] == len(tokenized["responses"][0]["tokens"])
+    assert tokenized["responses"][0]["tokenCount"] == len(tokenized["responses"][0]["tokens"])
 
     info = grpcurl(target, "fmaas.GenerationService/ModelInfo", {})
-    assert info["max_sequence_length"] > 0
-    assert info.get("model_kind", "DECODER_ONLY") == "DECODER_ONLY"
+    assert info["maxSequenceLength"] > 0
+    assert info.get("modelKind", "DECODER_ONLY") == "DECODER_ONLY"
 
     health = grpcurl(target, "grpc.health.v1.Health/Check", {})
     assert health["status"] == "SERVING"

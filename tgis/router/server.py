@@ -9,7 +9,6 @@ import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from tgis.pb import generation_pb2, generation_pb2_grpc
 from tgis.router.block_allocator import blocks_for
@@ -21,6 +20,7 @@ from tgis.router.generation_service import GenerationServicer
 from tgis.router.health import LIVENESS_TEXT, GenerationHealth
 from tgis.router.http_server import start_http_server
 from tgis.router.metrics import Metrics
+from tgis.router.reflection import enable_reflection
 from tgis.router.scheduler import SchedulerLimits, kv_capacity_blocks
 from tgis.router.shard_client import ShardClient
 from tgis.router.tls import CertificateReloader, TlsError
@@ -178,8 +178,10 @@ class Router:
         generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        enable_reflection(
+            server,
+            (SERVICE_NAME, health.SERVICE_NAME),
+            (generation_pb2.DESCRIPTOR, health_pb2.DESCRIPTOR),
         )
         credentials = None
         if config.tls is not None:
