@@ -1,16 +1,21 @@
-"""Router errors carry the gRPC status code and the exact client-visible message (§1.11)."""
+"""Router errors carry the gRPC status code and the exact client-visible message (§1.11), and
+`abort` is the one place they become a status."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
+import pytest
 
 from tgis.router.errors import (
-    DetokenizationError,
     GenerationError,
     OverloadedError,
     RouterError,
     TokenizationError,
+    UnavailableError,
     ValidationError,
+    abort,
 )
 
 
@@ -23,9 +28,9 @@ def test_codes_and_messages() -> None:
          "Server too busy"),
         (GenerationError("GPU out of memory"), grpc.StatusCode.UNKNOWN,
          "Request failed during generation: GPU out of memory"),
-        (DetokenizationError("Unsupported tokenizer type: X"), grpc.StatusCode.UNKNOWN,
-         "Request failed during detokenization: Unsupported tokenizer type: X"),
         (TokenizationError("bad input"), grpc.StatusCode.UNKNOWN, "bad input"),
+        (UnavailableError("Server is shutting down"), grpc.StatusCode.UNAVAILABLE,
+         "Server is shutting down"),
     ]  # fmt: skip
     for err, code, message in cases:
         assert err.code == code
@@ -33,10 +38,29 @@ def test_codes_and_messages() -> None:
         assert isinstance(err, RouterError) and isinstance(err, Exception)
 
 
-def test_generation_error_keeps_the_detail_and_wraps_detokenization_errors() -> None:
-    inner = DetokenizationError("boom")
-    outer = GenerationError(str(inner))
-    assert outer.detail == "Request failed during detokenization: boom"
-    assert outer.message == (
-        "Request failed during generation: Request failed during detokenization: boom"
-    )
+def test_generation_error_keeps_the_detail() -> None:
+    err = GenerationError("step failed: boom")
+    assert err.detail == "step failed: boom"
+    assert err.message == "Request failed during generation: step failed: boom"
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What grpc.aio's ServicerContext.abort does: record the status and raise."""
+
+    def __init__(self) -> None:
+        self.status: tuple[grpc.StatusCode, str] | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.status = (code, details)
+        raise _Aborted
+
+
+def test_abort_sends_the_errors_status_and_message() -> None:
+    context = _Context()
+    with pytest.raises(_Aborted):
+        asyncio.run(abort(context, OverloadedError()))  # type: ignore[arg-type]
+    assert context.status == (grpc.StatusCode.RESOURCE_EXHAUSTED, "Model is overloaded")

@@ -10,11 +10,11 @@ import pytest
 
 from tgis.pb import generation_pb2 as pb
 from tgis.router.errors import ValidationError
+from tgis.router.public_api import convert_params
 from tgis.router.request_types import GenerationParams, LengthPenalty
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.validation import (
     ServerLimits,
-    convert_params,
     prefix_lookup_error,
     tokenizer_validation_error,
     validate_input,

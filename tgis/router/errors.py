@@ -1,22 +1,23 @@
-"""Errors the router turns into gRPC statuses (spec §1.11, §2).
+"""Errors the router turns into gRPC statuses (spec §1.11, §2), and the one place it does.
 
-Each exception carries the gRPC status code and the exact message a client sees; the servicer
-only has to call ``context.abort(err.code, err.message)``.
+Each exception class carries its gRPC status code and each instance the exact message a
+client sees; every refusal or failure of an RPC goes through :func:`abort`.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 import grpc
 
 __all__ = [
-    "DetokenizationError",
     "GenerationError",
     "OverloadedError",
     "RouterError",
     "TokenizationError",
+    "UnavailableError",
     "ValidationError",
+    "abort",
 ]
 
 
@@ -66,19 +67,10 @@ class GenerationError(RouterError):
         self.detail = detail
 
 
-class DetokenizationError(RouterError):
-    """Decoding output ids to text failed: ``UNKNOWN``,
-    ``Request failed during detokenization: <detail>``.
+class UnavailableError(RouterError):
+    """The server is draining (SIGTERM): ``UNAVAILABLE``, so clients retry elsewhere."""
 
-    Inside the batching loop it is wrapped again in a :class:`GenerationError`
-    (``GenerationError(str(err))``), as TGIS does.
-    """
-
-    code = grpc.StatusCode.UNKNOWN
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(f"Request failed during detokenization: {detail}")
-        self.detail = detail
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class TokenizationError(RouterError):
@@ -90,3 +82,9 @@ class TokenizationError(RouterError):
     """
 
     code = grpc.StatusCode.UNKNOWN
+
+
+async def abort(context: grpc.aio.ServicerContext, error: RouterError) -> NoReturn:
+    """End the RPC with ``error``'s status code and message (raises grpc's AbortError)."""
+    await context.abort(error.code, error.message)
+    raise AssertionError("grpc.aio's abort returned")  # it raises

@@ -22,10 +22,19 @@ import grpc
 
 from tgis.log import bind_log_fields, reset_log_fields
 from tgis.pb import generation_pb2, generation_pb2_grpc
+from tgis.router import public_api as api
 from tgis.router.concurrency import ConcurrencyLimiter
 from tgis.router.drain import SHUTTING_DOWN_MESSAGE, Drain
 from tgis.router.engine import Engine
-from tgis.router.errors import GenerationError, RouterError, ValidationError
+from tgis.router.errors import (
+    GenerationError,
+    OverloadedError,
+    RouterError,
+    TokenizationError,
+    UnavailableError,
+    ValidationError,
+    abort,
+)
 from tgis.router.limits import enforce_client_batch_size
 from tgis.router.metrics import Metrics
 from tgis.router.request_context import correlation_id
@@ -33,8 +42,7 @@ from tgis.router.request_state import Event, InputTokensEvent, RequestState, Tok
 from tgis.router.request_types import StopReason, ValidatedRequest
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.tracing import RequestSpan, Tracing
-from tgis.router.validation import ServerLimits, convert_params, validate_inputs, validate_params
-from tgis.shard_api.messages import TokenDetail
+from tgis.router.validation import ServerLimits, validate_inputs, validate_params
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +127,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         kind = "single" if count == 1 else "batch"
         self.metrics.request_received(kind, count)
         if count == 0:
-            return pb.BatchedGenerationResponse()
+            return api.batched_response(())
         await enforce_client_batch_size(count, self.limits, context, self.metrics)
         await self._acquire(count, context)
         states: list[RequestState] = []
@@ -133,12 +141,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             responses = await _all_or_nothing(
                 [self._collect_unary(s, kind, arrival, i, count) for i, s in enumerate(states)]
             )
-            return pb.BatchedGenerationResponse(responses=responses)
+            return api.batched_response(responses)
         except GenerationError as err:
             self.metrics.request_failure("generate")
             log.error("Request failed: %s", err)
-            await context.abort(grpc.StatusCode.UNKNOWN, str(err))
-            raise  # unreachable: abort raises
+            await abort(context, err)
         finally:
             for state in states:
                 self.engine.abort(state)
@@ -156,7 +163,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         state: RequestState | None = None
         try:
             if not request.HasField("request"):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "missing request")
+                await abort(context, ValidationError("missing request"))
             (validated,) = await self._validate(request, [request.request.text], arrival, context)
             state = self.engine.submit(validated, arrival)
             if trace is not None:
@@ -166,7 +173,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except GenerationError as err:
             self.metrics.request_failure("generate")
             log.error("Streaming response failed: %s", err)
-            await context.abort(grpc.StatusCode.UNKNOWN, str(err))
+            await abort(context, err)
         finally:
             if state is not None:
                 self.engine.abort(state)
@@ -185,29 +192,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 truncate=request.truncate_input_tokens,
             )
         except Exception as err:  # a tokenizer failure is the caller's input problem
-            await context.abort(grpc.StatusCode.UNKNOWN, str(err))
-            raise
-        responses = [
-            pb.TokenizeResponse(
-                token_count=r.token_count,
-                tokens=r.tokens,
-                offsets=[pb.TokenizeResponse.Offset(start=s, end=e) for s, e in r.offsets],
-            )
-            for r in results
-        ]
+            await abort(context, TokenizationError(str(err)))
         self.metrics.tokenize_done(sum(r.token_count for r in results), time.monotonic() - started)
-        return pb.BatchedTokenizeResponse(responses=responses)
+        return api.tokenize_response(results)
 
     async def ModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfoResponse:
-        kind = (
-            pb.ModelInfoResponse.ENCODER_DECODER
-            if self.is_seq2seq
-            else pb.ModelInfoResponse.DECODER_ONLY
-        )
-        return pb.ModelInfoResponse(
-            model_kind=kind,
+        return api.model_info_response(
+            is_seq2seq=self.is_seq2seq,
             max_sequence_length=self.limits.max_sequence_length,
             max_new_tokens=self.limits.max_new_tokens,
         )
@@ -217,7 +210,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def _enter(self, context: grpc.aio.ServicerContext) -> None:
         """Count the call in, or refuse it while the server drains (SIGTERM)."""
         if not self.drain.enter():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN_MESSAGE)
+            await abort(context, UnavailableError(SHUTTING_DOWN_MESSAGE))
 
     def _leave(
         self,
@@ -235,7 +228,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def _acquire(self, count: int, context: grpc.aio.ServicerContext) -> None:
         if not self.limiter.try_acquire(count):
             self.metrics.request_failure("conc_limit")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "Model is overloaded")
+            await abort(context, OverloadedError())
 
     async def _validate(
         self, request: Any, texts: list[str], arrival: float, context: grpc.aio.ServicerContext
@@ -247,7 +240,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         max_new_tokens and, once, the validation time since the RPC arrived.
         """
         try:
-            params = convert_params(
+            params = api.convert_params(
                 request.params if request.HasField("params") else None,
                 default_include_stop_seqs=self.default_include_stop_seqs,
                 now=time.monotonic(),
@@ -272,8 +265,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             )
         except ValidationError as err:
             self.metrics.request_failure("validation")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-            raise
+            await abort(context, err)
         for v in validated:
             # The requested max_new_tokens (params), not the one lowered to fit (TOKEN_LIMIT).
             self.metrics.input_validated(v.input_length, v.params.stopping.max_new_tokens)
@@ -284,6 +276,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, state: RequestState, kind: str, arrival: float, index: int, count: int
     ) -> pb.GenerationResponse:
         validated = state.request
+        to_text = self.tokenizer.id_to_token
         texts: list[str] = []
         tokens: list[pb.TokenInfo] = []
         input_tokens: list[pb.TokenInfo] = []
@@ -292,10 +285,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if isinstance(event, BaseException):
                 raise event
             if isinstance(event, InputTokensEvent):
-                input_tokens = [self._token_info(t) for t in event.tokens]
+                input_tokens = api.token_infos(event.tokens, to_text)
                 continue
             texts.append(event.text)
-            tokens.extend(self._token_info(t) for t in event.tokens)
+            tokens.extend(api.token_infos(event.tokens, to_text))
             if event.is_final:
                 break
         output = "".join(texts)
@@ -303,12 +296,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if validated.params.response.input_text:
             text = validated.text + ("\n\n" if self.is_seq2seq else "") + output
         self._record_success(state, event, kind, arrival, output, index, count)
-        return pb.GenerationResponse(
+        return api.unary_response(
             input_token_count=validated.input_length,
-            generated_token_count=event.generated_token_count,
+            final=event,
             text=text,
-            stop_reason=pb.StopReason.Name(event.stop_reason),
-            stop_sequence=event.stop_sequence,
             seed=validated.sampling.seed or 0,
             tokens=tokens,
             input_tokens=input_tokens,
@@ -318,11 +309,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, state: RequestState, validated: ValidatedRequest, arrival: float
     ) -> AsyncIterator[pb.GenerationResponse]:
         seed = validated.sampling.seed or 0
-        yield pb.GenerationResponse(
-            input_token_count=validated.input_length,
-            text=validated.text if validated.params.response.input_text else "",
-            seed=seed,
-        )
+        to_text = self.tokenizer.id_to_token
+        input_text = validated.text if validated.params.response.input_text else ""
+        yield api.stream_header(validated.input_length, input_text, seed)
         output: list[str] = []
         carry: Event | None = None
         while True:
@@ -331,40 +320,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if isinstance(event, BaseException):
                 raise event
             if isinstance(event, InputTokensEvent):
-                infos = [self._token_info(t) for t in event.tokens]
-                yield pb.GenerationResponse(input_token_count=len(infos), input_tokens=infos)
+                yield api.input_tokens_message(api.token_infos(event.tokens, to_text))
                 continue
             if not event.tokens:  # no token details asked for: one message for what is queued
                 event, carry = _merge_queued(state.events, event)
             output.append(event.text)
-            message = self._token_message(event)
+            message = api.stream_message(event, to_text)
             if event.is_final:
                 message.seed = seed
                 yield message
                 self._record_success(state, event, "stream", arrival, "".join(output), 0, 1)
                 return
             yield message
-
-    def _token_message(self, event: TokenEvent) -> pb.GenerationResponse:
-        return pb.GenerationResponse(
-            generated_token_count=event.generated_token_count,
-            text=event.text,
-            tokens=[self._token_info(t) for t in event.tokens],
-            stop_reason=pb.StopReason.Name(event.stop_reason),
-            stop_sequence=event.stop_sequence,
-        )
-
-    def _token_info(self, detail: TokenDetail) -> pb.TokenInfo:
-        to_text = self.tokenizer.id_to_token
-        return pb.TokenInfo(
-            text=to_text(detail.token_id),
-            logprob=detail.logprob,
-            rank=detail.rank,
-            top_tokens=[
-                pb.TokenInfo.TopToken(text=to_text(tid), logprob=lp)
-                for tid, lp in detail.top_tokens
-            ],
-        )
 
     def _record_success(
         self,

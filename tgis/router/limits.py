@@ -11,6 +11,7 @@ from typing import Protocol
 
 import grpc
 
+from tgis.router.errors import ValidationError, abort
 from tgis.router.validation import ServerLimits
 
 
@@ -39,4 +40,4 @@ async def enforce_client_batch_size(
     error = client_batch_size_error(count, limits.max_client_batch_size)
     if error is not None:
         metrics.request_failure("validation")
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+        await abort(context, ValidationError(error))

@@ -1,11 +1,10 @@
 """Parameter conversion and request validation (spec §1.3, §1.4 "Seeds", §1.6, §2).
 
-Three steps, called by the servicer in this order:
+Two steps on plain types, called by the servicer after ``public_api.convert_params`` (proto
+``Parameters`` -> :class:`GenerationParams`, TGIS's "zero means default" rules):
 
-1. :func:`convert_params` -- proto ``Parameters`` -> :class:`GenerationParams`, applying TGIS's
-   "zero means default" rules.
-2. :func:`validate_params` -- the request-wide rules 1-11 of §2, first failure wins.
-3. :func:`validate_input` -- per input (after tokenization): truncation, rules 14/15, seed
+1. :func:`validate_params` -- the request-wide rules 1-11 of §2, first failure wins.
+2. :func:`validate_input` -- per input (after tokenization): truncation, rules 14/15, seed
    assignment and the TOKEN_LIMIT reduction of ``max_new_tokens``.
 
 Rules 12 (prompt prefix) and 13 (tokenizer failure) sit between steps 2 and 3 and belong to the
@@ -20,14 +19,9 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from tgis.pb import generation_pb2
 from tgis.router.errors import ValidationError
 from tgis.router.request_types import (
     GenerationParams,
-    LengthPenalty,
-    ResponseOptions,
-    SamplingParams,
-    StoppingParams,
     ValidatedRequest,
 )
 
@@ -36,7 +30,6 @@ __all__ = [
     "MAX_STOP_SEQUENCES",
     "MAX_STOP_SEQUENCE_BYTES",
     "ServerLimits",
-    "convert_params",
     "prefix_lookup_error",
     "tokenizer_validation_error",
     "validate_input",
@@ -114,108 +107,6 @@ def _decay_factor_ok(decay_factor: float) -> bool:
 def _require_finite(name: str, value: float) -> None:
     if not math.isfinite(value):
         raise ValidationError(f"{name} must be a finite number")
-
-
-def convert_params(
-    pb: generation_pb2.Parameters | None,
-    *,
-    default_include_stop_seqs: bool,
-    now: float,
-) -> GenerationParams:
-    """Convert proto ``Parameters`` exactly as TGIS's ``convert_params`` does (spec §1.3).
-
-    ``now`` is the request's arrival time on the ``time.monotonic()`` clock; a positive
-    ``time_limit_millis`` becomes the absolute deadline ``now + ms / 1000``.
-
-    Zero means "unset" for ``max_new_tokens`` (-> 20), ``repetition_penalty`` (-> 1.0),
-    ``top_p`` / ``typical_p`` (-> disabled) and SAMPLE-mode ``temperature`` (-> 1.0). In GREEDY
-    mode every ``sampling`` field, including the seed, is ignored. ``top_k`` is cast to i32
-    like TGIS, so values above 2^31-1 become negative and fail rule 4.
-
-    ``length_penalty``: copied whenever present, so a ``decay_factor`` outside [1.0, 10.0]
-    (0.0 when the field is present but unset) fails rule 8, as in TGIS.
-    """
-    if pb is None:
-        return GenerationParams(
-            sampling=SamplingParams(),
-            stopping=StoppingParams(include_stop_sequence=default_include_stop_seqs),
-            response=ResponseOptions(),
-        )
-
-    response = ResponseOptions()
-    if pb.HasField("response"):
-        r = pb.response
-        response = ResponseOptions(
-            input_text=r.input_text,
-            generated_tokens=r.generated_tokens,
-            input_tokens=r.input_tokens,
-            token_logprobs=r.token_logprobs,
-            token_ranks=r.token_ranks,
-            top_n_tokens=r.top_n_tokens,
-        )
-
-    repetition_penalty = 1.0
-    length_penalty: LengthPenalty | None = None
-    if pb.HasField("decoding"):
-        d = pb.decoding
-        if d.repetition_penalty != 0.0:
-            repetition_penalty = d.repetition_penalty
-        if d.HasField("length_penalty"):
-            lp = LengthPenalty(
-                start_index=d.length_penalty.start_index,
-                decay_factor=d.length_penalty.decay_factor,
-            )
-            length_penalty = lp
-
-    stopping = StoppingParams(include_stop_sequence=default_include_stop_seqs)
-    if pb.HasField("stopping"):
-        s = pb.stopping
-        stopping = StoppingParams(
-            max_new_tokens=s.max_new_tokens if s.max_new_tokens != 0 else DEFAULT_MAX_NEW_TOKENS,
-            min_new_tokens=s.min_new_tokens,
-            stop_sequences=tuple(s.stop_sequences),
-            include_stop_sequence=(
-                s.include_stop_sequence
-                if s.HasField("include_stop_sequence")
-                else default_include_stop_seqs
-            ),
-            deadline=now + s.time_limit_millis / 1000.0 if s.time_limit_millis > 0 else None,
-        )
-
-    temperature = 0.0
-    top_k = 0
-    top_p = 1.0
-    typical_p = 0.0
-    seed: int | None = None
-    if pb.method == generation_pb2.SAMPLE:
-        if pb.HasField("sampling"):
-            sp = pb.sampling
-            temperature = sp.temperature
-            top_k = sp.top_k if sp.top_k <= _I32_MAX else sp.top_k - (1 << 32)
-            if sp.top_p != 0.0:
-                top_p = sp.top_p
-            if sp.typical_p != 0.0:
-                typical_p = sp.typical_p
-            seed = sp.seed if sp.HasField("seed") else None
-        if temperature == 0.0:
-            temperature = 1.0  # sampling with temperature 0 means plain sampling at 1.0
-    # GREEDY (or any other method value): sampling fields are silently ignored.
-
-    sampling = SamplingParams(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        typical_p=typical_p,
-        seed=seed,
-        repetition_penalty=repetition_penalty,
-        length_penalty=length_penalty,
-    )
-    return GenerationParams(
-        sampling=sampling,
-        stopping=stopping,
-        response=response,
-        truncate_input_tokens=pb.truncate_input_tokens,
-    )
 
 
 def validate_params(params: GenerationParams, limits: ServerLimits) -> None:

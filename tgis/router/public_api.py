@@ -1,0 +1,218 @@
+"""The public API's protobuf edge: ``fmaas`` messages in, router types out, and back.
+
+Everything the servicer reads from or writes to a ``generation_pb2`` message goes through
+here: request ``Parameters`` become :class:`GenerationParams` (TGIS's conversion rules,
+spec §1.3), and the router's events, token details and tokenizer results become responses.
+Validation (``validation.py``) and the engine see plain Python types only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from tgis.pb import generation_pb2
+from tgis.router.request_state import TokenEvent
+from tgis.router.request_types import (
+    GenerationParams,
+    LengthPenalty,
+    ResponseOptions,
+    SamplingParams,
+    StoppingParams,
+)
+from tgis.router.tokenization import TokenizeResult
+from tgis.router.validation import DEFAULT_MAX_NEW_TOKENS
+from tgis.shard_api.messages import TokenDetail
+
+pb = generation_pb2
+_I32_MAX = (1 << 31) - 1
+
+TokenText = Callable[[int], str]
+"""Token id -> its raw vocabulary string (``RouterTokenizer.id_to_token``)."""
+
+
+def convert_params(
+    params: generation_pb2.Parameters | None,
+    *,
+    default_include_stop_seqs: bool,
+    now: float,
+) -> GenerationParams:
+    """Convert proto ``Parameters`` exactly as TGIS's ``convert_params`` does (spec §1.3).
+
+    ``now`` is the request's arrival time on the ``time.monotonic()`` clock; a positive
+    ``time_limit_millis`` becomes the absolute deadline ``now + ms / 1000``.
+
+    Zero means "unset" for ``max_new_tokens`` (-> 20), ``repetition_penalty`` (-> 1.0),
+    ``top_p`` / ``typical_p`` (-> disabled) and SAMPLE-mode ``temperature`` (-> 1.0). In GREEDY
+    mode every ``sampling`` field, including the seed, is ignored. ``top_k`` is cast to i32
+    like TGIS, so values above 2^31-1 become negative and fail rule 4.
+
+    ``length_penalty``: copied whenever present, so a ``decay_factor`` outside [1.0, 10.0]
+    (0.0 when the field is present but unset) fails rule 8, as in TGIS.
+    """
+    if params is None:
+        return GenerationParams(
+            sampling=SamplingParams(),
+            stopping=StoppingParams(include_stop_sequence=default_include_stop_seqs),
+            response=ResponseOptions(),
+        )
+
+    response = ResponseOptions()
+    if params.HasField("response"):
+        r = params.response
+        response = ResponseOptions(
+            input_text=r.input_text,
+            generated_tokens=r.generated_tokens,
+            input_tokens=r.input_tokens,
+            token_logprobs=r.token_logprobs,
+            token_ranks=r.token_ranks,
+            top_n_tokens=r.top_n_tokens,
+        )
+
+    repetition_penalty = 1.0
+    length_penalty: LengthPenalty | None = None
+    if params.HasField("decoding"):
+        d = params.decoding
+        if d.repetition_penalty != 0.0:
+            repetition_penalty = d.repetition_penalty
+        if d.HasField("length_penalty"):
+            lp = LengthPenalty(
+                start_index=d.length_penalty.start_index,
+                decay_factor=d.length_penalty.decay_factor,
+            )
+            length_penalty = lp
+
+    stopping = StoppingParams(include_stop_sequence=default_include_stop_seqs)
+    if params.HasField("stopping"):
+        s = params.stopping
+        stopping = StoppingParams(
+            max_new_tokens=s.max_new_tokens if s.max_new_tokens != 0 else DEFAULT_MAX_NEW_TOKENS,
+            min_new_tokens=s.min_new_tokens,
+            stop_sequences=tuple(s.stop_sequences),
+            include_stop_sequence=(
+                s.include_stop_sequence
+                if s.HasField("include_stop_sequence")
+                else default_include_stop_seqs
+            ),
+            deadline=now + s.time_limit_millis / 1000.0 if s.time_limit_millis > 0 else None,
+        )
+
+    temperature = 0.0
+    top_k = 0
+    top_p = 1.0
+    typical_p = 0.0
+    seed: int | None = None
+    if params.method == pb.SAMPLE:
+        if params.HasField("sampling"):
+            sp = params.sampling
+            temperature = sp.temperature
+            top_k = sp.top_k if sp.top_k <= _I32_MAX else sp.top_k - (1 << 32)
+            if sp.top_p != 0.0:
+                top_p = sp.top_p
+            if sp.typical_p != 0.0:
+                typical_p = sp.typical_p
+            seed = sp.seed if sp.HasField("seed") else None
+        if temperature == 0.0:
+            temperature = 1.0  # sampling with temperature 0 means plain sampling at 1.0
+    # GREEDY (or any other method value): sampling fields are silently ignored.
+
+    sampling = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        typical_p=typical_p,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        length_penalty=length_penalty,
+    )
+    return GenerationParams(
+        sampling=sampling,
+        stopping=stopping,
+        response=response,
+        truncate_input_tokens=params.truncate_input_tokens,
+    )
+
+
+def token_info(detail: TokenDetail, to_text: TokenText) -> pb.TokenInfo:
+    """One token's details as TGIS sends them (raw vocabulary strings)."""
+    return pb.TokenInfo(
+        text=to_text(detail.token_id),
+        logprob=detail.logprob,
+        rank=detail.rank,
+        top_tokens=[
+            pb.TokenInfo.TopToken(text=to_text(tid), logprob=lp) for tid, lp in detail.top_tokens
+        ],
+    )
+
+
+def token_infos(details: Iterable[TokenDetail], to_text: TokenText) -> list[pb.TokenInfo]:
+    return [token_info(d, to_text) for d in details]
+
+
+def stream_message(event: TokenEvent, to_text: TokenText) -> pb.GenerationResponse:
+    """A streamed message for generated tokens."""
+    return pb.GenerationResponse(
+        generated_token_count=event.generated_token_count,
+        text=event.text,
+        tokens=token_infos(event.tokens, to_text),
+        stop_reason=pb.StopReason.Name(event.stop_reason),
+        stop_sequence=event.stop_sequence,
+    )
+
+
+def stream_header(input_token_count: int, text: str, seed: int) -> pb.GenerationResponse:
+    """A stream's first message: the input token count (and the input text if asked)."""
+    return pb.GenerationResponse(input_token_count=input_token_count, text=text, seed=seed)
+
+
+def input_tokens_message(infos: list[pb.TokenInfo]) -> pb.GenerationResponse:
+    """The streamed message with every input position's details."""
+    return pb.GenerationResponse(input_token_count=len(infos), input_tokens=infos)
+
+
+def unary_response(
+    *,
+    input_token_count: int,
+    final: TokenEvent,
+    text: str,
+    seed: int,
+    tokens: list[pb.TokenInfo],
+    input_tokens: list[pb.TokenInfo],
+) -> pb.GenerationResponse:
+    """One input's response of a Generate call."""
+    return pb.GenerationResponse(
+        input_token_count=input_token_count,
+        generated_token_count=final.generated_token_count,
+        text=text,
+        stop_reason=pb.StopReason.Name(final.stop_reason),
+        stop_sequence=final.stop_sequence,
+        seed=seed,
+        tokens=tokens,
+        input_tokens=input_tokens,
+    )
+
+
+def batched_response(responses: Sequence[pb.GenerationResponse]) -> pb.BatchedGenerationResponse:
+    return pb.BatchedGenerationResponse(responses=responses)
+
+
+def tokenize_response(results: Sequence[TokenizeResult]) -> pb.BatchedTokenizeResponse:
+    """The Tokenize RPC's reply (offsets in UTF-8 bytes, as computed by the tokenizer)."""
+    return pb.BatchedTokenizeResponse(
+        responses=[
+            pb.TokenizeResponse(
+                token_count=r.token_count,
+                tokens=r.tokens,
+                offsets=[pb.TokenizeResponse.Offset(start=s, end=e) for s, e in r.offsets],
+            )
+            for r in results
+        ]
+    )
+
+
+def model_info_response(
+    *, is_seq2seq: bool, max_sequence_length: int, max_new_tokens: int
+) -> pb.ModelInfoResponse:
+    kind = pb.ModelInfoResponse.ENCODER_DECODER if is_seq2seq else pb.ModelInfoResponse.DECODER_ONLY
+    return pb.ModelInfoResponse(
+        model_kind=kind, max_sequence_length=max_sequence_length, max_new_tokens=max_new_tokens
+    )
