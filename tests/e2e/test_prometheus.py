@@ -2,8 +2,9 @@
 scraping the launched server and answering PromQL the way the OpenShift AI dashboards ask
 (plain counter names, spec ecosystem §0.5 and §1.6).
 
-Needs Debian's `prometheus` package (`make prometheus-tools`): skipped without it on a
-developer machine, failed under CI=true.
+The promtool and Prometheus tests need Debian's `prometheus` package (`make
+prometheus-tools`): skipped without it on a developer machine, failed under CI=true (which
+`.ci/run` sets); the exposition's values are checked without any tool.
 """
 
 from __future__ import annotations
@@ -104,8 +105,6 @@ def send_traffic(server: LauncherProcess) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
-    require_tool("promtool")
-    require_tool("prometheus")
     launcher = start_launcher(tmp_path_factory.mktemp("prometheus-e2e"))
     try:
         launcher.wait_healthy()
@@ -132,9 +131,14 @@ EXPECTED = {
 }
 
 
-def test_exposition_values_and_promtool(server: LauncherProcess) -> None:
-    body, exp = scrape(server)
+def test_exposition_passes_promtool(server: LauncherProcess) -> None:
+    body, _ = scrape(server)
     promtool_check(body)
+
+
+def test_exposition_values(server: LauncherProcess) -> None:
+    """Needs no tool: runs (and fails on a wrong value) wherever promtool is missing."""
+    _, exp = scrape(server)
     for (name, labels), value in EXPECTED.items():
         assert exp.value(name, **dict(labels)) == value, (name, labels)
         assert exp.value(f"{name}_total", **dict(labels)) == value, (name, labels)
