@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from tgis.shard.attention import AttentionBackend
+from tgis.shard.config import env_mode
 from tgis.shard.kv_cache import KVCache
 from tgis.shard.models.layers import DecoderLM
 
@@ -75,14 +75,7 @@ def _active_step(backend: AttentionBackend, kv_cache: KVCache, metadata: Any) ->
 
 def compile_mode() -> str:
     """``TGIS_COMPILE`` as ``auto``, ``on`` or ``off`` (ValueError for other values)."""
-    value = os.environ.get("TGIS_COMPILE", "auto").strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in ("1", "true", "yes", "on"):
-        return "on"
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    raise ValueError(f"TGIS_COMPILE={value!r} is not one of auto, 1, 0")
+    return env_mode("TGIS_COMPILE")
 
 
 def should_compile(device: torch.device) -> bool:

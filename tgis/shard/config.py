@@ -103,6 +103,19 @@ def canonical_dtype(value: str | None) -> str | None:
     return DTYPE_ALIASES.get(name, name if name in DTYPE_NAMES else value)
 
 
+def env_mode(name: str) -> str:
+    """A three-way switch from the environment: ``auto`` (unset, empty or "auto"), ``on``
+    (1/true/yes/on) or ``off`` (0/false/no/off); ValueError for other values."""
+    value = os.environ.get(name, "auto").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("1", "true", "yes", "on"):
+        return "on"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    raise ValueError(f"{name}={value!r} is not one of auto, 1, 0")
+
+
 def env_int(name: str, default: int) -> int:
     """An integer environment variable; StartupError if it is set but not an integer."""
     value = env_optional_int(name)

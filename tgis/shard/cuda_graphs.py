@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 from typing import TYPE_CHECKING
 
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 
 from tgis.shard.attention import BatchLayout
+from tgis.shard.config import env_mode
 from tgis.shard.kv_cache import KVCache
 from tgis.shard.model_runner import ForwardFn
 
@@ -47,14 +47,7 @@ GRAPHS_ENV = "TGIS_CUDA_GRAPHS"
 
 def graphs_mode() -> str:
     """``TGIS_CUDA_GRAPHS`` as ``auto``, ``on`` or ``off`` (ValueError for other values)."""
-    value = os.environ.get(GRAPHS_ENV, "auto").strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in ("1", "true", "yes", "on"):
-        return "on"
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    raise ValueError(f"{GRAPHS_ENV}={value!r} is not one of auto, 1, 0")
+    return env_mode(GRAPHS_ENV)
 
 
 def graph_buckets(max_batch: int) -> tuple[int, ...]:
