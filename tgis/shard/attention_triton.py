@@ -100,8 +100,9 @@ def _write_kv_kernel(
 
 
 @triton.jit
-def _load_kv_tile(
-    cache_ptr,
+def _load_kv_tiles(
+    k_cache_ptr,
+    v_cache_ptr,
     table_ptr,
     positions,
     valid,
@@ -113,13 +114,17 @@ def _load_kv_tile(
     stride_ch,
     BLOCK_SIZE: tl.constexpr,
 ):
-    """[BLOCK_N, D_PAD] rows of one KV head at token ``positions`` of a sequence, each
-    read in place from its block (``table_ptr``: the sequence's block table); rows that are
-    not ``valid`` and padded dims are zero."""
+    """The K and V tiles, [BLOCK_N, D_PAD] rows each, of one KV head at token ``positions``
+    of a sequence, read in place from their block (``table_ptr``: the sequence's block
+    table, looked up once for both; K and V caches share strides); rows that are not
+    ``valid`` and padded dims are zero."""
     blocks = tl.load(table_ptr + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     rows = blocks * stride_cb + (positions % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
     mask = valid[:, None] & (dims[None, :] < head_dim)
-    return tl.load(cache_ptr + rows[:, None] + dims[None, :], mask=mask, other=0.0)
+    offsets = rows[:, None] + dims[None, :]
+    k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -222,20 +227,8 @@ def _prefill_kernel(
     for start in range(0, unmasked_end, BLOCK_N):
         keys = start + cols
         valid = keys < unmasked_end
-        k = _load_kv_tile(
+        k, v = _load_kv_tiles(
             k_cache_ptr,
-            table_ptr,
-            keys,
-            valid,
-            kv_head,
-            dims,
-            head_dim,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            BLOCK_SIZE,
-        )
-        v = _load_kv_tile(
             v_cache_ptr,
             table_ptr,
             keys,
@@ -252,20 +245,8 @@ def _prefill_kernel(
     for start in range(unmasked_end, keys_end, BLOCK_N):
         keys = start + cols
         valid = keys < keys_end
-        k = _load_kv_tile(
+        k, v = _load_kv_tiles(
             k_cache_ptr,
-            table_ptr,
-            keys,
-            valid,
-            kv_head,
-            dims,
-            head_dim,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            BLOCK_SIZE,
-        )
-        v = _load_kv_tile(
             v_cache_ptr,
             table_ptr,
             keys,
@@ -353,20 +334,8 @@ def _decode_kernel(
     for start in range(keys_start, keys_end, BLOCK_N):
         keys = start + cols
         valid = keys < keys_end
-        k = _load_kv_tile(
+        k, v = _load_kv_tiles(
             k_cache_ptr,
-            table_ptr,
-            keys,
-            valid,
-            kv_head,
-            dims,
-            head_dim,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            BLOCK_SIZE,
-        )
-        v = _load_kv_tile(
             v_cache_ptr,
             table_ptr,
             keys,
