@@ -79,13 +79,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.BatchedGenerationRequest, context: grpc.aio.ServicerContext
     ) -> pb.BatchedGenerationResponse:
         arrival = time.monotonic()
-        await self._enter(context)
-        metadata = context.invocation_metadata()
-        correlation = correlation_id(metadata)
-        fields = bind_log_fields(correlation_id=correlation)
-        trace = None
-        if self.tracing is not None:
-            trace = self.tracing.start("Generate", metadata, correlation, arrival)
+        fields, trace = await self._enter("Generate", context, arrival)
         error: BaseException | None = None
         try:
             return await self._generate(request, context, arrival, trace)
@@ -99,13 +93,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self, request: pb.SingleGenerationRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerationResponse]:
         arrival = time.monotonic()
-        await self._enter(context)
-        metadata = context.invocation_metadata()
-        correlation = correlation_id(metadata)
-        fields = bind_log_fields(correlation_id=correlation)
-        trace = None
-        if self.tracing is not None:
-            trace = self.tracing.start("GenerateStream", metadata, correlation, arrival)
+        fields, trace = await self._enter("GenerateStream", context, arrival)
         error: BaseException | None = None
         try:
             async for message in self._generate_stream(request, context, arrival, trace):
@@ -207,10 +195,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     # ---- steps of a generate call -------------------------------------------------------------
 
-    async def _enter(self, context: grpc.aio.ServicerContext) -> None:
-        """Count the call in, or refuse it while the server drains (SIGTERM)."""
+    async def _enter(
+        self, method: str, context: grpc.aio.ServicerContext, arrival: float
+    ) -> tuple[Token[Mapping[str, object]], RequestSpan | None]:
+        """Count the call in (or refuse it while the server drains, SIGTERM), bind its
+        correlation id to the task's log lines and open its span when tracing is on; what
+        ``_leave`` undoes."""
         if not self.drain.enter():
             await abort(context, UnavailableError(SHUTTING_DOWN_MESSAGE))
+        metadata = context.invocation_metadata()
+        correlation = correlation_id(metadata)
+        fields = bind_log_fields(correlation_id=correlation)
+        trace = None
+        if self.tracing is not None:
+            trace = self.tracing.start(method, metadata, correlation, arrival)
+        return fields, trace
 
     def _leave(
         self,
