@@ -116,7 +116,8 @@ class ScriptedShard:
             raise ShardError(ShardFailure.OOM, "GPU out of memory")
         for seq in plan.new_sequences:
             assert seq.request_id not in self.seqs
-            self.seqs[seq.request_id] = [len(seq.prompt_token_ids), 0]
+            # A prompt prefix's virtual tokens are positions of the prompt too.
+            self.seqs[seq.request_id] = [seq.prompt_length, 0]
         tokens = []
         for chunk in plan.scheduled:
             known = self.seqs[chunk.request_id]
@@ -132,7 +133,9 @@ class ScriptedShard:
         return None
 
 
-def request(max_new_tokens: int, deadline: float | None = None) -> ValidatedRequest:
+def request(
+    max_new_tokens: int, deadline: float | None = None, prefix: int = 0
+) -> ValidatedRequest:
     stopping = StoppingParams(max_new_tokens=max_new_tokens, deadline=deadline)
     sampling = SamplingParams()
     return ValidatedRequest(
@@ -141,6 +144,8 @@ def request(max_new_tokens: int, deadline: float | None = None) -> ValidatedRequ
         params=GenerationParams(sampling, stopping, ResponseOptions()),
         stopping=stopping,
         sampling=sampling,
+        prefix_id="p" if prefix else "",
+        prefix_length=prefix,
     )
 
 
@@ -395,5 +400,31 @@ def test_a_preempted_request_cancelled_or_expired_in_the_queue() -> None:
         plan = engine.scheduler.schedule(now).plan
         assert sorted(plan.finished_request_ids) == [cancelled.request_id, expired.request_id]
         assert not engine.scheduler.has_work
+
+    run(scenario())
+
+
+def test_a_prefix_request_runs_and_the_batch_gauge_leaves_the_prefix_out() -> None:
+    async def scenario() -> None:
+        shard = ScriptedShard()
+        engine = make_engine(shard, start=False)
+        state = engine.submit(request(4, prefix=20), time.monotonic())
+        engine.scheduler.schedule(time.monotonic())
+        engine._update_gauges()
+        metrics = metric_samples(engine)
+        # TGIS's tgi_batch_input_tokens: input and generated tokens, no prefix ...
+        assert metrics["tgi_batch_input_tokens"] == 3
+        # ... while the KV blocks hold the prefix too: 23 tokens in blocks of 16.
+        assert metrics["tgi_kv_cache_used_blocks"] == 2
+        await engine.stop()
+
+        engine = make_engine(shard)
+        state = engine.submit(request(4, prefix=20), time.monotonic())
+        final = await final_event(state)
+        await engine.stop()
+        assert isinstance(final, TokenEvent) and final.generated_token_count == 4
+        (new,) = [n for p in shard.plans for n in p.new_sequences]
+        assert (new.prefix_id, new.prefix_length, new.prompt_token_ids) == ("p", 20, (1, 50, 60))
+        assert shard.plans[0].scheduled[0].num_tokens == 23
 
     run(scenario())

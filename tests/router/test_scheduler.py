@@ -35,7 +35,11 @@ TOKENIZER = RouterTokenizer(str(MODEL_DIR / "tokenizer.json"))
 EOS = 2
 
 
-def make_state(request_id: int, prompt_len: int, max_new_tokens: int) -> RequestState:
+def make_state(
+    request_id: int, prompt_len: int, max_new_tokens: int, prefix: int = 0
+) -> RequestState:
+    """A request of ``prompt_len`` input tokens, after a prompt prefix of ``prefix`` virtual
+    tokens (id ``p<prefix>``) when ``prefix`` > 0."""
     stopping = StoppingParams(max_new_tokens=max_new_tokens)
     sampling = SamplingParams()
     request = ValidatedRequest(
@@ -44,6 +48,8 @@ def make_state(request_id: int, prompt_len: int, max_new_tokens: int) -> Request
         params=GenerationParams(sampling, stopping, ResponseOptions()),
         stopping=stopping,
         sampling=sampling,
+        prefix_id=f"p{prefix}" if prefix else "",
+        prefix_length=prefix,
     )
     return RequestState(
         request_id=request_id,
@@ -437,6 +443,70 @@ def test_no_starvation_a_long_head_is_admitted_before_anything_behind_it() -> No
     assert admitted_order == sorted(admitted_order)  # FIFO: nobody overtook anybody
 
 
+# ---- prompt prefixes ----------------------------------------------------------------------------
+
+
+def test_a_prefix_is_prompt_tokens_in_blocks_chunks_and_the_new_sequence() -> None:
+    scheduler = Scheduler(BlockAllocator(64, 4), limits(prefill=8))
+    state = make_state(1, prompt_len=5, max_new_tokens=3, prefix=6)
+    assert (state.request.input_length, state.prompt_length) == (5, 11)
+    scheduler.add(state)
+    step = scheduler.schedule(0.0)
+    (new,) = step.plan.new_sequences
+    # The shard gets the input's ids and the prefix to put in front of them.
+    assert (new.prefix_id, new.prefix_length) == ("p6", 6)
+    assert new.prompt_token_ids == tuple(range(5)) and new.prompt_length == 11
+    # Blocks for prefix + input (11 tokens: 3 blocks of 4), a first chunk of 8 of them.
+    assert [(c.num_tokens, c.new_block_ids) for c in step.plan.scheduled] == [(8, (0, 1, 2))]
+    assert step.prompt_tokens == 8 and not step.samples and state.in_prompt
+    complete(scheduler, step)
+    step = scheduler.schedule(0.0)
+    assert [(c.num_tokens, c.new_block_ids) for c in step.plan.scheduled] == [(3, ())]
+    assert step.samples == {1} and not state.in_prompt
+    complete(scheduler, step)
+    step = scheduler.schedule(0.0)  # position 11: still the 3rd block
+    assert [(c.num_tokens, c.new_block_ids) for c in step.plan.scheduled] == [(1, ())]
+    complete(scheduler, step)
+    step = scheduler.schedule(0.0)  # position 12: a 4th block
+    assert [(c.num_tokens, c.new_block_ids) for c in step.plan.scheduled] == [(1, (3,))]
+    complete(scheduler, step)
+    assert state.finish_reason is StopReason.MAX_TOKENS
+    assert state.generated_ids == [token_for(1, i) for i in range(3)]
+    assert scheduler.allocator.num_free == 64
+
+
+def test_a_prefix_counts_in_admission_and_in_the_reserved_worst_case() -> None:
+    # 6 blocks of 4: a 16-token prompt (prefix 12 + input 4) takes 4, leaving no room for
+    # another such request next to it (4 blocks + 1 of headroom > 2 free).
+    scheduler = Scheduler(BlockAllocator(6, 4), limits())
+    first, second = make_state(1, 4, 2, prefix=12), make_state(2, 4, 2, prefix=12)
+    scheduler.add(first)
+    scheduler.add(second)
+    step = scheduler.schedule(0.0)
+    assert [s.request_id for s in step.plan.new_sequences] == [1]
+    assert len(first.block_ids) == 4 and list(scheduler.waiting) == [second]
+    reserve = Scheduler(BlockAllocator(64, 4), limits(preemption=False))
+    state = make_state(1, prompt_len=5, max_new_tokens=8, prefix=6)
+    assert state.worst_case_length == 19
+    reserve.add(state)
+    reserve.schedule(0.0)
+    assert len(state.block_ids) == blocks_for(19, 4)
+
+
+def test_a_preempted_request_recomputes_its_prefix_too() -> None:
+    scheduler = Scheduler(BlockAllocator(64, 4), limits())
+    state = make_state(1, prompt_len=3, max_new_tokens=10, prefix=5)
+    scheduler.add(state)
+    for _ in range(3):  # the prompt, then two decodes
+        complete(scheduler, scheduler.schedule(0.0))
+    assert len(state.generated_ids) == 3
+    scheduler.preempt(state)
+    step = scheduler.schedule(0.0)
+    assert step.plan.preempted_request_ids == (1,) and not step.plan.new_sequences
+    assert [c.num_tokens for c in step.plan.scheduled] == [5 + 3 + 3]
+    assert step.prompt_tokens == 11 and step.samples == {1}
+
+
 # ---- property test ---------------------------------------------------------------------------
 
 
@@ -489,9 +559,10 @@ class SimShard:
             raise StepRefused(stale=False)
         for ns in plan.new_sequences:
             assert ns.request_id not in self.seqs and ns.request_id not in self.dropped
-            self.seqs[ns.request_id] = SimSequence(
-                list(ns.prompt_token_ids), len(ns.prompt_token_ids)
-            )
+            assert bool(ns.prefix_id) == (ns.prefix_length > 0)
+            # A prefix's virtual positions come first (-1: no token id).
+            prompt = [-1] * ns.prefix_length + list(ns.prompt_token_ids)
+            self.seqs[ns.request_id] = SimSequence(prompt, ns.prompt_length)
         seen = set()
         tokens = []
         errors = []
@@ -547,6 +618,7 @@ def run_random_workload(seed: int) -> Scheduler:
     every step's plan is checked by ``SimShard`` and every state by ``check_invariants``;
     then everything drains."""
     rng = random.Random(seed)
+    prefix_rng = random.Random(seed + 1_000_000)  # leaves the workload's own draws alone
     block_size = rng.choice([1, 2, 4, 16])
     max_len = rng.randrange(8, 80)
     num_blocks = blocks_for(max_len, block_size) + rng.randrange(0, 12)
@@ -570,7 +642,11 @@ def run_random_workload(seed: int) -> Scheduler:
         if arriving:
             for _ in range(rng.choice([0, 0, 1, 1, 2, 4])):
                 prompt = rng.randrange(1, max_len)
-                state = make_state(next_id, prompt, rng.randrange(1, max_len - prompt + 1))
+                # Part of the prompt may be a prompt prefix's virtual tokens.
+                prefix = prefix_rng.choice([0, 0, prefix_rng.randrange(0, prompt)])
+                state = make_state(
+                    next_id, prompt - prefix, rng.randrange(1, max_len - prompt + 1), prefix
+                )
                 scheduler.add(state)
                 states.append(state)
                 next_id += 1

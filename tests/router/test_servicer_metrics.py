@@ -23,8 +23,10 @@ from tgis.router.detokenizer import IncrementalDetokenizer
 from tgis.router.errors import GenerationError
 from tgis.router.generation_service import GenerationServicer
 from tgis.router.metrics import Metrics
+from tgis.router.prefixes import PrefixLengths
 from tgis.router.request_state import RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
+from tgis.router.shard_client import ShardError, ShardFailure
 from tgis.router.stopping import StopChecker
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.validation import ServerLimits
@@ -255,15 +257,103 @@ def test_too_long_input_records_its_raw_length_but_no_validated_metrics(
     assert exp.value("tgi_request_max_new_tokens_count") == 0
 
 
-def test_prefix_id_is_a_failed_prompt_load(servicer: GenerationServicer, metrics: Metrics) -> None:
+def test_without_a_shard_every_prefix_is_a_failed_prompt_load(
+    servicer: GenerationServicer, metrics: Metrics
+) -> None:
     context = generate(
         servicer,
         pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="x")], prefix_id="p"),
     )
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert context.details == "can't retrieve prompt prefix with id 'p': prefix id \"p\" not found"
     exp = scrape(metrics)
     assert exp.value("tgi_prompt_load_failure") == 1
     assert exp.value("tgi_prompt_load_failure_total") == 1
+    assert exp.value("tgi_request_failure", err="validation") == 1
+    # The prefix is looked up before tokenizing: no input was tokenized.
+    assert exp.value("tgi_request_raw_input_length_count") == 0
+
+
+def prefixed_servicer(
+    engine: FakeEngine, tokenizer: RouterTokenizer, metrics: Metrics, lookup: Any
+) -> GenerationServicer:
+    return GenerationServicer(
+        engine=engine,  # type: ignore[arg-type]
+        tokenizer=tokenizer,
+        limits=ServerLimits.from_args(MAX_SEQUENCE_LENGTH, MAX_NEW_TOKENS),
+        limiter=ConcurrencyLimiter(4),
+        metrics=metrics,
+        default_include_stop_seqs=True,
+        is_seq2seq=False,
+        prefixes=PrefixLengths(lookup, metrics),
+    )
+
+
+def test_a_known_prefix_is_validated_with_and_recorded_without(
+    engine: FakeEngine, tokenizer: RouterTokenizer, metrics: Metrics
+) -> None:
+    submitted: list[ValidatedRequest] = []
+    submit = engine.submit
+
+    def record(request: ValidatedRequest, arrival: float) -> RequestState:
+        submitted.append(request)
+        return submit(request, arrival)
+
+    engine.submit = record  # type: ignore[method-assign]
+
+    async def lookup(prefix_id: str) -> int:
+        return {"pt": 30}[prefix_id]
+
+    servicer = prefixed_servicer(engine, tokenizer, metrics, lookup)
+    texts = ["The quick brown fox", "hello"]
+    request = pb.BatchedGenerationRequest(
+        requests=[pb.GenerationRequest(text=t) for t in texts], prefix_id="pt", params=params(40)
+    )
+    response = generate(servicer, request)
+    lengths = [len(tokenizer.encode(t)) for t in texts]
+    assert [r.input_token_count for r in response.responses] == lengths
+    assert [(v.prefix_id, v.prefix_length) for v in submitted] == [("pt", 30)] * 2
+    # 40 new tokens after 30 + input do not fit in 64: lowered, the prefix counted.
+    assert [v.stopping.max_new_tokens for v in submitted] == [
+        MAX_SEQUENCE_LENGTH - 30 - n for n in lengths
+    ]
+    exp = scrape(metrics)
+    assert exp.value("tgi_request_input_length_sum") == sum(lengths)
+    assert exp.value("tgi_request_total_tokens_sum") == sum(lengths) + 2 * 2
+    assert exp.value("tgi_prompt_load_duration_count") == 1
+    # A longer input no longer fits with the prefix (rule 14 counts it).
+    long_text = " ".join(["word"] * 40)
+    n = len(tokenizer.encode(long_text))
+    context = generate(
+        servicer,
+        pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text=long_text)], prefix_id="pt"
+        ),
+    )
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert context.details == (
+        f"input tokens ({n}) plus prefix length (30) must be < {MAX_SEQUENCE_LENGTH}"
+    )
+    assert scrape(metrics).value("tgi_prompt_load_duration_count") == 1  # cached
+
+
+def test_a_shard_failure_during_the_lookup_is_a_validation_error(
+    engine: FakeEngine, tokenizer: RouterTokenizer, metrics: Metrics
+) -> None:
+    async def lookup(prefix_id: str) -> int:
+        raise ShardError(ShardFailure.CONNECTION, "Could not connect to Text Generation server")
+
+    servicer = prefixed_servicer(engine, tokenizer, metrics, lookup)
+    context = stream(
+        servicer,
+        pb.SingleGenerationRequest(request=pb.GenerationRequest(text="x"), prefix_id="pt"),
+    )
+    assert context.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert context.details == (
+        "can't retrieve prompt prefix with id 'pt': Could not connect to Text Generation server"
+    )
+    exp = scrape(metrics)
+    assert exp.value("tgi_prompt_load_failure") == 1
     assert exp.value("tgi_request_failure", err="validation") == 1
 
 

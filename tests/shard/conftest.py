@@ -147,14 +147,19 @@ class Router:
         prompt: Iterable[int],
         sampling: SamplingParams | None = None,
         details: DetailOptions | None = None,
+        prefix_id: str = "",
+        prefix_length: int = 0,
     ) -> None:
-        """Announce a sequence with the next step."""
+        """Announce a sequence with the next step (with a prompt-tuning prefix, the
+        schedule's counts include its ``prefix_length`` virtual tokens)."""
         self.pending.append(
             NewSequence(
                 request_id,
                 tuple(prompt),
                 sampling or SamplingParams(),
                 details or DetailOptions(),
+                prefix_id=prefix_id,
+                prefix_length=prefix_length,
             )
         )
         self.tables[request_id] = []

@@ -237,6 +237,35 @@ def test_chunked_prefill_joining_a_decode_matches_hf(family_model: TinyModel) ->
     assert router.generated[2] == family_model.greedy(PROMPTS[2], NEW_TOKENS + 3)[0]
 
 
+def test_prompt_prefix_matches_hf_inputs_embeds(family_model: TinyModel, tmp_path: Path) -> None:
+    """A prompt-tuning prefix replaces the word embeddings of its positions; each family's
+    own scaling (Granite's multiplier) and position embeddings (GPTBigCode's) apply on top,
+    as transformers applies them to ``inputs_embeds``."""
+    hf: Any = family_model.hf
+    width = hf.get_input_embeddings().weight.shape[1]
+    prefix = torch.randn(4, width, generator=torch.Generator().manual_seed(5)) * 0.5
+    (tmp_path / "store" / "p").mkdir(parents=True)
+    torch.save(prefix, tmp_path / "store" / "p" / "decoder.pt")
+    runner = make_runner(family_model.path, prefix_store_path=str(tmp_path / "store"))
+    router = Router(runner)
+    prompt = PROMPTS[2]
+    router.add(1, prompt, prefix_id="p", prefix_length=runner.lookup_prefix("p"))
+    router.step({1: 4 + len(prompt)})
+    for _ in range(NEW_TOKENS - 1):
+        router.decode([1])
+    with torch.no_grad():
+        embeds = hf.get_input_embeddings()(torch.tensor([prompt]))
+        embeds = torch.cat([prefix.unsqueeze(0), embeds], dim=1)
+        out = hf.generate(
+            inputs_embeds=embeds,
+            attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            pad_token_id=0,
+        )
+    assert router.generated[1] == out[0, -NEW_TOKENS:].tolist()
+
+
 def test_kv_cache_spec_reports_kv_heads(tmp_path: Path) -> None:
     expected = {"gpt-bigcode-mqa": 1, "falcon-new-gqa": 2, "falcon-old-mqa": 1, "qwen2-tied": 1}
     for name, kv_heads in expected.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import shutil
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from conftest import EOS, VOCAB, TinyModel
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
@@ -36,19 +38,28 @@ def short_dir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-def served(make_runner: Callable[..., ModelRunner], short_dir: Path) -> Iterator[ShardServer]:
-    """A ShardServer running on its own event-loop thread."""
+@contextlib.contextmanager
+def serving(runner: ModelRunner, socket_path: Path) -> Iterator[ShardServer]:
+    """A ShardServer for ``runner`` running on its own event-loop thread."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    server = ShardServer(make_runner(), str(short_dir / "shard-0"))
+    server = ShardServer(runner, str(socket_path))
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
-    yield server
-    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    loop.close()
+    try:
+        yield server
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@pytest.fixture
+def served(make_runner: Callable[..., ModelRunner], short_dir: Path) -> Iterator[ShardServer]:
+    """A ShardServer running on its own event-loop thread."""
+    with serving(make_runner(), short_dir / "shard-0") as server:
+        yield server
 
 
 def stub_for(address: str) -> shard_pb2_grpc.ShardServiceStub:
@@ -128,6 +139,46 @@ def test_protocol_errors_map_to_status_codes(served: ShardServer) -> None:
     with pytest.raises(grpc.RpcError) as err:
         stub.Step(step_request(3, first=False), timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_prefix_lookup_over_the_wire(
+    make_runner: Callable[..., ModelRunner], short_dir: Path
+) -> None:
+    """A prefix's length, NOT_FOUND and INVALID_ARGUMENT with TGIS's shard messages."""
+    store = short_dir / "store"
+    (store / "a" / "b").mkdir(parents=True)
+    torch.save(torch.zeros(3, 64), store / "a" / "b" / "decoder.pt")
+    (store / "nan").mkdir()
+    torch.save(torch.full((2, 64), math.nan), store / "nan" / "decoder.pt")
+    (short_dir / "outside").mkdir()
+    torch.save(torch.zeros(3, 64), short_dir / "outside" / "decoder.pt")
+    (store / "out").symlink_to(short_dir / "outside")
+    runner = make_runner(prefix_store_path=str(store))
+    with serving(runner, short_dir / "shard-0") as server:
+        stub = stub_for(server.address)
+        lookup = stub.PrefixLookup
+        assert lookup(shard_pb2.PrefixLookupRequest(prefix_id="a/b")).prefix_length == 3
+        cases = {
+            "x": (grpc.StatusCode.NOT_FOUND, 'prefix id "x" not found'),
+            "nan": (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Unexpected <class 'Exception'>: Prefix contains non-finite elements",
+            ),
+            "a/../..": (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Unexpected <class 'Exception'>: Invalid prefix id a/../.., must contain only "
+                "alphanumeric, _ and - and /",
+            ),
+            "out": (  # a symlink leading out of the store
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "Unexpected <class 'Exception'>: Invalid prefix id out",
+            ),
+        }
+        for prefix_id, (code, message) in cases.items():
+            with pytest.raises(grpc.RpcError) as caught:
+                lookup(shard_pb2.PrefixLookupRequest(prefix_id=prefix_id))
+            assert caught.value.code() == code, prefix_id
+            assert caught.value.details() == message, prefix_id
 
 
 def test_unexpected_failure_is_internal(served: ShardServer) -> None:

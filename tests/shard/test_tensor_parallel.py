@@ -6,12 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from conftest import build_tiny_llama
 from safetensors import safe_open
 from tp_utils import (
     RankReport,
     Request,
+    assert_same_outputs,
     assert_tensor_parallel_matches,
     free_port,
     make_plans,
@@ -97,6 +99,32 @@ def test_two_ranks_match_one(overrides: dict[str, object], kv_heads: int, tmp_pa
     assert sum(len(o.tokens) for o in outputs if not isinstance(o, str)) == 6 + 5 + 4 + 3
     assert reports[1].outputs == [] and reports[1].worker_error is None
     check_reads(path, reports, kv_heads)
+
+
+def test_prompt_prefixes_on_two_ranks_match_one(tmp_path: Path) -> None:
+    """Every rank loads the prefix from its own store (the lookup runs on all of them) and
+    puts the same virtual tokens before the input; a missing prefix fails alike."""
+    path = model_dir(tmp_path / "model")
+    store = tmp_path / "store"
+    (store / "p").mkdir(parents=True)
+    torch.save(
+        torch.randn(6, 64, generator=torch.Generator().manual_seed(1)), store / "p" / "decoder.pt"
+    )
+    requests = [
+        Request(1, PROMPT[:9], 4, details=DETAILS, chunk=5, prefix_id="p", prefix_length=6),
+        Request(2, PROMPT[:5], 3, arrives=1),
+        Request(3, PROMPT[:4], 2, arrives=1, prefix_id="gone", prefix_length=3),
+    ]
+    config = {"prefix_store_path": str(store), "lookups": ["p", "gone"]}
+    single = run_plans(path, make_plans(requests), 1, **config)[0]
+    reports = run_plans(path, make_plans(requests), 2, **config)
+    assert single.lookups == [6, 'StoreError: prefix id "gone" not found']
+    assert reports[0].lookups == single.lookups
+    assert_same_outputs(single.outputs, reports[0].outputs)
+    assert sum(len(o.tokens) for o in reports[0].outputs if not isinstance(o, str)) == 4 + 3
+    failed = [e for o in reports[0].outputs if not isinstance(o, str) for e in o.errors]
+    assert [e.request_id for e in failed] == [3]
+    assert reports[1].worker_error is None
 
 
 def test_diverged_rank_stops_every_rank(tmp_path: Path) -> None:

@@ -67,6 +67,12 @@ class Request:
     details: DetailOptions = field(default_factory=DetailOptions)
     arrives: int = 0  # the step index at which it is announced
     chunk: int | None = None  # prefill chunk size (None: the whole prompt at once)
+    prefix_id: str = ""  # a prompt-tuning prefix of `prefix_length` virtual tokens
+    prefix_length: int = 0
+
+    @property
+    def prompt_length(self) -> int:
+        return self.prefix_length + len(self.prompt)
 
 
 def make_plans(
@@ -93,21 +99,29 @@ def make_plans(
         active += new
         scheduled = []
         for r in active:
-            prompt_left = len(r.prompt) - computed.get(r.request_id, 0)
+            prompt_left = r.prompt_length - computed.get(r.request_id, 0)
             n = min(prompt_left, r.chunk or prompt_left) if prompt_left > 0 else 1
             done = computed.get(r.request_id, 0) + n
             need = math.ceil(done / block_size) - len(tables.setdefault(r.request_id, []))
             blocks = [free.pop() for _ in range(max(need, 0))]
             tables[r.request_id] += blocks
             computed[r.request_id] = done
-            if done >= len(r.prompt):
+            if done >= r.prompt_length:
                 sampled[r.request_id] = sampled.get(r.request_id, 0) + 1
             scheduled.append(ScheduledSequence(r.request_id, n, tuple(blocks)))
         plans.append(
             StepPlan(
                 step_id=index + 1,
                 new_sequences=tuple(
-                    NewSequence(r.request_id, r.prompt, r.sampling, r.details) for r in new
+                    NewSequence(
+                        r.request_id,
+                        r.prompt,
+                        r.sampling,
+                        r.details,
+                        prefix_id=r.prefix_id,
+                        prefix_length=r.prefix_length,
+                    )
+                    for r in new
                 ),
                 scheduled=tuple(scheduled),
                 finished_request_ids=tuple(finished),
@@ -132,6 +146,7 @@ class RankReport:
     num_blocks: int = 0
     world_size: int = 1
     worker_error: str | None = None  # a rank > 0 that left its loop with an error
+    lookups: list[int | str] = field(default_factory=list)  # rank 0's prefix lookups
 
 
 def run_plans(
@@ -141,12 +156,14 @@ def run_plans(
     *,
     diverge_at: int | None = None,
     timeout_s: float = RANK_TIMEOUT_S,
+    lookups: Sequence[str] = (),
     **config: Any,
 ) -> list[RankReport]:
     """Run `plans` on `world_size` ranks of the model at `model_dir`; one report per rank.
 
     `config` goes to `ShardConfig` (default `kv_cache_blocks=64`). `diverge_at` (tests of
-    the lock-step check) makes rank 1 fail after running that Step index.
+    the lock-step check) makes rank 1 fail after running that Step index. `lookups`: prompt
+    prefix ids rank 0 looks up (on every rank) before the first Step.
     """
     config.setdefault("kv_cache_blocks", 64)
     spec = {
@@ -154,6 +171,7 @@ def run_plans(
         "plans": list(plans),
         "config": config,
         "diverge_at": diverge_at,
+        "lookups": list(lookups),
     }
     if world_size == 1:
         return [_run_rank(spec, 0, 1)]
@@ -344,6 +362,11 @@ def _run_rank(spec: dict[str, Any], rank: int, world_size: int) -> RankReport:
         destroy()
         return report
     driver: ModelRunner | LockstepRunner = LockstepRunner(runner, tp) if tp.is_parallel else runner
+    for prefix_id in spec["lookups"]:
+        try:
+            report.lookups.append(driver.lookup_prefix(prefix_id))
+        except Exception as e:
+            report.lookups.append(f"{type(e).__name__}: {e}")
     for plan in spec["plans"]:
         try:
             report.outputs.append(driver.step(plan))

@@ -50,6 +50,7 @@ PLAN = StepPlan(
             ),
             DetailOptions(logprobs=True, ranks=True, top_n=2, input_tokens=True),
         ),
+        NewSequence(5, (7, 8), prefix_id="nested/tuned-1", prefix_length=4),
     ),
     scheduled=(
         ScheduledSequence(3, 3, (0,)),

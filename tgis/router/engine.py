@@ -288,7 +288,8 @@ class Engine:
         remaining = 0
         for s in running:
             generated = len(s.generated_ids)
-            input_tokens += s.prompt_length + generated
+            # TGIS's tgi_batch_input_tokens leaves prompt prefixes out.
+            input_tokens += s.request.input_length + generated
             remaining += s.request.stopping.max_new_tokens - generated
         self.metrics.set_batch(len(running), input_tokens, remaining)
         self.metrics.set_kv_cache(scheduler.allocator.num_used, scheduler.allocator.num_blocks)

@@ -1,7 +1,8 @@
 """fmaas.GenerationService: protobuf in, engine events out, protobuf back. No logic of its own.
 
-Generate: permits -> convert + validate params -> tokenize + validate each input ->
-Engine.submit per input -> wait for every input's final event -> one response per input.
+Generate: permits -> convert + validate params -> prompt-prefix length (prefixes.py) ->
+tokenize + validate each input -> Engine.submit per input -> wait for every input's final
+event -> one response per input.
 GenerateStream: the same for one input, yielding a message per event (spec §3.2).
 Around both: refused with UNAVAILABLE while draining (drain.py); the x-correlation-id is
 bound to the call's task for every log line (request_context.py); spans when tracing is
@@ -37,12 +38,19 @@ from tgis.router.errors import (
 )
 from tgis.router.limits import enforce_client_batch_size
 from tgis.router.metrics import Metrics
+from tgis.router.prefixes import PrefixLengths
 from tgis.router.request_context import correlation_id
 from tgis.router.request_state import Event, InputTokensEvent, RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
+from tgis.router.shard_client import PrefixLookupError, ShardError
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.tracing import RequestSpan, Tracing
-from tgis.router.validation import ServerLimits, validate_inputs, validate_params
+from tgis.router.validation import (
+    ServerLimits,
+    prefix_lookup_error,
+    validate_inputs,
+    validate_params,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +68,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         metrics: Metrics,
         default_include_stop_seqs: bool,
         is_seq2seq: bool,
+        prefixes: PrefixLengths | None = None,
         drain: Drain | None = None,
         tracing: Tracing | None = None,
     ) -> None:
+        """``prefixes``: where prompt-prefix lengths come from (the shard, through a cache);
+        None for a servicer without a shard, that finds no prefix."""
+        self.prefixes = prefixes if prefixes is not None else PrefixLengths(_no_prefixes, metrics)
         self.drain = drain if drain is not None else Drain()
         self.tracing = tracing
         self.engine = engine
@@ -232,7 +244,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def _validate(
         self, request: Any, texts: list[str], arrival: float, context: grpc.aio.ServicerContext
     ) -> list[ValidatedRequest]:
-        """Convert and check params, tokenize and check every input (first error wins).
+        """Convert and check params, look up the prompt prefix (when ``prefix_id`` is set,
+        even to ""), tokenize and check every input (first error wins).
 
         Metrics as TGIS: the raw length of every tokenized input (also of inputs rejected
         afterwards), then for a valid request each input's length and requested
@@ -245,14 +258,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 now=time.monotonic(),
             )
             validate_params(params, self.limits)
+            prefix_id = ""
+            prefix_length = 0
             if request.HasField("prefix_id"):
-                # No prompt prefixes are stored: every lookup fails as a missing one.
-                self.metrics.prompt_load_failed()
-                prefix = request.prefix_id
-                raise ValidationError(
-                    f"can't retrieve prompt prefix with id '{prefix}': "
-                    f'prefix id "{prefix}" not found'
-                )
+                prefix_id = request.prefix_id
+                prefix_length = await self._prefix_length(prefix_id)
             try:
                 encoded = await self.tokenizer.encode_batch_async(texts)
             except Exception as err:
@@ -260,7 +270,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             for ids in encoded:
                 self.metrics.input_tokenized(len(ids))
             validated = validate_inputs(
-                texts, encoded, params, self.limits, bos_token_id=self.tokenizer.bos_token_id
+                texts,
+                encoded,
+                params,
+                self.limits,
+                prefix_id=prefix_id,
+                prefix_length=prefix_length,
+                bos_token_id=self.tokenizer.bos_token_id,
             )
         except ValidationError as err:
             self.metrics.request_failure("validation")
@@ -270,6 +286,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.metrics.input_validated(v.input_length, v.params.stopping.max_new_tokens)
         self.metrics.validation_done(time.monotonic() - arrival)
         return validated
+
+    async def _prefix_length(self, prefix_id: str) -> int:
+        """The prompt prefix's virtual tokens (rule 12: ValidationError when the shard
+        cannot tell, with its message)."""
+        try:
+            return await self.prefixes.get(prefix_id)
+        except PrefixLookupError as err:
+            raise prefix_lookup_error(prefix_id, err.message) from err
+        except ShardError as err:
+            raise prefix_lookup_error(prefix_id, err.detail) from err
 
     async def _collect_unary(
         self, state: RequestState, kind: str, arrival: float, index: int, count: int
@@ -367,6 +393,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             len(output.encode()),
             output[:32],
         )
+
+
+async def _no_prefixes(prefix_id: str) -> int:
+    """The lookup of a servicer without a shard: no prefix exists (the shard's message)."""
+    raise PrefixLookupError(f'prefix id "{prefix_id}" not found')
 
 
 def _failure(error: BaseException | None, context: grpc.aio.ServicerContext) -> str | None:

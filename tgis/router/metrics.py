@@ -25,7 +25,8 @@ Exposition (``GET /metrics``, Prometheus text format 0.0.4):
   cover the last 60 seconds of observations (NaN when there were none); ``_sum`` and
   ``_count`` are cumulative.
 
-Who records what: the servicer (generation_service.py) every request-level metric, the
+Who records what: the servicer (generation_service.py) every request-level metric (the
+prompt-prefix cache, prefixes.py, the two ``tgi_prompt_load_*`` ones on its misses), the
 engine/scheduler every step-, queue-, batch- and KV-level one (the methods under
 "engine and scheduler" below). A continuous-batching step is labelled
 ``method="prefill"`` when it computes any prompt tokens (new sequences or prefill chunks,
@@ -462,9 +463,11 @@ class Metrics:
         self.validation_duration.observe(seconds)
 
     def prompt_load_failed(self) -> None:
+        """A prompt-prefix lookup on the shard failed (cache misses only)."""
         self._counters["prompt_load_failure"].inc()
 
     def prompt_loaded(self, seconds: float) -> None:
+        """A prompt-prefix lookup on the shard succeeded in ``seconds`` (cache misses only)."""
         self.prompt_load_duration.observe(seconds)
 
     def request_succeeded(

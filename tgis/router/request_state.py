@@ -85,7 +85,9 @@ class RequestState:
 
     @property
     def prompt_length(self) -> int:
-        return self.request.input_length
+        """Prompt positions to compute, a prompt prefix's virtual tokens included (every
+        count below, and the KV blocks, are in these positions)."""
+        return self.request.prompt_length
 
     @property
     def in_prompt(self) -> bool:

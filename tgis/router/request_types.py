@@ -99,7 +99,19 @@ class ValidatedRequest:
     stopping: StoppingParams
     # Per-input sampling (each sampled input of a batch gets its own random seed).
     sampling: SamplingParams
+    # The request's prompt-tuning prefix ("": none; shared by every input of a batch) and
+    # its virtual tokens, which the model sees before ``input_ids``.
+    prefix_id: str = ""
+    prefix_length: int = 0
 
     @property
     def input_length(self) -> int:
+        """Input tokens after truncation, without the prefix: what clients are told
+        (``input_token_count``) and ``tgi_request_input_length`` records."""
         return len(self.input_ids)
+
+    @property
+    def prompt_length(self) -> int:
+        """Prompt positions the shard computes and keeps in its KV cache: the prefix's
+        virtual tokens and the input's."""
+        return self.prefix_length + len(self.input_ids)

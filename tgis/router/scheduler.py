@@ -25,7 +25,9 @@ Policy (ARCHITECTURE.md, "Scheduling", has the why):
   and no step is planned past `max_new_tokens`. A request that stops at step n (EOS, stop
   sequence, time limit) has had one more token computed at n+1; the router drops it, and
   the shard forgets the request at n+2.
-* **KV blocks** are accounted by tokens, never by request count or padding. Admission
+* **KV blocks** are accounted by tokens, never by request count or padding. A prompt
+  prefix's virtual tokens are prompt tokens like the others (``RequestState.prompt_length``):
+  computed in chunks, held in blocks, recomputed after a preemption. Admission
   allocates the blocks for every token the request knows (its prompt, plus what it had
   generated if it was preempted) and requires `headroom` more blocks to stay free while
   other sequences run (none when the batch is empty: one request of `max_sequence_length`
@@ -107,13 +109,16 @@ def kv_capacity_blocks(limits: SchedulerLimits, info: ShardInfo) -> int:
 
 
 def new_sequence(state: RequestState) -> NewSequence:
-    """How the shard first hears of a request."""
+    """How the shard first hears of a request (with its prompt prefix, whose virtual tokens
+    come first in every count of its steps, as in ``RequestState.prompt_length``)."""
     req = state.request
     resp = req.params.response
     sampling = req.sampling
     return NewSequence(
         request_id=state.request_id,
         prompt_token_ids=req.input_ids,
+        prefix_id=req.prefix_id,
+        prefix_length=req.prefix_length,
         sampling=SamplingParams(
             temperature=sampling.temperature,
             top_k=sampling.top_k,

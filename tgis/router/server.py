@@ -20,6 +20,7 @@ from tgis.router.generation_service import GenerationServicer
 from tgis.router.health import LIVENESS_TEXT, GenerationHealth
 from tgis.router.http_server import start_http_server
 from tgis.router.metrics import Metrics
+from tgis.router.prefixes import PrefixLengths
 from tgis.router.reflection import enable_reflection
 from tgis.router.scheduler import SchedulerLimits, kv_capacity_blocks
 from tgis.router.shard_client import ShardClient
@@ -166,6 +167,7 @@ class Router:
             metrics=metrics,
             default_include_stop_seqs=config.default_include_stop_seqs,
             is_seq2seq=info.is_seq2seq,
+            prefixes=PrefixLengths(self.shard.prefix_length, metrics),
             drain=self.drain,
             tracing=self.tracing,
         )

@@ -1,5 +1,5 @@
-"""The router's connection to the rank-0 shard: gRPC for Info, Health and Reset, the step
-channel (``tgis.shard_api.channel``) for Steps.
+"""The router's connection to the rank-0 shard: gRPC for Info, Health, Reset and
+PrefixLookup, the step channel (``tgis.shard_api.channel``) for Steps.
 
 The only router module that touches shard protobufs (through ``tgis.shard_api.codec``).
 """
@@ -19,6 +19,18 @@ from tgis.shard_api.codec import info_from_pb
 from tgis.shard_api.messages import ShardInfo, StepErrorCode, StepOutput, StepPlan
 
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+PREFIX_LOOKUP_TIMEOUT_S = 30.0
+"""How long a PrefixLookup may take: the shard may have to read the prefix from disk."""
+# PrefixLookup statuses that mean "this prefix cannot be used" (the client's problem), not
+# a broken shard: NOT_FOUND (no such prefix), INVALID_ARGUMENT (bad id or tensor),
+# FAILED_PRECONDITION (a rank > 0 refused it).
+_PREFIX_REFUSALS = frozenset(
+    {
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
 
 
 class ShardFailure(enum.Enum):
@@ -38,6 +50,16 @@ class ShardError(Exception):
         super().__init__(detail)
         self.failure = failure
         self.detail = detail
+
+
+class PrefixLookupError(Exception):
+    """The shard refused a prompt prefix; `message` is its text, e.g.
+    ``prefix id "<id>" not found`` (clients see it after
+    ``can't retrieve prompt prefix with id '<id>': ``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 def _grpc_error(err: grpc.aio.AioRpcError) -> ShardError:
@@ -116,6 +138,24 @@ class ShardClient:
 
     async def reset(self) -> None:
         await self._call(self._stub.Reset, shard_pb2.ResetRequest(), 30.0)
+
+    async def prefix_length(self, prefix_id: str, timeout: float = PREFIX_LOOKUP_TIMEOUT_S) -> int:
+        """The number of virtual tokens of prompt prefix ``prefix_id``; the shard loads it
+        into its prefix cache on the way.
+
+        Raises:
+            PrefixLookupError: the shard refused the prefix (missing, invalid id or tensor),
+                with the shard's message.
+            ShardError: the call itself failed (connection, timeout, internal error).
+        """
+        request = shard_pb2.PrefixLookupRequest(prefix_id=prefix_id)
+        try:
+            response = await self._stub.PrefixLookup(request, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in _PREFIX_REFUSALS:
+                raise PrefixLookupError(err.details() or "") from err
+            raise _grpc_error(err) from err
+        return int(response.prefix_length)
 
     def send_step(self, plan: StepPlan) -> asyncio.Future[StepOutput]:
         """Send ``plan`` now (steps run in the order sent); await the result with

@@ -146,7 +146,7 @@ class RequestSpan:
                 started if started is not None else end,
                 request_id=state.request_id,
                 input_index=index,
-                input_tokens=state.prompt_length,
+                input_tokens=state.request.input_length,
             )
             if started is not None:
                 # The last token's time, unless it ended otherwise (failed, cancelled).

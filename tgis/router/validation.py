@@ -4,11 +4,13 @@ Two steps on plain types, called by the servicer after ``public_api.convert_para
 ``Parameters`` -> :class:`GenerationParams`, TGIS's "zero means default" rules):
 
 1. :func:`validate_params` -- the request-wide rules 1-11 of §2, first failure wins.
-2. :func:`validate_input` -- per input (after tokenization): truncation, rules 14/15, seed
-   assignment and the TOKEN_LIMIT reduction of ``max_new_tokens``.
+2. :func:`validate_input` -- per input (after tokenization): truncation, rules 14/15 (with
+   the prompt prefix's length), seed assignment and the TOKEN_LIMIT reduction of
+   ``max_new_tokens``.
 
-Rules 12 (prompt prefix) and 13 (tokenizer failure) sit between steps 2 and 3 and belong to the
-caller; :func:`prefix_lookup_error` and :func:`tokenizer_validation_error` build their messages.
+Rules 12 (prompt-prefix lookup, ``prefixes.py``) and 13 (tokenizer failure) sit between the
+two steps and belong to the caller; :func:`prefix_lookup_error` and
+:func:`tokenizer_validation_error` build their messages.
 """
 
 from __future__ import annotations
@@ -186,6 +188,7 @@ def validate_input(
     params: GenerationParams,
     limits: ServerLimits,
     *,
+    prefix_id: str = "",
     prefix_length: int = 0,
     bos_token_id: int | None = None,
 ) -> ValidatedRequest:
@@ -196,8 +199,9 @@ def validate_input(
         input_ids_full: the router's encoding of ``text`` with special tokens.
         params: converted and already :func:`validate_params`-checked parameters.
         limits: server limits.
-        prefix_length: length of the prompt prefix (``prefix_id``); 0 while prefixes are
-            unsupported. It counts towards the limits but not ``input_length``.
+        prefix_id: the request's prompt prefix ("" for none), kept on the result.
+        prefix_length: the prefix's virtual tokens (0 without one). They count towards the
+            limits and the TOKEN_LIMIT reduction but not ``input_length``.
         bos_token_id: the BOS id if the tokenizer adds one; truncation then overwrites the
             first kept token with it, as TGIS's shards do for ``add_bos_token`` tokenizers.
 
@@ -256,6 +260,8 @@ def validate_input(
         params=params,
         stopping=stopping,
         sampling=sampling,
+        prefix_id=prefix_id,
+        prefix_length=prefix_length,
     )
 
 
@@ -265,10 +271,12 @@ def validate_inputs(
     params: GenerationParams,
     limits: ServerLimits,
     *,
+    prefix_id: str = "",
     prefix_length: int = 0,
     bos_token_id: int | None = None,
 ) -> list[ValidatedRequest]:
-    """:func:`validate_input` for every input of a batch, in order; the first failure wins."""
+    """:func:`validate_input` for every input of a batch, in order (all share the prompt
+    prefix); the first failure wins."""
     if len(texts) != len(encodings):
         raise ValueError("texts and encodings differ in length")
     return [
@@ -277,6 +285,7 @@ def validate_inputs(
             ids,
             params,
             limits,
+            prefix_id=prefix_id,
             prefix_length=prefix_length,
             bos_token_id=bos_token_id,
         )

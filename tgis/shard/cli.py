@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import click
@@ -109,6 +110,8 @@ def serve(
     from tgis.shard.server import ShardServer
 
     try:
+        from tgis.shard.prefix_store import max_prefix_length, prompt_cache_bytes
+
         config = ShardConfig(
             model_name=model_name,
             revision=revision,
@@ -127,6 +130,9 @@ def serve(
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_batch_total_tokens=max_batch_total_tokens,
             load_format=load_format,
+            prefix_store_path=os.environ.get("PREFIX_STORE_PATH") or None,
+            prompt_cache_bytes=prompt_cache_bytes(os.environ),
+            max_prefix_length=max_prefix_length(os.environ, max_sequence_length),
         )
         config.validate()
         tp = init_distributed(config.rank, config.world_size)

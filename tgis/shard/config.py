@@ -45,6 +45,11 @@ class ShardConfig:
     # KV tokens of the whole running batch: the CPU budget, a cap on the GPU measurement.
     max_batch_total_tokens: int | None = None
     load_format: str = "auto"  # LOAD_FORMATS: "dummy" creates random weights
+    # Prompt-tuning prefixes (TGIS's PREFIX_STORE_PATH, PROMPT_CACHE_SIZE_MB,
+    # MAX_PROMPT_PREFIX_LENGTH): None disables them (every prefix id is not found).
+    prefix_store_path: str | None = None
+    prompt_cache_bytes: int = 512 * 1024 * 1024
+    max_prefix_length: int = 1024
 
     @property
     def socket_path(self) -> str:

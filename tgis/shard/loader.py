@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,8 @@ from tgis.shard.models import CausalLM, ModelFactory, check_config, model_class
 from tgis.shard.models.layers import DecoderLM
 from tgis.shard.parallel.distributed import min_over_ranks
 from tgis.shard.parallel.group import SINGLE, TensorParallel
+from tgis.shard.prefix_rows import Prefixes
+from tgis.shard.prefix_store import PrefixLoad, PrefixStore
 from tgis.shard.runner import Runner
 from tgis.shard.weights import Weights
 from tgis.shard_api.messages import DEFAULT_MAX_BATCH_SIZE, ModelKind, ShardInfo
@@ -54,6 +57,11 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
             raise StartupError(_no_dummy_fallback(model_config, config.max_sequence_length))
         from tgis.shard.hf_loader import load_hf_runner  # imports transformers
 
+        if config.prefix_store_path:
+            log.warning(
+                "PREFIX_STORE_PATH is set but the transformers engine has no prompt prefixes: "
+                "every prefix id will be not found"
+            )
         return load_hf_runner(config, model_dir, model_config)
     factory = model_class(model_config)  # fail on the architecture before touching devices
     device = select_device(config.rank, config.world_size, config.cuda_process_memory_fraction)
@@ -93,7 +101,11 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         num_blocks,
         spec.block_size,
     )
-    runner = ModelRunner(model, kv_cache, attention, info, device, forward)
+    prefixes = Prefixes(
+        store=_prefix_store(config, model, device, dtype),
+        placeholder_id=placeholder_token_id(model_config),
+    )
+    runner = ModelRunner(model, kv_cache, attention, info, device, forward, prefixes)
     if isinstance(forward, CompiledForward):
         started = time.monotonic()
         try:
@@ -107,6 +119,50 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
             log.info("Compiled the step in %.1f s", time.monotonic() - started)
     _capture_decode_graphs(runner, config, tp)
     return runner
+
+
+def _prefix_store(
+    config: ShardConfig, model: CausalLM, device: torch.device, dtype: torch.dtype
+) -> PrefixStore | None:
+    """The prompt-tuning prefix store, when ``PREFIX_STORE_PATH`` is set."""
+    if not config.prefix_store_path:
+        return None
+    if not isinstance(model, DecoderLM):
+        raise StartupError("prompt prefixes need a native decoder model")
+    store_path = Path(config.prefix_store_path)
+    if not store_path.is_dir():
+        raise StartupError(f"PREFIX_STORE_PATH {store_path} is not a directory")
+    log.info(
+        "Prompt prefixes from %s (cache %d MB, at most %d virtual tokens)",
+        store_path,
+        config.prompt_cache_bytes // (1024 * 1024),
+        config.max_prefix_length,
+    )
+    return PrefixStore(
+        store_path,
+        embedding_dim=model.embed.weight.shape[1],
+        dtype=dtype,
+        device=device,
+        max_length=config.max_prefix_length,
+        cache_bytes=config.prompt_cache_bytes,
+        on_load=_log_prefix_load,
+    )
+
+
+def _log_prefix_load(load: PrefixLoad) -> None:
+    if load.ok:
+        log.info("Loaded prompt prefix %s in %.3f s", load.prefix_id, load.seconds)
+    else:
+        log.warning("Prompt prefix %s cannot be used: %s", load.prefix_id, load.error)
+
+
+def placeholder_token_id(model_config: ModelConfig) -> int:
+    """The id that stands for a prefix's virtual tokens (TGIS shows the pad token there):
+    ``pad_token_id``, else the first EOS id, else 0."""
+    pad = model_config.raw.get("pad_token_id")
+    if isinstance(pad, int) and 0 <= pad < model_config.vocab_size:
+        return pad
+    return model_config.eos_token_ids[0] if model_config.eos_token_ids else 0
 
 
 def _capture_decode_graphs(runner: ModelRunner, config: ShardConfig, tp: TensorParallel) -> None:

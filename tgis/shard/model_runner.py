@@ -28,6 +28,8 @@ from tgis.shard.block_tables import BlockTables, flatten
 from tgis.shard.device import cpu_threads
 from tgis.shard.kv_cache import KVCache
 from tgis.shard.models import CausalLM
+from tgis.shard.models.layers import EmbeddingRows
+from tgis.shard.prefix_rows import Prefixes, embedding_rows
 from tgis.shard.runner import SequenceRunner
 from tgis.shard.sequence import Sequence
 from tgis.shard.step_plan import PlanLimits, WorkItem
@@ -59,6 +61,8 @@ class _FlatBatch:
     """The flattened inputs of one step and where each sequence's rows are."""
 
     layout: BatchLayout
+    # Prompt-tuning prefixes' virtual tokens computed this step (None: none).
+    prefix_rows: EmbeddingRows | None
     sample_rows: torch.Tensor  # [sampling items] last row of each, in work order
     sample_items: tuple[WorkItem, ...]
     # Input-token details: (item, first row, number of rows) per asking sequence.
@@ -76,8 +80,10 @@ class ModelRunner(SequenceRunner):
         info: ShardInfo,
         device: torch.device,
         forward: ForwardFn | None = None,
+        prefixes: Prefixes | None = None,
     ) -> None:
         self.model = model
+        self.prefixes = prefixes or Prefixes(store=None)
         # The model's forward: eager (the reference), or compiled.CompiledForward.
         self.forward: ForwardFn = forward or model.forward
         # Decode steps replayed from CUDA graphs (cuda_graphs.py; set by the loader).
@@ -131,7 +137,7 @@ class ModelRunner(SequenceRunner):
                 torch.set_num_threads(wanted)
         try:
             batch = self._flatten(resolved.work)
-            hidden = self._hidden_states(batch.layout)
+            hidden = self._hidden_states(batch.layout, batch.prefix_rows)
             sampled, errors = self._sample(hidden, batch)
             input_details = self._input_details(hidden, batch, resolved.work)
         except BaseException:
@@ -152,15 +158,22 @@ class ModelRunner(SequenceRunner):
             forward_time_ns=elapsed,
         )
 
-    def _hidden_states(self, layout: BatchLayout) -> torch.Tensor:
+    def _hidden_states(
+        self, layout: BatchLayout, prefix_rows: EmbeddingRows | None
+    ) -> torch.Tensor:
         """The forward pass of the step: a decode step that fits a captured bucket replays
-        its CUDA graph (``cuda_graphs.py``), any other step runs the forward."""
-        bucket = self.graphs.bucket_for(layout) if self.graphs is not None else None
+        its CUDA graph (``cuda_graphs.py``), a step computing prefix rows runs the eager
+        forward (the only one that takes them), any other step runs ``self.forward``."""
+        bucket = None
+        if self.graphs is not None and prefix_rows is None:
+            bucket = self.graphs.bucket_for(layout)
         if bucket is not None:
             assert self.graphs is not None
             return self.graphs.run(layout, bucket)
         input_ids, positions, slot_mapping = layout.to_device(self.device)
         metadata = self.attention.prepare(layout, self.device, slot_mapping)
+        if prefix_rows is not None:
+            return self.model.forward(input_ids, positions, self.kv_cache, metadata, prefix_rows)
         return self.forward(input_ids, positions, self.kv_cache, metadata)
 
     def _flatten(self, work: SequenceOf[WorkItem]) -> _FlatBatch:
@@ -168,7 +181,8 @@ class ModelRunner(SequenceRunner):
         sample_rows: list[int] = []
         sample_items: list[WorkItem] = []
         detail_spans: list[tuple[WorkItem, int, int]] = []
-        for item, row in zip(work, layout.query_starts.tolist(), strict=True):
+        query_starts = layout.query_starts.tolist()
+        for item, row in zip(work, query_starts, strict=True):
             if item.samples:
                 sample_rows.append(row + item.num_tokens - 1)
                 sample_items.append(item)
@@ -179,6 +193,7 @@ class ModelRunner(SequenceRunner):
                     detail_spans.append((item, row, last_scored - item.start))
         return _FlatBatch(
             layout=layout,
+            prefix_rows=embedding_rows(work, query_starts),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             sample_items=tuple(sample_items),
             detail_spans=tuple(detail_spans),

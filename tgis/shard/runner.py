@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from tgis.shard.prefix_rows import Prefixes
+from tgis.shard.prefix_store import not_found
 from tgis.shard.sequence import Sequence
 from tgis.shard.step_plan import PlanLimits, ResolvedStep, resolve_plan
 from tgis.shard_api.messages import SequenceError, ShardInfo, StepOutput, StepPlan
@@ -36,6 +38,11 @@ class Runner(Protocol):
         """Forget every sequence."""
         ...
 
+    def lookup_prefix(self, prefix_id: str) -> int:
+        """Load a prompt-tuning prefix into the cache and return its virtual tokens;
+        StoreError (``adapter_store.py``) with TGIS's message when it cannot be used."""
+        ...
+
     def health(self) -> None:
         """Raise if the device does not answer."""
         ...
@@ -54,11 +61,19 @@ class SequenceRunner:
     limits: PlanLimits
     # Sequences that failed on their own, skipped when scheduled until they are finished.
     dropped: set[int]
+    # Prompt-tuning prefixes (None: the engine supports none; every lookup is not found).
+    prefixes: Prefixes | None = None
 
     def reset(self) -> None:
         """Forget every sequence."""
         self.sequences.clear()
         self.dropped.clear()
+
+    def lookup_prefix(self, prefix_id: str) -> int:
+        """The virtual tokens of ``prefix_id``, loaded into the cache; StoreError if not."""
+        if self.prefixes is None:
+            raise not_found(prefix_id)
+        return self.prefixes.lookup(prefix_id)
 
     def health(self) -> None:
         """Raise if the device does not answer (a cheap query, no kernel launch)."""
@@ -68,7 +83,7 @@ class SequenceRunner:
     def _begin_step(self, plan: StepPlan) -> ResolvedStep:
         """Check the whole plan (InvalidStepError changes nothing), then forget finished
         sequences and drop the blocks of preempted ones."""
-        resolved = resolve_plan(plan, self.sequences, self.limits, self.dropped)
+        resolved = resolve_plan(plan, self.sequences, self.limits, self.dropped, self.prefixes)
         for rid in resolved.finished:
             self._forget(rid)
             self.dropped.discard(rid)

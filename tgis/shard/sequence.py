@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from tgis.shard_api.messages import DetailOptions, SamplingParams, TokenDetail
 
 
@@ -11,7 +13,9 @@ from tgis.shard_api.messages import DetailOptions, SamplingParams, TokenDetail
 class Sequence:
     """Token ids so far, how many are in the KV cache, where, and how to sample.
 
-    ``token_ids`` is the prompt followed by every sampled token. The first
+    ``token_ids`` is the prompt followed by every sampled token; a prompt-tuning prefix's
+    virtual tokens start the prompt as placeholder ids, their embeddings in ``prefix``
+    (``prefix_rows.py``). The first
     ``num_computed`` of them have their keys/values in the cache; the rest (the rest of a
     chunked prompt, or the token sampled last step) are computed by later steps.
     """
@@ -24,6 +28,8 @@ class Sequence:
     seed: int  # the random stream of a sampled sequence (sampling.stream_key)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
+    # The prefix's embeddings [virtual tokens, hidden] (None: no prefix).
+    prefix: torch.Tensor | None = None
     # Prompt-token details gathered chunk by chunk until the prompt completes.
     input_details: list[TokenDetail] = field(default_factory=list)
     # Greedy without penalties (at most EOS masked by min_new_tokens): the sampler's fast path.

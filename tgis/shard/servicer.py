@@ -4,7 +4,8 @@ Steps (and Reset, which must not interleave with one) go through the ``StepExecu
 step channel also uses, on a single worker thread, so the event loop stays free for Health
 and Info while a forward pass runs. Its failure codes map to gRPC statuses:
 INVALID_PLAN → INVALID_ARGUMENT, OUT_OF_MEMORY → RESOURCE_EXHAUSTED, STALE_BASE → ABORTED,
-INTERNAL → INTERNAL, each with the failure's message.
+INTERNAL → INTERNAL, each with the failure's message. PrefixLookup runs on a thread of its
+own and answers NOT_FOUND or INVALID_ARGUMENT with TGIS's shard message.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import TypeVar
 import grpc
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
+from tgis.shard.adapter_store import StoreError, StoreErrorKind
+from tgis.shard.errors import InvalidStepError
 from tgis.shard.step_executor import StepExecutor
 from tgis.shard_api.channel import StepFailed
 from tgis.shard_api.codec import info_to_pb, output_to_pb, plan_from_pb
@@ -33,6 +36,10 @@ _STATUS = {
     StepErrorCode.OUT_OF_MEMORY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     StepErrorCode.STALE_BASE: grpc.StatusCode.ABORTED,
     StepErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+_STORE_STATUS = {
+    StoreErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    StoreErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 
@@ -73,6 +80,20 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         """Forget every sequence."""
         await self._on_step_thread(self.executor.reset)
         return shard_pb2.ResetResponse()
+
+    async def PrefixLookup(
+        self, request: shard_pb2.PrefixLookupRequest, context: grpc.aio.ServicerContext
+    ) -> shard_pb2.PrefixLookupResponse:
+        """Load a prompt-tuning prefix (off the step thread); NOT_FOUND or INVALID_ARGUMENT
+        with TGIS's message when it cannot be used."""
+        try:
+            length = await asyncio.to_thread(self.executor.lookup_prefix, request.prefix_id)
+        except StoreError as e:
+            code = _STORE_STATUS[e.kind]
+            await context.abort(code, e.tgis_message)
+        except InvalidStepError as e:  # a rank > 0 refusing it
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        return shard_pb2.PrefixLookupResponse(prefix_length=length)
 
     async def Step(
         self, request: shard_pb2.StepRequest, context: grpc.aio.ServicerContext

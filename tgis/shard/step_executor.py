@@ -65,5 +65,11 @@ class StepExecutor:
             self.runner.reset()
             self._last_completed = 0
 
+    def lookup_prefix(self, prefix_id: str) -> int:
+        """A prompt-tuning prefix's virtual tokens (StoreError if unusable). Not serialised
+        with Steps: the prefix cache is thread-safe, and with tensor parallelism the
+        lock-step runner orders it with the Steps itself."""
+        return self.runner.lookup_prefix(prefix_id)
+
     def health(self) -> None:
         self.runner.health()

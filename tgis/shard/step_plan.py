@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tgis.shard.errors import InvalidStepError
+from tgis.shard.prefix_rows import Prefixes, PrefixUnavailable
 from tgis.shard.sampling import random_seed
 from tgis.shard.sequence import Sequence
 from tgis.shard_api.messages import NewSequence, SamplingParams, SequenceError, StepPlan
@@ -111,11 +112,14 @@ def resolve_plan(
     sequences: Mapping[int, Sequence],
     limits: PlanLimits,
     dropped: AbstractSet[int] = frozenset(),
+    prefixes: Prefixes | None = None,
 ) -> ResolvedStep:
     """Validate ``plan`` against ``sequences`` without changing them.
 
     ``dropped`` are sequences that failed on their own in an earlier step: the router may
     have scheduled them again before it saw the error, so they are skipped, not refused.
+    ``prefixes`` gives new sequences their prompt-tuning prefix (None: this engine has
+    none, and a sequence naming one fails alone).
     """
     finished = set(plan.finished_request_ids)
     preempted = {
@@ -136,14 +140,22 @@ def resolve_plan(
         if (rid in sequences and rid not in finished) or rid in new or rid in failed:
             raise InvalidStepError(f"request {rid} is already known to the shard")
         problem = check_new_sequence(ns, limits.vocab_size)
+        prefix = None
+        if problem is None and ns.prefix_id:
+            try:
+                prefix = _prefix_of(ns, prefixes)
+            except PrefixUnavailable as e:
+                problem = str(e)
         if problem is not None:
             errors.append(SequenceError(rid, problem))
             failed.add(rid)
             continue
+        placeholders = [prefixes.placeholder_id] * ns.prefix_length if prefixes else []
         new[rid] = Sequence(
             request_id=rid,
-            token_ids=list(ns.prompt_token_ids),
-            prompt_len=len(ns.prompt_token_ids),
+            token_ids=placeholders + list(ns.prompt_token_ids),
+            prompt_len=ns.prompt_length,
+            prefix=prefix,
             sampling=ns.sampling,
             details=ns.details,
             seed=0
@@ -194,10 +206,21 @@ def resolve_plan(
     )
 
 
+def _prefix_of(ns: NewSequence, prefixes: Prefixes | None) -> torch.Tensor:
+    if prefixes is None:
+        raise PrefixUnavailable(
+            f"Error retrieving prompt prefix '{ns.prefix_id}': prompt prefixes are not "
+            "supported by this engine"
+        )
+    return prefixes.embeddings(ns)
+
+
 def check_new_sequence(ns: NewSequence, vocab_size: int) -> str | None:
     """Why a new sequence cannot run, or None."""
-    if not ns.prompt_token_ids:
+    if ns.prompt_length == 0:
         return "empty prompt"
+    if ns.prefix_length and not ns.prefix_id:
+        return f"prefix_length {ns.prefix_length} without a prefix_id"
     bad = next((t for t in ns.prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         return f"prompt token id {bad} out of range (vocab size {vocab_size})"

@@ -98,6 +98,9 @@ def plan_to_pb(plan: StepPlan) -> shard_pb2.StepRequest:
     )
     for ns in plan.new_sequences:
         entry = pb.new_sequences.add(request_id=ns.request_id, prompt_token_ids=ns.prompt_token_ids)
+        if ns.prefix_id:
+            entry.prefix_id = ns.prefix_id
+            entry.prefix_length = ns.prefix_length
         if ns.sampling != _GREEDY:
             entry.sampling.CopyFrom(sampling_to_pb(ns.sampling))
         if ns.details != _NO_DETAILS:
@@ -117,6 +120,8 @@ def plan_from_pb(pb: shard_pb2.StepRequest) -> StepPlan:
                 prompt_token_ids=tuple(ns.prompt_token_ids),
                 sampling=sampling_from_pb(ns.sampling) if ns.HasField("sampling") else _GREEDY,
                 details=_details_from_pb(ns.details) if ns.HasField("details") else _NO_DETAILS,
+                prefix_id=ns.prefix_id,
+                prefix_length=ns.prefix_length,
             )
             for ns in pb.new_sequences
         ),

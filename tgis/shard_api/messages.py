@@ -64,12 +64,23 @@ class DetailOptions:
 
 @dataclass(frozen=True, slots=True)
 class NewSequence:
-    """A sequence announced to the shard, with its whole prompt."""
+    """A sequence announced to the shard, with its whole prompt.
+
+    With a prompt-tuning prefix (``prefix_id``), the prompt is ``prefix_length`` virtual
+    positions followed by ``prompt_token_ids``, and every count in a Step includes them.
+    """
 
     request_id: int
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     details: DetailOptions = DetailOptions()
+    prefix_id: str = ""
+    prefix_length: int = 0
+
+    @property
+    def prompt_length(self) -> int:
+        """Positions of the prompt: the prefix's virtual tokens and the input's."""
+        return self.prefix_length + len(self.prompt_token_ids)
 
 
 @dataclass(frozen=True, slots=True)

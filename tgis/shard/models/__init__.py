@@ -13,7 +13,7 @@ from tgis.shard.model_config import ModelConfig
 from tgis.shard.models.falcon import FalconForCausalLM
 from tgis.shard.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tgis.shard.models.gpt_neox import GPTNeoXForCausalLM
-from tgis.shard.models.layers import Shapes
+from tgis.shard.models.layers import EmbeddingRows, Shapes
 from tgis.shard.models.llama import LlamaForCausalLM
 from tgis.shard.weights import Weights
 
@@ -32,8 +32,10 @@ class CausalLM(Protocol):
         positions: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: Any,
+        rows: EmbeddingRows | None = None,
     ) -> torch.Tensor:
-        """Final hidden states [tokens, hidden] of the flattened batch."""
+        """Final hidden states [tokens, hidden] of the flattened batch; ``rows`` replace
+        the vocabulary embeddings of some rows (prompt-tuning prefixes)."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

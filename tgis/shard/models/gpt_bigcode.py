@@ -21,6 +21,7 @@ from tgis.shard.models.layers import (
     Activation,
     Attention,
     DecoderLM,
+    EmbeddingRows,
     Heads,
     LayerNorm,
     Shapes,
@@ -160,6 +161,8 @@ class GPTBigCodeForCausalLM(DecoderLM):
             shapes["lm_head.weight"] = (args.vocab_size, h)
         return shapes
 
-    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: EmbeddingRows | None = None
+    ) -> torch.Tensor:
         """Token plus learned position embeddings."""
-        return self.embed(input_ids) + self.position_embed(positions)
+        return self.word_embeddings(input_ids, rows) + self.position_embed(positions)

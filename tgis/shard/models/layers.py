@@ -303,6 +303,17 @@ class ConfigParser(Protocol):
     def __call__(self, config: ModelConfig, max_sequence_length: int) -> object: ...
 
 
+@dataclass(frozen=True)
+class EmbeddingRows:
+    """Input embeddings that replace the vocabulary's at some rows of a step: the virtual
+    tokens of prompt-tuning prefixes (TGIS's ``inputs_embeds``). Family-specific scaling and
+    position embeddings still apply to them, as Hugging Face applies them to
+    ``inputs_embeds``."""
+
+    index: torch.Tensor  # [rows] long: rows of the flattened batch
+    values: torch.Tensor  # [rows, hidden]
+
+
 class DecoderLM:
     """What every family's model class shares (the ``CausalLM`` protocol): embed, run the
     layers over one ``StepContext``, final norm, LM head, and the KV-cache spec.
@@ -337,10 +348,22 @@ class DecoderLM:
             dtype=self.dtype,
         )
 
-    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def word_embeddings(
+        self, input_ids: torch.Tensor, rows: EmbeddingRows | None = None
+    ) -> torch.Tensor:
+        """The vocabulary embeddings of ``input_ids`` [tokens, hidden], with ``rows`` (the
+        virtual tokens of prompt-tuning prefixes) put in place of theirs."""
+        x = self.embed(input_ids)
+        if rows is not None:
+            x = x.index_copy(0, rows.index, rows.values.to(x.dtype))
+        return x
+
+    def embed_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: EmbeddingRows | None = None
+    ) -> torch.Tensor:
         """The first layer's input [tokens, hidden]."""
         del positions
-        return self.embed(input_ids)
+        return self.word_embeddings(input_ids, rows)
 
     def forward(
         self,
@@ -348,17 +371,23 @@ class DecoderLM:
         positions: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: Any,
+        rows: EmbeddingRows | None = None,
     ) -> torch.Tensor:
         """Final (normed) hidden states [tokens, hidden] for flattened ``input_ids``, eagerly
-        (``compiled.CompiledForward`` runs ``hidden_states`` compiled instead)."""
+        (``compiled.CompiledForward`` runs ``hidden_states`` compiled instead; steps with
+        prefix ``rows`` always run here)."""
         attend = paged_attend(self.attention, kv_cache, attn_metadata)
-        return self.hidden_states(input_ids, positions, attend)
+        return self.hidden_states(input_ids, positions, attend, rows)
 
     def hidden_states(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        rows: EmbeddingRows | None = None,
     ) -> torch.Tensor:
         """Embed, every layer (attending through ``attend``), final norm."""
-        x = self.embed_tokens(input_ids, positions)
+        x = self.embed_tokens(input_ids, positions, rows)
         rope = None if self.rotary is None else self.rotary.cos_sin(positions, x.dtype)
         ctx = StepContext(attend, rope)
         for layer in self.layers:

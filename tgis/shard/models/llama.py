@@ -24,6 +24,7 @@ from tgis.shard.model_config import ModelConfig
 from tgis.shard.models.layers import (
     Attention,
     DecoderLM,
+    EmbeddingRows,
     Heads,
     RMSNorm,
     Shapes,
@@ -231,9 +232,12 @@ class LlamaForCausalLM(DecoderLM):
             shapes["lm_head.weight"] = (args.vocab_size, h)
         return shapes
 
-    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: EmbeddingRows | None = None
+    ) -> torch.Tensor:
         """Token embeddings, times Granite's ``embedding_multiplier``."""
-        return _scaled(super().embed_tokens(input_ids, positions), self.args.embedding_multiplier)
+        x = super().embed_tokens(input_ids, positions, rows)
+        return _scaled(x, self.args.embedding_multiplier)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab], divided by Granite's ``logits_scaling``."""

@@ -1,6 +1,7 @@
 """Rank 0 drives the other ranks: every command is broadcast, run everywhere, then checked.
 
-Only rank 0 talks to the router. For each Step (and Reset, Health, and the final Stop) it
+Only rank 0 talks to the router. For each Step (and Reset, Health, PrefixLookup, and the
+final Stop) it
 broadcasts a `Message` over the object group; every rank — rank 0 included — runs the same
 `ModelRunner` call (`resolve_plan` first, so a plan that fails validation fails on every rank
 before any collective), then all ranks exchange a small `Outcome` (the error, if any, and the
@@ -25,6 +26,7 @@ from typing import NoReturn
 
 import torch
 
+from tgis.shard.adapter_store import invalid
 from tgis.shard.model_runner import ModelRunner
 from tgis.shard.parallel.distributed import broadcast_object, first_line, gather_objects
 from tgis.shard.parallel.group import TensorParallel
@@ -39,6 +41,7 @@ class Command(Enum):
     STEP = "step"
     RESET = "reset"
     HEALTH = "health"
+    PREFIX = "prefix"  # load a prompt-tuning prefix from this rank's store
     STOP = "stop"
 
 
@@ -48,6 +51,7 @@ class Message:
 
     command: Command
     plan: StepPlan | None = None
+    prefix_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -57,18 +61,25 @@ class Outcome:
     error: str | None = None  # "ExceptionType: message"
     tokens: tuple[tuple[int, int], ...] = ()  # (request id, sampled token id)
     failed: tuple[int, ...] = ()  # request ids with a per-sequence error
+    prefix_length: int = 0  # PREFIX: the prefix's virtual tokens
 
 
 class LockstepError(RuntimeError):
     """The ranks are no longer in lock-step (different outcomes, or a rank is gone)."""
 
 
-def execute(runner: ModelRunner, message: Message) -> tuple[StepOutput | None, Exception | None]:
-    """Run one command on this rank's replica → (step output, the exception raised)."""
+Result = StepOutput | int | None
+"""A command's result: a Step's output, a prefix's length, or nothing."""
+
+
+def execute(runner: ModelRunner, message: Message) -> tuple[Result, Exception | None]:
+    """Run one command on this rank's replica → (its result, the exception raised)."""
     try:
         if message.command is Command.STEP:
             assert message.plan is not None
             return runner.step(message.plan), None
+        if message.command is Command.PREFIX:
+            return runner.lookup_prefix(message.prefix_id), None
         if message.command is Command.RESET:
             runner.reset()
         elif message.command is Command.HEALTH:
@@ -78,10 +89,12 @@ def execute(runner: ModelRunner, message: Message) -> tuple[StepOutput | None, E
         return None, e
 
 
-def outcome_of(output: StepOutput | None, error: Exception | None) -> Outcome:
+def outcome_of(output: Result, error: Exception | None) -> Outcome:
     """The summary every rank compares."""
     if error is not None:
         return Outcome(error=f"{type(error).__name__}: {error}")
+    if isinstance(output, int):
+        return Outcome(prefix_length=output)
     if output is None:
         return Outcome()
     return Outcome(
@@ -92,8 +105,9 @@ def outcome_of(output: StepOutput | None, error: Exception | None) -> Outcome:
 
 def divergence(command: Command, outcomes: list[Outcome]) -> str | None:
     """None when the ranks agree; else a one-line description. Health may differ (a rank's
-    own device), and is reported by rank 0 instead."""
-    if command is Command.HEALTH or all(o == outcomes[0] for o in outcomes):
+    own device), and is reported by rank 0 instead; so may a prefix lookup (each rank's own
+    store; nothing but the cache changed), which then fails alone."""
+    if command in (Command.HEALTH, Command.PREFIX) or all(o == outcomes[0] for o in outcomes):
         return None
     parts = [f"rank {r}: {o.error or f'{len(o.tokens)} tokens'}" for r, o in enumerate(outcomes)]
     return f"ranks diverged on {command.value} ({'; '.join(parts)})"
@@ -140,8 +154,15 @@ class LockstepRunner:
     def step(self, plan: StepPlan) -> StepOutput:
         """Run `plan` on every rank; rank 0's output (or error)."""
         output = self._run(Message(Command.STEP, with_seeds(plan)))
-        assert output is not None
+        assert isinstance(output, StepOutput)
         return output
+
+    def lookup_prefix(self, prefix_id: str) -> int:
+        """Load a prompt-tuning prefix on every rank (each from its own store, as TGIS's
+        shards do); its length, or rank 0's error. Ranks that disagree stop the group."""
+        length = self._run(Message(Command.PREFIX, prefix_id=prefix_id))
+        assert isinstance(length, int)
+        return length
 
     def reset(self) -> None:
         """Forget every sequence on every rank."""
@@ -164,7 +185,7 @@ class LockstepRunner:
             except Exception as e:
                 log.warning("could not tell the other ranks to stop: %s", first_line(e))
 
-    def _run(self, message: Message) -> StepOutput | None:
+    def _run(self, message: Message) -> Result:
         with self._lock:
             if self.failed or self._closed:
                 raise LockstepError("the tensor-parallel ranks are stopped")
@@ -181,6 +202,14 @@ class LockstepRunner:
             bad = [f"rank {r}: {o.error}" for r, o in enumerate(outcomes) if o.error]
             if bad:
                 raise RuntimeError("; ".join(bad))
+        if message.command is Command.PREFIX and error is None:
+            differ = [o for o in outcomes if o != outcomes[0]]
+            if differ:
+                theirs = differ[0].error or f"{differ[0].prefix_length} virtual tokens"
+                raise invalid(
+                    f"the tensor-parallel ranks read prefix {message.prefix_id} differently "
+                    f"(rank 0: {outcomes[0].prefix_length} virtual tokens, another: {theirs})"
+                )
         if error is not None:
             raise error
         return output

@@ -1,9 +1,10 @@
 """Serve one rank of a tensor-parallel model until SIGTERM; returns the exit code.
 
 Rank 0 serves the router's `ShardService` on `{uds}-0` through a `LockstepRunner`, which
-broadcasts every Step, Reset and Health to the other ranks. Ranks > 0 run `run_worker` on a
-thread and serve only `Info` and `Health` on their own socket `{uds}-{rank}` (the launcher's
-readiness check); `Step` and `Reset` there are refused.
+broadcasts every Step, Reset, Health and PrefixLookup to the other ranks. Ranks > 0 run
+`run_worker` on a thread and serve only `Info` and `Health` on their own socket
+`{uds}-{rank}` (the launcher's readiness check); `Step`, `Reset` and `PrefixLookup` there
+are refused.
 
 Shutdown: the launcher sends SIGTERM to every rank. Rank 0 stops its gRPC server (in-flight
 Steps finish), then broadcasts Stop; each worker leaves its loop on Stop, stops its server,
@@ -95,6 +96,10 @@ class WorkerRunner:
     def reset(self) -> None:
         """Refused, as Step."""
         raise InvalidStepError(f"rank {self.rank} does not serve Reset; rank 0 does")
+
+    def lookup_prefix(self, prefix_id: str) -> int:
+        """Refused, as Step: rank 0 loads prefixes on every rank."""
+        raise InvalidStepError(f"rank {self.rank} does not serve PrefixLookup; rank 0 does")
 
 
 async def _serve_worker(runner: ModelRunner, tp: TensorParallel, socket_path: str) -> int:
