@@ -53,6 +53,9 @@ def test_kv_budget_arithmetic() -> None:
     assert kv_budget_bytes(reading, 0.5, 10) == int(24 * GIB * 0.9) - 3 * GIB
     assert kv_budget_bytes(reading, 0.2, 0) == 0  # the weights alone exceed the fraction
     assert kv_budget_bytes(reading, 1.0, 99) == 0  # never negative
+    # The prompt-prefix cache's memory is held back from the KV cache (TGIS).
+    assert kv_budget_bytes(reading, 1.0, 20, held_back=GIB // 2) == 48 * GIB - 3 * GIB - GIB // 2
+    assert kv_budget_bytes(reading, 1.0, 99, held_back=GIB) == 0
 
 
 def test_warmup_plans_cover_the_prefill_budget_and_a_full_batch_next_to_it() -> None:

@@ -104,12 +104,16 @@ class MemoryReading:
     warmup_cache: int  # bytes of the temporary KV cache the warm-up used
 
 
-def kv_budget_bytes(reading: MemoryReading, memory_fraction: float, safety_margin: int) -> int:
-    """Bytes the KV cache may take (see the module docstring); never negative."""
+def kv_budget_bytes(
+    reading: MemoryReading, memory_fraction: float, safety_margin: int, held_back: int = 0
+) -> int:
+    """Bytes the KV cache may take (see the module docstring); never negative.
+    ``held_back``: memory kept for something else, the prompt-prefix cache
+    (``PROMPT_CACHE_SIZE_MB``, as TGIS subtracts it)."""
     activations = max(reading.peak - reading.allocated - reading.warmup_cache, 0)
     process_left = int(reading.total * memory_fraction) - reading.reserved
     available = max(min(reading.free, process_left), 0)
-    return max(available * (100 - safety_margin) // 100 - activations, 0)
+    return max(available * (100 - safety_margin) // 100 - activations - held_back, 0)
 
 
 WARMUP_SAMPLING = SamplingParams(
@@ -235,8 +239,10 @@ def measure_cuda_blocks(
     memory_fraction: float,
     safety_margin: int,
     forward: ForwardFn | None = None,
+    held_back: int = 0,
 ) -> int:
-    """The GPU measurement (see the module docstring)."""
+    """The GPU measurement (see the module docstring); ``held_back`` bytes are left for the
+    prompt-prefix cache."""
     plan = warmup_plans(
         max_prefill_tokens, max_sequence_length, max_batch_size, spec.block_size, info.vocab_size
     )
@@ -264,7 +270,8 @@ def measure_cuda_blocks(
         peak=peak,
         warmup_cache=plan.num_blocks * spec.bytes_per_block,
     )
-    return kv_budget_bytes(reading, memory_fraction, safety_margin) // spec.bytes_per_block
+    budget = kv_budget_bytes(reading, memory_fraction, safety_margin, held_back)
+    return budget // spec.bytes_per_block
 
 
 def check_fits(num_blocks: int, block_size: int, max_sequence_length: int, where: str) -> None:

@@ -301,6 +301,7 @@ def _kv_cache_blocks(
         max_batch_size=config.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
         memory_fraction=config.cuda_process_memory_fraction,
         safety_margin=config.batch_safety_margin,
+        held_back=config.prompt_cache_bytes if config.prefix_store_path else 0,
     )
     check_fits(measured, block_size, config.max_sequence_length, "GPU memory after the warm-up")
     if config.max_batch_total_tokens is not None:
