@@ -9,7 +9,6 @@ PEFT prompt-tuning adapter; errors are TGIS's messages, verbatim.
 from __future__ import annotations
 
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,18 +18,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.e2e.models import PAD_TOKEN_ID, save_tiny_llama
 from tests.e2e.server import LauncherProcess, start_launcher
-from tgis.embedded_model import MODEL_DIR as EMBEDDED_MODEL_DIR
+from tests.prefix_oracle import prefixed_greedy
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 HIDDEN = 64
-PAD = 3
 MAX_SEQUENCE_LENGTH = 64
 NEW_TOKENS = 8
 PROMPTS = ["Return the number of", "A"]
@@ -40,29 +37,7 @@ PROMPTS = ["Return the number of", "A"]
 def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     """A random float32 Llama with the embedded tokenizer, and its transformers twin."""
     path = tmp_path_factory.mktemp("prefix-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=PAD,
-    )
-    hf = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
-    hf.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(EMBEDDED_MODEL_DIR / name, path / name)
-    hf.generation_config.eos_token_id = None
-    return path, hf
+    return path, save_tiny_llama(path)
 
 
 @pytest.fixture(scope="module")
@@ -118,18 +93,8 @@ def expected_tokens(model: tuple[Path, Any], prefix: torch.Tensor, text: str) ->
     """transformers' greedy continuation, as raw vocabulary strings."""
     tokenizer = Tokenizer.from_file(str(model[0] / "tokenizer.json"))
     ids = tokenizer.encode(text).ids
-    hf = model[1]
-    with torch.no_grad():
-        embeds = hf.get_input_embeddings()(torch.tensor([ids]))
-        embeds = torch.cat([prefix.unsqueeze(0), embeds], dim=1)
-        out = hf.generate(
-            inputs_embeds=embeds,
-            attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            pad_token_id=0,
-        )
-    return [tokenizer.id_to_token(i) for i in out[0, -NEW_TOKENS:].tolist()]
+    tokens, _ = prefixed_greedy(model[1], prefix, ids, NEW_TOKENS)
+    return [tokenizer.id_to_token(i) for i in tokens]
 
 
 def params(new_tokens: int = NEW_TOKENS, **response: bool) -> pb.Parameters:
@@ -194,7 +159,7 @@ def test_streamed_input_tokens_count_the_virtual_positions(
     assert messages[0].input_token_count == len(ids)
     inputs = messages[1]
     assert inputs.input_token_count == 5 + len(ids) == len(inputs.input_tokens)
-    pad_text = tokenizer.id_to_token(PAD)
+    pad_text = tokenizer.id_to_token(PAD_TOKEN_ID)
     assert [t.text for t in inputs.input_tokens[:5]] == [pad_text] * 5
     assert [t.text for t in inputs.input_tokens[5:]] == [tokenizer.id_to_token(i) for i in ids]
 

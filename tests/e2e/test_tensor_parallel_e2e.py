@@ -3,7 +3,6 @@ SIGTERM stops every rank cleanly."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -11,11 +10,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.e2e.models import save_tiny_llama
 from tests.e2e.server import LauncherProcess, descendants, is_alive, start_launcher
-from tgis.embedded_model import MODEL_DIR as EMBEDDED_MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -23,34 +20,13 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["Return the number of", "The file is", "A"]
 NEW_TOKENS = 12
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random float32 Llama (GQA: 4 query heads, 2 KV heads) with the embedded tokenizer."""
     path = tmp_path_factory.mktemp("tp-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # peaked logits: no near-ties between the two summation orders
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(EMBEDDED_MODEL_DIR / name, path / name)
+    save_tiny_llama(path)
     return path
 
 

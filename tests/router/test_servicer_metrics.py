@@ -105,15 +105,7 @@ def engine(tokenizer: RouterTokenizer) -> FakeEngine:
 def servicer(
     engine: FakeEngine, tokenizer: RouterTokenizer, metrics: Metrics
 ) -> GenerationServicer:
-    return GenerationServicer(
-        engine=engine,  # type: ignore[arg-type]
-        tokenizer=tokenizer,
-        limits=ServerLimits.from_args(MAX_SEQUENCE_LENGTH, MAX_NEW_TOKENS),
-        limiter=ConcurrencyLimiter(4),
-        metrics=metrics,
-        default_include_stop_seqs=True,
-        is_seq2seq=False,
-    )
+    return prefixed_servicer(engine, tokenizer, metrics, lookup=None)
 
 
 def scrape(metrics: Metrics) -> Exposition:
@@ -277,6 +269,7 @@ def test_without_a_shard_every_prefix_is_a_failed_prompt_load(
 def prefixed_servicer(
     engine: FakeEngine, tokenizer: RouterTokenizer, metrics: Metrics, lookup: Any
 ) -> GenerationServicer:
+    """The servicer under test; ``lookup`` answers prefix lookups (None: no prefixes)."""
     return GenerationServicer(
         engine=engine,  # type: ignore[arg-type]
         tokenizer=tokenizer,
@@ -285,7 +278,7 @@ def prefixed_servicer(
         metrics=metrics,
         default_include_stop_seqs=True,
         is_seq2seq=False,
-        prefixes=PrefixLengths(lookup, metrics),
+        prefixes=None if lookup is None else PrefixLengths(lookup, metrics),
     )
 
 

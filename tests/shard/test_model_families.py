@@ -22,6 +22,7 @@ import torch
 import transformers
 from conftest import EOS, VOCAB, Router, TinyModel
 
+from tests.prefix_oracle import prefixed_greedy
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
@@ -253,17 +254,7 @@ def test_prompt_prefix_matches_hf_inputs_embeds(family_model: TinyModel, tmp_pat
     router.step({1: 4 + len(prompt)})
     for _ in range(NEW_TOKENS - 1):
         router.decode([1])
-    with torch.no_grad():
-        embeds = hf.get_input_embeddings()(torch.tensor([prompt]))
-        embeds = torch.cat([prefix.unsqueeze(0), embeds], dim=1)
-        out = hf.generate(
-            inputs_embeds=embeds,
-            attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            pad_token_id=0,
-        )
-    assert router.generated[1] == out[0, -NEW_TOKENS:].tolist()
+    assert router.generated[1] == prefixed_greedy(hf, prefix, prompt, NEW_TOKENS)[0]
 
 
 def test_kv_cache_spec_reports_kv_heads(tmp_path: Path) -> None:

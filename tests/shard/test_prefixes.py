@@ -17,6 +17,7 @@ import torch
 from conftest import EOS, Router, TinyModel
 from safetensors.torch import save_file
 
+from tests.prefix_oracle import prefixed_greedy
 from tgis.shard.adapter_store import StoreError, StoreErrorKind
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
@@ -64,22 +65,7 @@ def prefix_tensor(store: Path, prefix_id: str) -> torch.Tensor:
 
 def reference(model: TinyModel, prefix: torch.Tensor | None, prompt: list[int], new: int):
     """transformers' greedy tokens and per-step logits for ``prefix`` then ``prompt``."""
-    hf: Any = model.hf
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        embeds = hf.get_input_embeddings()(ids)
-        if prefix is not None:
-            embeds = torch.cat([prefix.unsqueeze(0).to(embeds.dtype), embeds], dim=1)
-        out = hf.generate(
-            inputs_embeds=embeds,
-            attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=new,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences[0, -new:].tolist(), [step[0].float() for step in out.logits]
+    return prefixed_greedy(model.hf, prefix, prompt, new)
 
 
 def make_runner(model: TinyModel, store: Path | None, **kwargs: Any) -> ModelRunner:
