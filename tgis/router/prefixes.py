@@ -96,9 +96,6 @@ class PrefixLengths:
         except Exception:
             self._metrics.prompt_load_failed()
             raise
-        finally:
-            # Whoever asks from now on gets the cached length, or a lookup of its own.
-            self._forget_pending(prefix_id)
         now = self._clock()
         self._metrics.prompt_loaded(now - started)
         self._store(prefix_id, length, now)
@@ -114,14 +111,11 @@ class PrefixLengths:
         while len(self._entries) > self._capacity:
             self._entries.popitem(last=False)
 
-    def _forget_pending(self, prefix_id: str) -> None:
-        current = asyncio.current_task()
-        if self._pending.get(prefix_id) is current:
-            del self._pending[prefix_id]
-
     def _settled(self, prefix_id: str, done: asyncio.Future[int]) -> None:
-        """Done callback of a lookup: it is no longer pending (also when it was cancelled
-        before it ran), and its error counts as retrieved even when every waiter left."""
+        """Done callback of a lookup (it runs before any waiter resumes): it is no longer
+        pending, so whoever asks next gets the cached length or a lookup of its own (also
+        when it was cancelled before it ran); its error counts as retrieved even when every
+        waiter left."""
         if self._pending.get(prefix_id) is done:
             del self._pending[prefix_id]
         if not done.cancelled():

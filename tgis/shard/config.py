@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -20,6 +21,14 @@ DEFAULT_UDS_PATH = "/tmp/text-generation-server"
 # How the weights are obtained: read from the model's safetensors files, or created at
 # random from config.json alone (vLLM's name; for benchmarks without the real weights).
 LOAD_FORMATS = ("auto", "dummy")
+
+
+DEFAULT_PROMPT_CACHE_MB = 512  # TGIS's PROMPT_CACHE_SIZE_MB default
+
+
+def default_max_prefix_length(max_sequence_length: int) -> int:
+    """TGIS's MAX_PROMPT_PREFIX_LENGTH default: half of ``max_sequence_length``, rounded up."""
+    return math.ceil(0.5 * max_sequence_length)
 
 
 @dataclass(frozen=True)
@@ -46,10 +55,18 @@ class ShardConfig:
     max_batch_total_tokens: int | None = None
     load_format: str = "auto"  # LOAD_FORMATS: "dummy" creates random weights
     # Prompt-tuning prefixes (TGIS's PREFIX_STORE_PATH, PROMPT_CACHE_SIZE_MB,
-    # MAX_PROMPT_PREFIX_LENGTH): None disables them (every prefix id is not found).
+    # MAX_PROMPT_PREFIX_LENGTH): no store disables them (every prefix id is not found);
+    # no maximum means half of max_sequence_length (``prefix_length_limit``).
     prefix_store_path: str | None = None
-    prompt_cache_bytes: int = 512 * 1024 * 1024
-    max_prefix_length: int = 1024
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_MB * 1024 * 1024
+    max_prefix_length: int | None = None
+
+    @property
+    def prefix_length_limit(self) -> int:
+        """The longest prompt prefix accepted."""
+        if self.max_prefix_length is not None:
+            return self.max_prefix_length
+        return default_max_prefix_length(self.max_sequence_length)
 
     @property
     def socket_path(self) -> str:

@@ -136,14 +136,14 @@ def _prefix_store(
         "Prompt prefixes from %s (cache %d MB, at most %d virtual tokens)",
         store_path,
         config.prompt_cache_bytes // (1024 * 1024),
-        config.max_prefix_length,
+        config.prefix_length_limit,
     )
     return PrefixStore(
         store_path,
         embedding_dim=model.embed.weight.shape[1],
         dtype=dtype,
         device=device,
-        max_length=config.max_prefix_length,
+        max_length=config.prefix_length_limit,
         cache_bytes=config.prompt_cache_bytes,
         on_load=_log_prefix_load,
     )

@@ -29,7 +29,7 @@ from tgis.shard.device import cpu_threads
 from tgis.shard.kv_cache import KVCache
 from tgis.shard.models import CausalLM
 from tgis.shard.models.layers import EmbeddingRows
-from tgis.shard.prefix_rows import Prefixes, embedding_rows
+from tgis.shard.prefix_rows import NO_PREFIXES, Prefixes, embedding_rows
 from tgis.shard.runner import SequenceRunner
 from tgis.shard.sequence import Sequence
 from tgis.shard.step_plan import PlanLimits, WorkItem
@@ -83,7 +83,7 @@ class ModelRunner(SequenceRunner):
         prefixes: Prefixes | None = None,
     ) -> None:
         self.model = model
-        self.prefixes = prefixes or Prefixes(store=None)
+        self.prefixes = prefixes or NO_PREFIXES
         # The model's forward: eager (the reference), or compiled.CompiledForward.
         self.forward: ForwardFn = forward or model.forward
         # Decode steps replayed from CUDA graphs (cuda_graphs.py; set by the loader).

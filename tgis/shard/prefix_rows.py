@@ -10,7 +10,8 @@ input-token details of those positions score the placeholder, as TGIS reports th
 token's logprobs there.
 
 ``Prefixes`` answers the router's ``PrefixLookup`` and gives each new sequence its tensor,
-from the ``PrefixStore`` cache (``PREFIX_STORE_PATH``), or refuses when no store is set.
+from the ``PrefixStore`` cache (``PREFIX_STORE_PATH``), or refuses when no store is set
+(``NO_PREFIXES``: also the transformers engine's).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from tgis.shard.adapter_store import StoreError
 from tgis.shard.models.layers import EmbeddingRows
-from tgis.shard.prefix_store import PrefixStore, not_found
+from tgis.shard.prefix_store import PrefixEmbeddings, PrefixStore, not_found
 from tgis.shard_api.messages import NewSequence
 
 if TYPE_CHECKING:
@@ -45,18 +46,14 @@ class Prefixes:
     def lookup(self, prefix_id: str) -> int:
         """Load ``prefix_id`` (or find it cached) and return its virtual tokens; StoreError
         with TGIS's message otherwise."""
-        if self.store is None:
-            raise not_found(prefix_id)
-        return self.store.get(prefix_id).length
+        return self._get(prefix_id).length
 
     def embeddings(self, ns: NewSequence) -> torch.Tensor:
         """The decoder embeddings [prefix_length, hidden] of ``ns``'s prefix; raises
         PrefixUnavailable when the prefix is missing, malformed, or no longer as long as
         the router counted."""
         try:
-            if self.store is None:
-                raise not_found(ns.prefix_id)
-            prefix = self.store.get(ns.prefix_id)
+            prefix = self._get(ns.prefix_id)
         except StoreError as e:
             raise PrefixUnavailable(
                 f"Error retrieving prompt prefix '{ns.prefix_id}': {e.tgis_message}"
@@ -68,6 +65,15 @@ class Prefixes:
                 "router looked it up; the router keeps a length for up to an hour)"
             )
         return prefix.decoder
+
+    def _get(self, prefix_id: str) -> PrefixEmbeddings:
+        if self.store is None:
+            raise not_found(prefix_id)
+        return self.store.get(prefix_id)
+
+
+NO_PREFIXES = Prefixes(store=None)
+"""An engine without a prefix store: every prefix id is not found."""
 
 
 def embedding_rows(work: SequenceOf[WorkItem], query_starts: list[int]) -> EmbeddingRows | None:

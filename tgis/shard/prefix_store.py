@@ -29,9 +29,9 @@ import torch
 from safetensors.torch import load_file
 
 from tgis.shard.adapter_store import ItemStore, StoreError, StoreErrorKind, invalid
+from tgis.shard.config import DEFAULT_PROMPT_CACHE_MB, default_max_prefix_length
 from tgis.shard.errors import StartupError
 
-DEFAULT_CACHE_MB = 512
 SIZE_UNIT = 512  # TGIS rounds every tensor's size up to a multiple of 512 bytes
 DECODER_FILE = "decoder.pt"
 ENCODER_FILE = "encoder.pt"
@@ -242,7 +242,7 @@ def max_prefix_length(env: Mapping[str, str], max_sequence_length: int) -> int:
     """``MAX_PROMPT_PREFIX_LENGTH``, else half of ``max_sequence_length`` rounded up."""
     value = _env_int(env, "MAX_PROMPT_PREFIX_LENGTH")
     if value is None:
-        return math.ceil(0.5 * max_sequence_length)
+        return default_max_prefix_length(max_sequence_length)
     if not 0 < value <= max_sequence_length - 1:
         raise StartupError(
             f"MAX_PROMPT_PREFIX_LENGTH ({value}) must be between 1 and "
@@ -254,7 +254,7 @@ def max_prefix_length(env: Mapping[str, str], max_sequence_length: int) -> int:
 def prompt_cache_bytes(env: Mapping[str, str]) -> int:
     """``PROMPT_CACHE_SIZE_MB`` (default 512) in bytes."""
     value = _env_int(env, "PROMPT_CACHE_SIZE_MB")
-    megabytes = DEFAULT_CACHE_MB if value is None else value
+    megabytes = DEFAULT_PROMPT_CACHE_MB if value is None else value
     if megabytes < 0:
         raise StartupError(f"PROMPT_CACHE_SIZE_MB must not be negative, got {megabytes}")
     return megabytes * 1024 * 1024

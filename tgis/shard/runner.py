@@ -11,8 +11,7 @@ from typing import Protocol
 
 import torch
 
-from tgis.shard.prefix_rows import Prefixes
-from tgis.shard.prefix_store import not_found
+from tgis.shard.prefix_rows import NO_PREFIXES, Prefixes
 from tgis.shard.sequence import Sequence
 from tgis.shard.step_plan import PlanLimits, ResolvedStep, resolve_plan
 from tgis.shard_api.messages import SequenceError, ShardInfo, StepOutput, StepPlan
@@ -61,8 +60,8 @@ class SequenceRunner:
     limits: PlanLimits
     # Sequences that failed on their own, skipped when scheduled until they are finished.
     dropped: set[int]
-    # Prompt-tuning prefixes (None: the engine supports none; every lookup is not found).
-    prefixes: Prefixes | None = None
+    # Prompt-tuning prefixes (NO_PREFIXES: every lookup is not found).
+    prefixes: Prefixes = NO_PREFIXES
 
     def reset(self) -> None:
         """Forget every sequence."""
@@ -71,8 +70,6 @@ class SequenceRunner:
 
     def lookup_prefix(self, prefix_id: str) -> int:
         """The virtual tokens of ``prefix_id``, loaded into the cache; StoreError if not."""
-        if self.prefixes is None:
-            raise not_found(prefix_id)
         return self.prefixes.lookup(prefix_id)
 
     def health(self) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.prefix_rows import Prefixes, PrefixUnavailable
+from tgis.shard.prefix_rows import NO_PREFIXES, Prefixes, PrefixUnavailable
 from tgis.shard.sampling import random_seed
 from tgis.shard.sequence import Sequence
 from tgis.shard_api.messages import NewSequence, SamplingParams, SequenceError, StepPlan
@@ -112,14 +112,14 @@ def resolve_plan(
     sequences: Mapping[int, Sequence],
     limits: PlanLimits,
     dropped: AbstractSet[int] = frozenset(),
-    prefixes: Prefixes | None = None,
+    prefixes: Prefixes = NO_PREFIXES,
 ) -> ResolvedStep:
     """Validate ``plan`` against ``sequences`` without changing them.
 
     ``dropped`` are sequences that failed on their own in an earlier step: the router may
     have scheduled them again before it saw the error, so they are skipped, not refused.
-    ``prefixes`` gives new sequences their prompt-tuning prefix (None: this engine has
-    none, and a sequence naming one fails alone).
+    ``prefixes`` gives new sequences their prompt-tuning prefix (a sequence whose prefix
+    cannot be used fails alone).
     """
     finished = set(plan.finished_request_ids)
     preempted = {
@@ -143,14 +143,14 @@ def resolve_plan(
         prefix = None
         if problem is None and ns.prefix_id:
             try:
-                prefix = _prefix_of(ns, prefixes)
+                prefix = prefixes.embeddings(ns)
             except PrefixUnavailable as e:
                 problem = str(e)
         if problem is not None:
             errors.append(SequenceError(rid, problem))
             failed.add(rid)
             continue
-        placeholders = [prefixes.placeholder_id] * ns.prefix_length if prefixes else []
+        placeholders = [prefixes.placeholder_id] * ns.prefix_length
         new[rid] = Sequence(
             request_id=rid,
             token_ids=placeholders + list(ns.prompt_token_ids),
@@ -204,15 +204,6 @@ def resolve_plan(
         work=tuple(work),
         errors=tuple(errors),
     )
-
-
-def _prefix_of(ns: NewSequence, prefixes: Prefixes | None) -> torch.Tensor:
-    if prefixes is None:
-        raise PrefixUnavailable(
-            f"Error retrieving prompt prefix '{ns.prefix_id}': prompt prefixes are not "
-            "supported by this engine"
-        )
-    return prefixes.embeddings(ns)
 
 
 def check_new_sequence(ns: NewSequence, vocab_size: int) -> str | None:
