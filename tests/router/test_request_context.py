@@ -32,15 +32,6 @@ from tgis.router.tokenization import RouterTokenizer
 from tgis.router.validation import ServerLimits
 
 
-class MetadataContext(FakeContext):
-    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
-        super().__init__()
-        self.metadata = metadata
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self.metadata
-
-
 @pytest.fixture
 def engine() -> Iterator[FakeEngine]:
     tokenizer = RouterTokenizer(str(MODEL_DIR / "tokenizer.json"))
@@ -94,7 +85,7 @@ def test_every_servicer_line_of_a_call_carries_its_correlation_id(
     servicer: GenerationServicer, engine: FakeEngine, json_lines: io.StringIO
 ) -> None:
     async def calls() -> None:
-        ok = MetadataContext((("x-correlation-id", "unary-1"),))
+        ok = FakeContext(("x-correlation-id", "unary-1"))
         await servicer.Generate(
             pb.BatchedGenerationRequest(
                 requests=[pb.GenerationRequest(text="a"), pb.GenerationRequest(text="b")],
@@ -102,7 +93,7 @@ def test_every_servicer_line_of_a_call_carries_its_correlation_id(
             ),
             ok,  # type: ignore[arg-type]
         )
-        streamed = MetadataContext((("x-correlation-id", "stream-2"),))
+        streamed = FakeContext(("x-correlation-id", "stream-2"))
         request = pb.SingleGenerationRequest(request=pb.GenerationRequest(text="a"))
         async for _ in servicer.GenerateStream(request, streamed):  # type: ignore[arg-type]
             pass
@@ -110,7 +101,7 @@ def test_every_servicer_line_of_a_call_carries_its_correlation_id(
         with pytest.raises(Aborted):
             await servicer.Generate(
                 pb.BatchedGenerationRequest(requests=[pb.GenerationRequest(text="a")]),
-                MetadataContext(()),  # type: ignore[arg-type]
+                FakeContext(),  # type: ignore[arg-type]
             )
         # Nothing leaks into the caller's context once a call is over.
         assert current_log_fields() == {}

@@ -40,16 +40,19 @@ class Aborted(Exception):
 
 
 class FakeContext:
-    def __init__(self) -> None:
+    """A servicer context that records the abort; ``metadata`` is the call's metadata."""
+
+    def __init__(self, *metadata: tuple[str, str]) -> None:
         self.code: grpc.StatusCode | None = None
         self.details = ""
+        self.metadata = metadata
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         self.code, self.details = code, details
         raise Aborted(details)
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ()
+        return self.metadata
 
 
 class FakeEngine:

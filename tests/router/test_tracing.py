@@ -29,15 +29,6 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
 
 
-class MetadataContext(FakeContext):
-    def __init__(self, *metadata: tuple[str, str]) -> None:
-        super().__init__()
-        self.metadata = metadata
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self.metadata
-
-
 @pytest.fixture
 def engine() -> Iterator[FakeEngine]:
     tokenizer = RouterTokenizer(str(MODEL_DIR / "tokenizer.json"))
@@ -93,7 +84,7 @@ def test_spans_of_generate_and_stream_calls(
                 pb.BatchedGenerationRequest(
                     requests=[pb.GenerationRequest(text="a"), pb.GenerationRequest(text="b c")]
                 ),
-                MetadataContext(  # type: ignore[arg-type]
+                FakeContext(  # type: ignore[arg-type]
                     ("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"),
                     ("x-correlation-id", "traced-1"),
                 ),
@@ -101,7 +92,7 @@ def test_spans_of_generate_and_stream_calls(
             engine.fail = True
             request = pb.SingleGenerationRequest(request=pb.GenerationRequest(text="a"))
             with pytest.raises(Aborted):
-                async for _ in servicer.GenerateStream(request, MetadataContext()):  # type: ignore[arg-type]
+                async for _ in servicer.GenerateStream(request, FakeContext()):  # type: ignore[arg-type]
                     pass
 
         asyncio.run(calls())

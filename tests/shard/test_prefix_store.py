@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -296,8 +297,8 @@ def test_load_hook_records_successes_failures_and_not_hits(tmp_path: Path) -> No
     assert isinstance(loads[1].error, StoreError)
 
 
-def test_concurrent_requests_load_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _save(tmp_path, "shared", "decoder.pt", torch.ones(4, DIM))
+def slow_reads(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Make every file read take 50 ms; the paths read, in order."""
     calls: list[Path] = []
     real_read = prefix_store._read_file
 
@@ -307,6 +308,21 @@ def test_concurrent_requests_load_once(tmp_path: Path, monkeypatch: pytest.Monke
         return real_read(prefix_id, path)
 
     monkeypatch.setattr(prefix_store, "_read_file", slow_read)
+    return calls
+
+
+def run_together(worker: Callable[[], None], count: int) -> None:
+    """``worker`` on ``count`` threads at once; returns when all are done."""
+    threads = [threading.Thread(target=worker) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def test_concurrent_requests_load_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save(tmp_path, "shared", "decoder.pt", torch.ones(4, DIM))
+    calls = slow_reads(monkeypatch)
     loads: list[PrefixLoad] = []
     store = _store(tmp_path, on_load=loads.append)
     barrier = threading.Barrier(16)
@@ -316,11 +332,7 @@ def test_concurrent_requests_load_once(tmp_path: Path, monkeypatch: pytest.Monke
         barrier.wait()
         results.append(store.get("shared"))
 
-    threads = [threading.Thread(target=worker) for _ in range(16)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(worker, 16)
     assert len(calls) == 1 and len(loads) == 1
     assert len(results) == 16 and all(r is results[0] for r in results)
 
@@ -329,15 +341,7 @@ def test_concurrent_failure_reaches_every_waiter(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _save(tmp_path, "bad", "decoder.pt", torch.ones(3, DIM + 1))
-    calls: list[Path] = []
-    real_read = prefix_store._read_file
-
-    def slow_read(prefix_id: str, path: Path) -> Any:
-        calls.append(path)
-        time.sleep(0.05)
-        return real_read(prefix_id, path)
-
-    monkeypatch.setattr(prefix_store, "_read_file", slow_read)
+    calls = slow_reads(monkeypatch)
     store = _store(tmp_path)
     barrier = threading.Barrier(16)
     errors: list[str] = []
@@ -349,10 +353,6 @@ def test_concurrent_failure_reaches_every_waiter(
         except StoreError as e:
             errors.append(str(e))
 
-    threads = [threading.Thread(target=worker) for _ in range(16)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(worker, 16)
     assert len(calls) == 1
     assert errors == ["Prefix embedding tensor dim 9 does not match model (8)"] * 16
