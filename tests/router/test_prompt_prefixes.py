@@ -27,6 +27,7 @@ from tests.prometheus_tools import parse_exposition
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc, shard_pb2, shard_pb2_grpc
+from tgis.router.adapters import adapter_kinds
 from tgis.router.concurrency import ConcurrencyLimiter
 from tgis.router.engine import Engine
 from tgis.router.generation_service import GenerationServicer
@@ -166,12 +167,16 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def router_stack(prefill_budget: int = 4096) -> AsyncIterator[Stack]:
-    """The fake shard and a real router in front of it, on Unix sockets in a short dir."""
+async def router_stack(
+    prefill_budget: int = 4096, shard_class: Callable[[str], PrefixShard] = PrefixShard
+) -> AsyncIterator[Stack]:
+    """The fake shard (``shard_class``) and a real router in front of it, composed as
+    ``server.py`` does (its adapter cache and ``max_loras`` from the shard's Info), on Unix
+    sockets in a short dir."""
     workdir = tempfile.mkdtemp(prefix="tgis-prefix-", dir="/tmp")
     shard_path = os.path.join(workdir, "shard")
     router_path = os.path.join(workdir, "router")
-    shard = PrefixShard(step_channel_path(shard_path))
+    shard = shard_class(step_channel_path(shard_path))
     channel_server = StepChannelServer(shard.step_channel, shard.step)
     channel_server.start()
     shard_server = grpc.aio.server()
@@ -188,7 +193,11 @@ async def router_stack(prefill_budget: int = 4096) -> AsyncIterator[Stack]:
         shard=client,
         info=info,
         tokenizer=tokenizer,
-        limits=SchedulerLimits(max_batch_size=8, max_batch_prefill_tokens=prefill_budget),
+        limits=SchedulerLimits(
+            max_batch_size=8,
+            max_batch_prefill_tokens=prefill_budget,
+            max_loras=info.max_loras or None,
+        ),
         metrics=metrics,
     )
     servicer = GenerationServicer(
@@ -200,6 +209,7 @@ async def router_stack(prefill_budget: int = 4096) -> AsyncIterator[Stack]:
         default_include_stop_seqs=True,
         is_seq2seq=False,
         prefixes=PrefixLengths(client.prefix_length, metrics),
+        adapters=adapter_kinds(info, client.adapter_info),
     )
     router = grpc.aio.server()
     generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, router)

@@ -29,19 +29,40 @@ from tgis.router.request_types import (
 from tgis.router.scheduler import ScheduledStep, Scheduler, SchedulerLimits
 from tgis.router.stopping import StopChecker
 from tgis.router.tokenization import RouterTokenizer
-from tgis.shard_api.messages import SampledToken, SequenceError, StepOutput, StepPlan, TokenDetail
+from tgis.shard_api.messages import (
+    AdapterKind,
+    SampledToken,
+    SequenceError,
+    StepOutput,
+    StepPlan,
+    TokenDetail,
+)
 
 TOKENIZER = RouterTokenizer(str(MODEL_DIR / "tokenizer.json"))
 EOS = 2
 
 
 def make_state(
-    request_id: int, prompt_len: int, max_new_tokens: int, prefix: int = 0
+    request_id: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    prefix: int = 0,
+    *,
+    lora: str = "",
+    tuning: int = 0,
 ) -> RequestState:
     """A request of ``prompt_len`` input tokens, after a prompt prefix of ``prefix`` virtual
-    tokens (id ``p<prefix>``) when ``prefix`` > 0."""
+    tokens (id ``p<prefix>``) when ``prefix`` > 0, or after a prompt-tuning adapter of
+    ``tuning`` virtual tokens (id ``pt<tuning>``) when ``tuning`` > 0; with LoRA adapter
+    ``lora`` when it is set."""
+    assert not (lora and tuning) and not (prefix and tuning)
     stopping = StoppingParams(max_new_tokens=max_new_tokens)
     sampling = SamplingParams()
+    adapter_id, kind = "", None
+    if lora:
+        adapter_id, kind = lora, AdapterKind.LORA
+    elif tuning:
+        adapter_id, kind = f"pt{tuning}", AdapterKind.PROMPT_TUNING
     request = ValidatedRequest(
         text="x",
         input_ids=tuple(range(prompt_len)),
@@ -49,7 +70,9 @@ def make_state(
         stopping=stopping,
         sampling=sampling,
         prefix_id=f"p{prefix}" if prefix else "",
-        prefix_length=prefix,
+        prefix_length=prefix or tuning,
+        adapter_id=adapter_id,
+        adapter_kind=kind,
     )
     return RequestState(
         request_id=request_id,
@@ -507,6 +530,87 @@ def test_a_preempted_request_recomputes_its_prefix_too() -> None:
     assert step.prompt_tokens == 11 and step.samples == {1}
 
 
+# ---- adapters --------------------------------------------------------------------------------
+
+
+def running_loras(scheduler: Scheduler) -> set[str]:
+    return {s.request.lora_id for s in scheduler.running if s.request.lora_id}
+
+
+def test_max_loras_holds_a_third_lora_adapter_until_a_slot_frees() -> None:
+    scheduler = Scheduler(BlockAllocator(256, 4), limits(max_loras=2))
+    a1 = make_state(1, 4, 50, lora="a")
+    b = make_state(2, 4, 50, lora="b")
+    plain = make_state(3, 4, 50)
+    tuned = make_state(4, 4, 50, tuning=5)
+    a2 = make_state(5, 4, 50, lora="a")
+    for state in (a1, b, plain, tuned, a2):
+        scheduler.add(state)
+    step = scheduler.schedule(0.0)
+    # Two adapters: every one admitted (plain and prompt-tuning requests take no slot).
+    assert step.admitted == (a1, b, plain, tuned, a2)
+    assert [(n.adapter_id, n.prefix_id, n.prefix_length) for n in step.plan.new_sequences] == [
+        ("a", "", 0),
+        ("b", "", 0),
+        ("", "", 0),
+        ("pt5", "", 5),
+        ("a", "", 0),
+    ]
+    assert [c.num_tokens for c in step.plan.scheduled] == [4, 4, 4, 9, 4]
+    complete(scheduler, step)
+    c = make_state(6, 4, 50, lora="c")
+    behind = make_state(7, 4, 50)
+    a3 = make_state(8, 4, 50, lora="a")
+    for state in (a3, make_state(9, 4, 50, tuning=3), c, behind):
+        scheduler.add(state)
+    step = scheduler.schedule(1.0)
+    # An adapter already running and a prompt-tuning request join; a third adapter waits,
+    # and (FIFO, as for every admission limit) so does what is queued behind it.
+    assert [s.request_id for s in step.admitted] == [8, 9]
+    assert list(scheduler.waiting) == [c, behind]
+    complete(scheduler, step)
+    scheduler.finish(a1, StopReason.EOS_TOKEN)
+    step = scheduler.schedule(2.0)  # "a" still runs (requests 5 and 8)
+    assert not step.admitted and list(scheduler.waiting) == [c, behind]
+    complete(scheduler, step)
+    scheduler.finish(a2, StopReason.EOS_TOKEN)
+    scheduler.finish(a3, StopReason.EOS_TOKEN)  # the last "a"
+    step = scheduler.schedule(3.0)
+    assert step.admitted == (c, behind) and not scheduler.waiting
+    assert running_loras(scheduler) == {"b", "c"}
+    assert [n.adapter_id for n in step.plan.new_sequences] == ["c", ""]
+
+
+def test_a_resumed_lora_request_waits_for_a_slot_too() -> None:
+    scheduler = Scheduler(BlockAllocator(256, 4), limits(max_loras=1))
+    a, b = make_state(1, 4, 50, lora="a"), make_state(2, 4, 50, lora="b")
+    scheduler.add(a)
+    scheduler.add(b)
+    step = scheduler.schedule(0.0)
+    assert step.admitted == (a,) and list(scheduler.waiting) == [b]
+    complete(scheduler, step)
+    scheduler.finish(a, StopReason.EOS_TOKEN)
+    complete(scheduler, scheduler.schedule(1.0))
+    assert scheduler.running == [b]
+    scheduler.add(make_state(3, 4, 50, lora="c"))
+    scheduler.preempt(b)
+    fresh_a = make_state(4, 4, 50, lora="a")
+    scheduler.add(fresh_a)
+    # b leads the queue again and takes the one slot; c and the rest wait behind it.
+    step = scheduler.schedule(2.0)
+    assert [c.request_id for c in step.plan.scheduled] == [2]
+    assert running_loras(scheduler) == {"b"}
+    assert [s.request_id for s in scheduler.waiting] == [3, 4]
+
+
+def test_without_max_loras_any_number_of_adapters_runs() -> None:
+    scheduler = Scheduler(BlockAllocator(256, 4), limits())
+    for rid in range(1, 6):
+        scheduler.add(make_state(rid, 4, 5, lora=f"l{rid}"))
+    assert len(scheduler.schedule(0.0).admitted) == 5
+    assert len(running_loras(scheduler)) == 5
+
+
 # ---- property test ---------------------------------------------------------------------------
 
 
@@ -559,7 +663,9 @@ class SimShard:
             raise StepRefused(stale=False)
         for ns in plan.new_sequences:
             assert ns.request_id not in self.seqs and ns.request_id not in self.dropped
-            assert bool(ns.prefix_id) == (ns.prefix_length > 0)
+            # Virtual positions come from a prefix or from a prompt-tuning adapter.
+            assert not ns.prefix_id or ns.prefix_length > 0
+            assert not ns.prefix_length or bool(ns.prefix_id) != ns.adapter_id.startswith("pt")
             # A prefix's virtual positions come first (-1: no token id).
             prompt = [-1] * ns.prefix_length + list(ns.prompt_token_ids)
             self.seqs[ns.request_id] = SimSequence(prompt, ns.prompt_length)
@@ -600,6 +706,8 @@ def check_invariants(scheduler: Scheduler, lim: SchedulerLimits) -> None:
     assert len(owned) == len(set(owned)) == allocator.num_used <= allocator.num_blocks
     assert all(not s.block_ids for s in scheduler.waiting)
     assert len(scheduler.running) <= lim.max_batch_size
+    if lim.max_loras is not None:
+        assert len(running_loras(scheduler)) <= lim.max_loras
     running = [s.request_id for s in scheduler.running]
     waiting = [s.request_id for s in scheduler.waiting]
     # The running batch is a prefix of the arrival order, the queue the rest, in order.
@@ -619,6 +727,7 @@ def run_random_workload(seed: int) -> Scheduler:
     then everything drains."""
     rng = random.Random(seed)
     prefix_rng = random.Random(seed + 1_000_000)  # leaves the workload's own draws alone
+    adapter_rng = random.Random(seed + 2_000_000)  # so does this one
     block_size = rng.choice([1, 2, 4, 16])
     max_len = rng.randrange(8, 80)
     num_blocks = blocks_for(max_len, block_size) + rng.randrange(0, 12)
@@ -628,6 +737,7 @@ def run_random_workload(seed: int) -> Scheduler:
         max_waiting_tokens=rng.randrange(0, 6),
         waiting_served_ratio=rng.choice([0.0, 0.5, 1.2, 2.0]),
         preemption=rng.random() < 0.85,
+        max_loras=adapter_rng.choice([None, 1, 2, 3]),
     )
     depth = rng.choice([1, 2, 2])
     scheduler = Scheduler(BlockAllocator(num_blocks, block_size), lim)
@@ -644,8 +754,16 @@ def run_random_workload(seed: int) -> Scheduler:
                 prompt = rng.randrange(1, max_len)
                 # Part of the prompt may be a prompt prefix's virtual tokens.
                 prefix = prefix_rng.choice([0, 0, prefix_rng.randrange(0, prompt)])
+                # Some use a LoRA adapter (of 5); some prefixes are prompt-tuning adapters.
+                lora = adapter_rng.choice(["", "", f"lora{adapter_rng.randrange(5)}"])
+                tuning = prefix if not lora and adapter_rng.random() < 0.3 else 0
                 state = make_state(
-                    next_id, prompt - prefix, rng.randrange(1, max_len - prompt + 1), prefix
+                    next_id,
+                    prompt - prefix,
+                    rng.randrange(1, max_len - prompt + 1),
+                    prefix - tuning,
+                    lora=lora,
+                    tuning=tuning,
                 )
                 scheduler.add(state)
                 states.append(state)

@@ -17,16 +17,27 @@ from tests.otlp_collector import ExportedSpan, OtlpCollector
 from tests.router.test_servicer_metrics import Aborted, FakeContext, FakeEngine
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
+from tgis.router.adapters import AdapterKinds
 from tgis.router.concurrency import ConcurrencyLimiter
 from tgis.router.config import TracingConfig
 from tgis.router.generation_service import GenerationServicer
 from tgis.router.metrics import Metrics
+from tgis.router.prefixes import PrefixLengths
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.tracing import MISSING_PACKAGES_WARNING, otlp_target, setup_tracing
 from tgis.router.validation import ServerLimits
+from tgis.shard_api.messages import AdapterInfo, AdapterKind
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
+
+
+async def _prefix_length(prefix_id: str) -> int:
+    return 2
+
+
+async def _lora(adapter_id: str) -> AdapterInfo:
+    return AdapterInfo(AdapterKind.LORA)
 
 
 @pytest.fixture
@@ -68,21 +79,26 @@ def test_spans_of_generate_and_stream_calls(
     with OtlpCollector() as collector:
         tracing = setup_tracing(TracingConfig(endpoint=collector.endpoint, service_name="svc"))
         assert tracing is not None
+        metrics = Metrics(max_sequence_length=64, max_new_tokens=40, max_batch_size=4)
         servicer = GenerationServicer(
             engine=engine,  # type: ignore[arg-type]
             tokenizer=engine.tokenizer,
             limits=ServerLimits.from_args(64, 40),
             limiter=ConcurrencyLimiter(4),
-            metrics=Metrics(max_sequence_length=64, max_new_tokens=40, max_batch_size=4),
+            metrics=metrics,
             default_include_stop_seqs=True,
             is_seq2seq=False,
+            prefixes=PrefixLengths(_prefix_length, metrics),
+            adapters=AdapterKinds(_lora),
             tracing=tracing,
         )
 
         async def calls() -> None:
             await servicer.Generate(
                 pb.BatchedGenerationRequest(
-                    requests=[pb.GenerationRequest(text="a"), pb.GenerationRequest(text="b c")]
+                    requests=[pb.GenerationRequest(text="a"), pb.GenerationRequest(text="b c")],
+                    prefix_id="tuned",
+                    adapter_id="lora/x",
                 ),
                 FakeContext(  # type: ignore[arg-type]
                     ("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"),
@@ -107,7 +123,9 @@ def test_spans_of_generate_and_stream_calls(
     assert (unary.trace_id, unary.parent_span_id) == (TRACE_ID, PARENT_ID)  # W3C context
     assert unary.attributes["correlation_id"] == "traced-1"
     assert unary.attributes["rpc.method"] == "Generate"
+    assert (unary.attributes["prefix_id"], unary.attributes["adapter_id"]) == ("tuned", "lora/x")
     assert stream.attributes["correlation_id"] == "<none>"
+    assert "prefix_id" not in stream.attributes and "adapter_id" not in stream.attributes
     assert stream.parent_span_id == ""
     assert {s.service_name for s in spans} == {"svc"}
 

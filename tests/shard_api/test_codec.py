@@ -7,6 +7,8 @@ import pickle
 
 from tgis.pb import shard_pb2
 from tgis.shard_api.codec import (
+    adapter_from_pb,
+    adapter_to_pb,
     info_from_pb,
     info_to_pb,
     output_from_pb,
@@ -15,6 +17,8 @@ from tgis.shard_api.codec import (
     plan_to_pb,
 )
 from tgis.shard_api.messages import (
+    AdapterInfo,
+    AdapterKind,
     DetailOptions,
     InputTokenDetails,
     LengthPenalty,
@@ -51,6 +55,9 @@ PLAN = StepPlan(
             DetailOptions(logprobs=True, ranks=True, top_n=2, input_tokens=True),
         ),
         NewSequence(5, (7, 8), prefix_id="nested/tuned-1", prefix_length=4),
+        # A LoRA adapter with a prefix, and a prompt-tuning adapter's virtual tokens alone.
+        NewSequence(6, (9,), prefix_id="p", prefix_length=2, adapter_id="loras/a-1"),
+        NewSequence(8, (9, 10), prefix_length=5, adapter_id="tuned"),
     ),
     scheduled=(
         ScheduledSequence(3, 3, (0,)),
@@ -108,9 +115,23 @@ def test_info_round_trip() -> None:
         device="cuda:0",
         attention_backend="hf",
         step_channel="/tmp/x-0.steps",
+        adapters_enabled=True,
+        max_loras=3,
     )
     back = info_from_pb(shard_pb2.InfoResponse.FromString(info_to_pb(info).SerializeToString()))
     assert back == info and back.is_seq2seq
+    assert (back.adapters_enabled, back.max_loras) == (True, 3)
+    # An older shard's Info (no adapter fields) reads as adapters disabled.
+    plain = info_from_pb(shard_pb2.InfoResponse(block_size=16))
+    assert (plain.adapters_enabled, plain.max_loras) == (False, 0)
+
+
+def test_adapter_lookup_response_round_trip() -> None:
+    for adapter in (AdapterInfo(AdapterKind.LORA), AdapterInfo(AdapterKind.PROMPT_TUNING, 8)):
+        wire = adapter_to_pb(adapter).SerializeToString()
+        back = adapter_from_pb(shard_pb2.AdapterLookupResponse.FromString(wire))
+        assert back == adapter
+        assert back.is_lora is (adapter.kind is AdapterKind.LORA)
 
 
 def test_unset_fields_read_as_disabled_and_plans_pickle() -> None:
@@ -118,4 +139,5 @@ def test_unset_fields_read_as_disabled_and_plans_pickle() -> None:
     pb.new_sequences.add(request_id=1, prompt_token_ids=[4]).sampling.temperature = 0.0
     (seq,) = plan_from_pb(pb).new_sequences
     assert seq.sampling == SamplingParams() and seq.details == DetailOptions()
+    assert (seq.prefix_id, seq.prefix_length, seq.adapter_id) == ("", 0, "")
     assert pickle.loads(pickle.dumps(PLAN)) == PLAN  # tensor parallelism broadcasts plans

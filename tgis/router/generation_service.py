@@ -1,8 +1,8 @@
 """fmaas.GenerationService: protobuf in, engine events out, protobuf back. No logic of its own.
 
-Generate: permits -> convert + validate params -> prompt-prefix length (prefixes.py) ->
-tokenize + validate each input -> Engine.submit per input -> wait for every input's final
-event -> one response per input.
+Generate: permits -> convert + validate params -> adapter (adapters.py) and prompt-prefix
+length (prefixes.py) -> tokenize + validate each input -> Engine.submit per input -> wait
+for every input's final event -> one response per input.
 GenerateStream: the same for one input, yielding a message per event (spec §3.2).
 Around both: refused with UNAVAILABLE while draining (drain.py); the x-correlation-id is
 bound to the call's task for every log line (request_context.py); spans when tracing is
@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextvars import Token
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -24,6 +25,7 @@ import grpc
 from tgis.log import bind_log_fields, reset_log_fields
 from tgis.pb import generation_pb2, generation_pb2_grpc
 from tgis.router import public_api as api
+from tgis.router.adapters import AdapterKinds
 from tgis.router.concurrency import ConcurrencyLimiter
 from tgis.router.drain import SHUTTING_DOWN_MESSAGE, Drain
 from tgis.router.engine import Engine
@@ -42,19 +44,39 @@ from tgis.router.prefixes import PrefixLengths
 from tgis.router.request_context import correlation_id
 from tgis.router.request_state import Event, InputTokensEvent, RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
-from tgis.router.shard_client import PrefixLookupError, ShardError
+from tgis.router.shard_client import AdapterLookupError, PrefixLookupError, ShardError
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.tracing import RequestSpan, Tracing
 from tgis.router.validation import (
+    ADAPTERS_DISABLED_MESSAGE,
+    PREFIX_WITH_PROMPT_TUNING_MESSAGE,
     ServerLimits,
+    adapter_lookup_error,
+    check_adapter_id,
     prefix_lookup_error,
+    unsupported_adapter_error,
     validate_inputs,
     validate_params,
 )
+from tgis.shard_api.messages import AdapterInfo, AdapterKind
 
 log = logging.getLogger(__name__)
 
 pb = generation_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class _Adapters:
+    """What a request's ``prefix_id`` and ``adapter_id`` resolved to."""
+
+    prefix_id: str = ""
+    prefix_length: int = 0
+    """The prefix's virtual tokens, or a prompt-tuning adapter's."""
+    adapter_id: str = ""
+    adapter_kind: AdapterKind | None = None
+
+
+_NO_ADAPTERS = _Adapters()
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -69,12 +91,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         default_include_stop_seqs: bool,
         is_seq2seq: bool,
         prefixes: PrefixLengths | None = None,
+        adapters: AdapterKinds | None = None,
         drain: Drain | None = None,
         tracing: Tracing | None = None,
     ) -> None:
         """``prefixes``: where prompt-prefix lengths come from (the shard, through a cache);
-        None for a servicer without a shard, that finds no prefix."""
+        None for a servicer without a shard, that finds no prefix. ``adapters``: where
+        adapters' kinds come from (the shard's adapter cache, through a cache); None when
+        the shard has no adapter cache, so that every ``adapter_id`` is refused."""
         self.prefixes = prefixes if prefixes is not None else PrefixLengths(_no_prefixes, metrics)
+        self.adapters = adapters
         self.drain = drain if drain is not None else Drain()
         self.tracing = tracing
         self.engine = engine
@@ -126,6 +152,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         count = len(request.requests)
         kind = "single" if count == 1 else "batch"
         self.metrics.request_received(kind, count)
+        if trace is not None:
+            trace.adapters(_optional(request, "prefix_id"), _optional(request, "adapter_id"))
         if count == 0:
             return api.batched_response(())
         await enforce_client_batch_size(count, self.limits, context, self.metrics)
@@ -159,6 +187,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         trace: RequestSpan | None,
     ) -> AsyncIterator[pb.GenerationResponse]:
         self.metrics.request_received("stream", 1)
+        if trace is not None:
+            trace.adapters(_optional(request, "prefix_id"), _optional(request, "adapter_id"))
         await self._acquire(1, context)
         state: RequestState | None = None
         try:
@@ -184,6 +214,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> pb.BatchedTokenizeResponse:
         started = time.monotonic()
         self.metrics.tokenize_received(len(request.requests))
+        try:
+            # Checked as for generation, then unused: the counts are the text's tokens only.
+            await self._adapters(request)
+        except ValidationError as err:
+            await abort(context, err)
         try:
             results = await self.tokenizer.tokenize_async(
                 [r.text for r in request.requests],
@@ -244,8 +279,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def _validate(
         self, request: Any, texts: list[str], arrival: float, context: grpc.aio.ServicerContext
     ) -> list[ValidatedRequest]:
-        """Convert and check params, look up the prompt prefix (when ``prefix_id`` is set,
-        even to ""), tokenize and check every input (first error wins).
+        """Convert and check params, resolve the adapter and the prompt prefix
+        (``_adapters``), tokenize and check every input (first error wins).
 
         Metrics as TGIS: the raw length of every tokenized input (also of inputs rejected
         afterwards), then for a valid request each input's length and requested
@@ -258,11 +293,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 now=time.monotonic(),
             )
             validate_params(params, self.limits)
-            prefix_id = ""
-            prefix_length = 0
-            if request.HasField("prefix_id"):
-                prefix_id = request.prefix_id
-                prefix_length = await self._prefix_length(prefix_id)
+            adapters = await self._adapters(request)
             try:
                 encoded = await self.tokenizer.encode_batch_async(texts)
             except Exception as err:
@@ -274,8 +305,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 encoded,
                 params,
                 self.limits,
-                prefix_id=prefix_id,
-                prefix_length=prefix_length,
+                prefix_id=adapters.prefix_id,
+                prefix_length=adapters.prefix_length,
+                adapter_id=adapters.adapter_id,
+                adapter_kind=adapters.adapter_kind,
                 bos_token_id=self.tokenizer.bos_token_id,
             )
         except ValidationError as err:
@@ -286,6 +319,53 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             self.metrics.input_validated(v.input_length, v.params.stopping.max_new_tokens)
         self.metrics.validation_done(time.monotonic() - arrival)
         return validated
+
+    async def _adapters(self, request: Any) -> _Adapters:
+        """The request's adapter and prompt prefix (validation rules 12a-12d, then 12):
+
+        * ``adapter_id`` (absent or "": none) is refused when the shard has no adapter cache
+          (``adapter_id supplied but no adapter store was configured``) or when it is not a
+          valid id (checked here, before any RPC); otherwise the shard is asked its kind
+          (``AdapterKinds``, cached), its refusals going to the client verbatim;
+        * ``prefix_id`` (when set, even to "") keeps TGIS's meaning: a prompt-tuning prefix
+          whose length the shard tells (rule 12). It goes with a LoRA adapter, not with a
+          prompt-tuning one (``prefix_id and a prompt-tuning adapter_id cannot be
+          combined``), whose virtual tokens stand in for a prefix's instead.
+
+        Raises:
+            ValidationError: the first refusal.
+        """
+        adapter_id = request.adapter_id if request.HasField("adapter_id") else ""
+        adapter: AdapterInfo | None = None
+        if adapter_id:
+            if self.adapters is None:
+                raise ValidationError(ADAPTERS_DISABLED_MESSAGE)
+            check_adapter_id(adapter_id)
+            adapter = await self._adapter_info(self.adapters, adapter_id)
+        kind = None if adapter is None else adapter.kind
+        if request.HasField("prefix_id"):
+            if kind is AdapterKind.PROMPT_TUNING:
+                raise ValidationError(PREFIX_WITH_PROMPT_TUNING_MESSAGE)
+            prefix_id = request.prefix_id
+            return _Adapters(prefix_id, await self._prefix_length(prefix_id), adapter_id, kind)
+        if adapter is None:
+            return _NO_ADAPTERS
+        prefix_length = adapter.prefix_length if kind is AdapterKind.PROMPT_TUNING else 0
+        return _Adapters("", prefix_length, adapter_id, kind)
+
+    @staticmethod
+    async def _adapter_info(adapters: AdapterKinds, adapter_id: str) -> AdapterInfo:
+        """The adapter's kind (rule 12c: ValidationError when the shard refuses it, with
+        its message as is, or cannot tell)."""
+        try:
+            adapter = await adapters.get(adapter_id)
+        except AdapterLookupError as err:
+            raise ValidationError(err.message) from err
+        except ShardError as err:
+            raise adapter_lookup_error(adapter_id, err.detail) from err
+        if adapter.is_lora and not adapters.lora_supported:
+            raise unsupported_adapter_error("LORA")
+        return adapter
 
     async def _prefix_length(self, prefix_id: str) -> int:
         """The prompt prefix's virtual tokens (rule 12: ValidationError when the shard
@@ -393,6 +473,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             len(output.encode()),
             output[:32],
         )
+
+
+def _optional(request: Any, name: str) -> str | None:
+    """An ``optional string`` field of a request: None when absent."""
+    return getattr(request, name) if request.HasField(name) else None
 
 
 async def _no_prefixes(prefix_id: str) -> int:

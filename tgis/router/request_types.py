@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from tgis.shard_api.messages import LengthPenalty
+from tgis.shard_api.messages import AdapterKind, LengthPenalty
 
 __all__ = [
     "GenerationParams",
@@ -100,15 +100,25 @@ class ValidatedRequest:
     # Per-input sampling (each sampled input of a batch gets its own random seed).
     sampling: SamplingParams
     # The request's prompt-tuning prefix ("": none; shared by every input of a batch) and
-    # its virtual tokens, which the model sees before ``input_ids``.
+    # its virtual tokens, which the model sees before ``input_ids``; with a prompt-tuning
+    # adapter, ``prefix_id`` is "" and ``prefix_length`` the adapter's virtual tokens.
     prefix_id: str = ""
     prefix_length: int = 0
+    # The request's adapter (vllm-tgis-adapter's ``adapter_id``; "": none, shared by every
+    # input of a batch) and its kind (None without one).
+    adapter_id: str = ""
+    adapter_kind: AdapterKind | None = None
 
     @property
     def input_length(self) -> int:
         """Input tokens after truncation, without the prefix: what clients are told
         (``input_token_count``) and ``tgi_request_input_length`` records."""
         return len(self.input_ids)
+
+    @property
+    def lora_id(self) -> str:
+        """The LoRA adapter applied to this request ("": none), what ``max_loras`` counts."""
+        return self.adapter_id if self.adapter_kind is AdapterKind.LORA else ""
 
     @property
     def prompt_length(self) -> int:

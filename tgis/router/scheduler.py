@@ -41,6 +41,13 @@ Policy (ARCHITECTURE.md, "Scheduling", has the why):
   preempted admits nothing. So a running batch never fails for lack of KV space. Blocks
   freed while a step that writes them is still running are safe to reuse: the shard runs
   steps in order.
+* **LoRA adapters.** The shard can apply at most `max_loras` different LoRA adapters in
+  one step, so the running batch never holds more than `max_loras` distinct LoRA adapter
+  ids. A request whose LoRA adapter is not among those running when every slot is taken
+  is not admitted, and like any other admission limit it holds the queue behind it (no
+  skipping) until a running request with another adapter leaves; requests without a LoRA
+  adapter (plain ones, prompt-tuning adapters) take no slot. A resumed (preempted)
+  request is checked the same way.
 * **Joining a running batch** (TGI's rule): a fresh request joins a non-empty batch when at
   least `floor(running × waiting_served_ratio)` fresh requests can be admitted together, or
   when `max_waiting_tokens` steps have run since fresh requests were last admitted
@@ -98,6 +105,9 @@ class SchedulerLimits:
     """Fresh requests join a running batch of n when at least floor(n × ratio) can."""
     preemption: bool = True
     """False: reserve each request's worst case at admission (no preemption needed)."""
+    max_loras: int | None = None
+    """Most different LoRA adapters in the running batch (the shard's ``max_loras``); None:
+    no limit."""
 
 
 def kv_capacity_blocks(limits: SchedulerLimits, info: ShardInfo) -> int:
@@ -109,8 +119,9 @@ def kv_capacity_blocks(limits: SchedulerLimits, info: ShardInfo) -> int:
 
 
 def new_sequence(state: RequestState) -> NewSequence:
-    """How the shard first hears of a request (with its prompt prefix, whose virtual tokens
-    come first in every count of its steps, as in ``RequestState.prompt_length``)."""
+    """How the shard first hears of a request (with its prompt prefix or prompt-tuning
+    adapter, whose virtual tokens come first in every count of its steps, as in
+    ``RequestState.prompt_length``, and its adapter)."""
     req = state.request
     resp = req.params.response
     sampling = req.sampling
@@ -119,6 +130,7 @@ def new_sequence(state: RequestState) -> NewSequence:
         prompt_token_ids=req.input_ids,
         prefix_id=req.prefix_id,
         prefix_length=req.prefix_length,
+        adapter_id=req.adapter_id,
         sampling=SamplingParams(
             temperature=sampling.temperature,
             top_k=sampling.top_k,
@@ -459,6 +471,8 @@ class Scheduler:
         """The requests to admit this step, from the front of the queue, and whether the
         head was held back by the prefill budget alone."""
         slots = self.limits.max_batch_size - len(self.running)
+        max_loras = self.limits.max_loras
+        loras = self._running_loras() if max_loras is not None and self.waiting else set()
         chosen: list[RequestState] = []
         blocks = 0
         budget_hold = False
@@ -468,10 +482,15 @@ class Scheduler:
             if budget <= 0:
                 budget_hold = True
                 break
+            lora = state.request.lora_id
+            if max_loras is not None and lora and lora not in loras and len(loras) >= max_loras:
+                break
             need = self._admission_blocks(state)
             headroom = self.headroom if self.running or chosen else 0
             if blocks + need + headroom > self.allocator.num_free:
                 break
+            if lora:
+                loras.add(lora)
             chosen.append(state)
             blocks += need
             budget -= min(state.uncomputed, budget)
@@ -483,6 +502,10 @@ class Scheduler:
         if fresh:
             self._steps_since_admission = 0
         return chosen, budget_hold
+
+    def _running_loras(self) -> set[str]:
+        """The distinct LoRA adapters of the running batch."""
+        return {s.request.lora_id for s in self.running if s.request.lora_id}
 
     def _may_join(self, count: int) -> bool:
         """TGI's rule for fresh requests joining a running batch."""

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tgis.pb import generation_pb2, generation_pb2_grpc
+from tgis.router.adapters import adapter_kinds
 from tgis.router.block_allocator import blocks_for
 from tgis.router.concurrency import ConcurrencyLimiter
 from tgis.router.config import RouterConfig
@@ -71,6 +72,8 @@ def scheduler_limits(config: RouterConfig, info: ShardInfo) -> SchedulerLimits:
         max_waiting_tokens=max_waiting_tokens,
         waiting_served_ratio=waiting_served_ratio,
         preemption=not info.is_seq2seq,
+        # 0: adapters disabled or no LoRA (such requests are refused in validation)
+        max_loras=info.max_loras or None,
     )
 
 
@@ -107,6 +110,8 @@ class Router:
             info.block_size,
             info.world_size,
         )
+        if info.adapters_enabled:
+            log.info("adapters: enabled, up to %d LoRA adapters per step", info.max_loras)
         limits = scheduler_limits(config, info)
         capacity = kv_capacity_blocks(limits, info)
         needed = blocks_for(config.max_sequence_length, info.block_size)
@@ -168,6 +173,7 @@ class Router:
             default_include_stop_seqs=config.default_include_stop_seqs,
             is_seq2seq=info.is_seq2seq,
             prefixes=PrefixLengths(self.shard.prefix_length, metrics),
+            adapters=adapter_kinds(info, self.shard.adapter_info),
             drain=self.drain,
             tracing=self.tracing,
         )

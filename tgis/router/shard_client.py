@@ -1,5 +1,5 @@
-"""The router's connection to the rank-0 shard: gRPC for Info, Health, Reset and
-PrefixLookup, the step channel (``tgis.shard_api.channel``) for Steps.
+"""The router's connection to the rank-0 shard: gRPC for Info, Health, Reset, PrefixLookup
+and AdapterLookup, the step channel (``tgis.shard_api.channel``) for Steps.
 
 The only router module that touches shard protobufs (through ``tgis.shard_api.codec``).
 """
@@ -15,16 +15,18 @@ import grpc
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
 from tgis.shard_api.channel import StepChannelClient, StepFailed
-from tgis.shard_api.codec import info_from_pb
-from tgis.shard_api.messages import ShardInfo, StepErrorCode, StepOutput, StepPlan
+from tgis.shard_api.codec import adapter_from_pb, info_from_pb
+from tgis.shard_api.messages import AdapterInfo, ShardInfo, StepErrorCode, StepOutput, StepPlan
 
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 PREFIX_LOOKUP_TIMEOUT_S = 30.0
 """How long a PrefixLookup may take: the shard may have to read the prefix from disk."""
-# PrefixLookup statuses that mean "this prefix cannot be used" (the client's problem), not
-# a broken shard: NOT_FOUND (no such prefix), INVALID_ARGUMENT (bad id or tensor),
-# FAILED_PRECONDITION (a rank > 0 refused it).
-_PREFIX_REFUSALS = frozenset(
+ADAPTER_LOOKUP_TIMEOUT_S = 60.0
+"""How long an AdapterLookup may take: the shard reads and loads the adapter's weights."""
+# PrefixLookup / AdapterLookup statuses that mean "this item cannot be used" (the client's
+# problem), not a broken shard: NOT_FOUND (no such item), INVALID_ARGUMENT (bad id, bad
+# tensor or config, unsupported type), FAILED_PRECONDITION (a rank > 0 refused it).
+_LOOKUP_REFUSALS = frozenset(
     {
         grpc.StatusCode.NOT_FOUND,
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -52,14 +54,23 @@ class ShardError(Exception):
         self.detail = detail
 
 
-class PrefixLookupError(Exception):
-    """The shard refused a prompt prefix; `message` is its text, e.g.
-    ``prefix id "<id>" not found`` (clients see it after
-    ``can't retrieve prompt prefix with id '<id>': ``)."""
+class LookupRefusedError(Exception):
+    """The shard refused an item it was asked to look up; ``message`` is its text."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class PrefixLookupError(LookupRefusedError):
+    """The shard refused a prompt prefix; `message` is its text, e.g.
+    ``prefix id "<id>" not found`` (clients see it after
+    ``can't retrieve prompt prefix with id '<id>': ``)."""
+
+
+class AdapterLookupError(LookupRefusedError):
+    """The shard refused an adapter; `message` is the exact text clients see, e.g.
+    ``can't retrieve adapter with id '<id>': directory does not exist``."""
 
 
 def _grpc_error(err: grpc.aio.AioRpcError) -> ShardError:
@@ -149,13 +160,38 @@ class ShardClient:
             ShardError: the call itself failed (connection, timeout, internal error).
         """
         request = shard_pb2.PrefixLookupRequest(prefix_id=prefix_id)
-        try:
-            response = await self._stub.PrefixLookup(request, timeout=timeout)
-        except grpc.aio.AioRpcError as err:
-            if err.code() in _PREFIX_REFUSALS:
-                raise PrefixLookupError(err.details() or "") from err
-            raise _grpc_error(err) from err
+        response = await self._lookup(self._stub.PrefixLookup, request, timeout, PrefixLookupError)
         return int(response.prefix_length)
+
+    async def adapter_info(
+        self, adapter_id: str, timeout: float = ADAPTER_LOOKUP_TIMEOUT_S
+    ) -> AdapterInfo:
+        """The kind of adapter ``adapter_id`` (and a prompt-tuning adapter's number of
+        virtual tokens); the shard loads it into its adapter cache on the way.
+
+        Raises:
+            AdapterLookupError: the shard refused the adapter (invalid id, missing directory
+                or adapter_config.json, unsupported type, malformed), with the shard's
+                message, which is the one clients see.
+            ShardError: the call itself failed (connection, timeout, internal error).
+        """
+        request = shard_pb2.AdapterLookupRequest(adapter_id=adapter_id)
+        response = await self._lookup(
+            self._stub.AdapterLookup, request, timeout, AdapterLookupError
+        )
+        return adapter_from_pb(response)
+
+    async def _lookup(
+        self, method: Any, request: Any, timeout: float, refused: type[LookupRefusedError]
+    ) -> Any:
+        """A lookup RPC: the shard's refusals raise ``refused`` with its message, other
+        failures ShardError."""
+        try:
+            return await method(request, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            if err.code() in _LOOKUP_REFUSALS:
+                raise refused(err.details() or "") from err
+            raise _grpc_error(err) from err
 
     def send_step(self, plan: StepPlan) -> asyncio.Future[StepOutput]:
         """Send ``plan`` now (steps run in the order sent); await the result with

@@ -7,7 +7,8 @@ endpoint, ``setup_tracing`` returns None and the servicer creates no span object
 One trace per Generate / GenerateStream call, its parent taken from the W3C
 ``traceparent`` metadata when the client sends one::
 
-    fmaas.GenerationService/Generate      the whole call (correlation_id, status)
+    fmaas.GenerationService/Generate      the whole call (correlation_id, prefix_id and
+                                          adapter_id when sent, status)
     ├── validation                        parameters checked, inputs tokenized
     ├── queue          (one per input)    submitted to the engine .. first scheduled
     └── inference      (one per input)    first scheduled .. last token
@@ -121,6 +122,14 @@ class RequestSpan:
         self.arrival = arrival
         self.validated_at: float | None = None
         self.states: Sequence[RequestState] = ()
+
+    def adapters(self, prefix_id: str | None, adapter_id: str | None) -> None:
+        """The request's ``prefix_id`` and ``adapter_id``, as span attributes of the same
+        names (None: not sent, no attribute)."""
+        if prefix_id is not None:
+            self.span.set_attribute("prefix_id", prefix_id)
+        if adapter_id is not None:
+            self.span.set_attribute("adapter_id", adapter_id)
 
     def validated(self, states: Sequence[RequestState], at: float) -> None:
         """Validation ended and these inputs went to the engine at ``at``."""

@@ -10,12 +10,24 @@ Two steps on plain types, called by the servicer after ``public_api.convert_para
 
 Rules 12 (prompt-prefix lookup, ``prefixes.py``) and 13 (tokenizer failure) sit between the
 two steps and belong to the caller; :func:`prefix_lookup_error` and
-:func:`tokenizer_validation_error` build their messages.
+:func:`tokenizer_validation_error` build their messages. So do the adapter rules of
+vllm-tgis-adapter (``adapter_id``, ``adapters.py``), checked before rule 12, in this order:
+
+12a. ``adapter_id`` (non-empty) without an adapter cache on the shard:
+     :data:`ADAPTERS_DISABLED_MESSAGE`.
+12b. an id that does not fully match ``[/\\w\\-]+``, starts with ``/`` or has a ``..``
+     component: :func:`check_adapter_id`, before any RPC.
+12c. the shard's ``AdapterLookup`` refused it: its message verbatim
+     (:func:`adapter_lookup_error` when the call itself failed); a LoRA adapter on a shard
+     that allows none: :func:`unsupported_adapter_error`.
+12d. a prompt-tuning adapter with a ``prefix_id``: :data:`PREFIX_WITH_PROMPT_TUNING_MESSAGE`
+     (a LoRA adapter and a prefix go together).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import secrets
 import struct
 from collections.abc import Sequence
@@ -26,14 +38,20 @@ from tgis.router.request_types import (
     GenerationParams,
     ValidatedRequest,
 )
+from tgis.shard_api.messages import AdapterKind
 
 __all__ = [
+    "ADAPTERS_DISABLED_MESSAGE",
     "DEFAULT_MAX_NEW_TOKENS",
     "MAX_STOP_SEQUENCES",
     "MAX_STOP_SEQUENCE_BYTES",
+    "PREFIX_WITH_PROMPT_TUNING_MESSAGE",
     "ServerLimits",
+    "adapter_lookup_error",
+    "check_adapter_id",
     "prefix_lookup_error",
     "tokenizer_validation_error",
+    "unsupported_adapter_error",
     "validate_input",
     "validate_inputs",
     "validate_params",
@@ -172,6 +190,44 @@ def prefix_lookup_error(prefix_id: str, message: str) -> ValidationError:
     return ValidationError(f"can't retrieve prompt prefix with id '{prefix_id}': {message}")
 
 
+ADAPTERS_DISABLED_MESSAGE = "adapter_id supplied but no adapter store was configured"
+"""Rule 12a: an ``adapter_id`` for a shard without an adapter cache."""
+PREFIX_WITH_PROMPT_TUNING_MESSAGE = "prefix_id and a prompt-tuning adapter_id cannot be combined"
+"""Rule 12d: both supply virtual tokens; only a LoRA adapter goes with a ``prefix_id``."""
+_ADAPTER_ID = re.compile(r"[/\w\-]+")
+
+
+def check_adapter_id(adapter_id: str) -> None:
+    """Rule 12b: an adapter id is a relative path inside the adapter cache made of word
+    characters, ``-`` and ``/`` (vllm-tgis-adapter's ``[/\\w\\-]+``, Unicode ``\\w``), neither
+    absolute nor with a ``..`` component. The shard checks it again (symbolic links
+    included).
+
+    Raises:
+        ValidationError: ``Invalid adapter id '<id>', must contain only alphanumeric, _
+            and - and /``.
+    """
+    if (
+        _ADAPTER_ID.fullmatch(adapter_id) is None
+        or adapter_id.startswith("/")
+        or ".." in adapter_id.split("/")
+    ):
+        raise ValidationError(
+            f"Invalid adapter id '{adapter_id}', must contain only alphanumeric, _ and - and /"
+        )
+
+
+def adapter_lookup_error(adapter_id: str, detail: str) -> ValidationError:
+    """Rule 12c when the shard could not answer at all (connection, internal error); its
+    refusals are sent to the client verbatim instead."""
+    return ValidationError(f"can't retrieve adapter with id '{adapter_id}': {detail}")
+
+
+def unsupported_adapter_error(adapter_type: str) -> ValidationError:
+    """Rule 12c for an adapter type the server cannot apply (the shard's message)."""
+    return ValidationError(f"adapter type {adapter_type} is not currently supported")
+
+
 def tokenizer_validation_error(error: object) -> ValidationError:
     """Rule 13: the router tokenizer failed on an input."""
     return ValidationError(f"tokenizer error {error}")
@@ -190,6 +246,8 @@ def validate_input(
     *,
     prefix_id: str = "",
     prefix_length: int = 0,
+    adapter_id: str = "",
+    adapter_kind: AdapterKind | None = None,
     bos_token_id: int | None = None,
 ) -> ValidatedRequest:
     """Validate one tokenized input (rules 14, 14b and 15) and build its :class:`ValidatedRequest`.
@@ -200,8 +258,11 @@ def validate_input(
         params: converted and already :func:`validate_params`-checked parameters.
         limits: server limits.
         prefix_id: the request's prompt prefix ("" for none), kept on the result.
-        prefix_length: the prefix's virtual tokens (0 without one). They count towards the
-            limits and the TOKEN_LIMIT reduction but not ``input_length``.
+        prefix_length: the virtual tokens of the prefix or of a prompt-tuning adapter (0
+            without either). They count towards the limits and the TOKEN_LIMIT reduction
+            but not ``input_length``.
+        adapter_id: the request's adapter ("" for none) and ``adapter_kind`` its kind, kept
+            on the result (a prompt-tuning adapter's length is ``prefix_length``).
         bos_token_id: the BOS id if the tokenizer adds one; truncation then overwrites the
             first kept token with it, as TGIS's shards do for ``add_bos_token`` tokenizers.
 
@@ -262,6 +323,8 @@ def validate_input(
         sampling=sampling,
         prefix_id=prefix_id,
         prefix_length=prefix_length,
+        adapter_id=adapter_id,
+        adapter_kind=adapter_kind,
     )
 
 
@@ -273,10 +336,12 @@ def validate_inputs(
     *,
     prefix_id: str = "",
     prefix_length: int = 0,
+    adapter_id: str = "",
+    adapter_kind: AdapterKind | None = None,
     bos_token_id: int | None = None,
 ) -> list[ValidatedRequest]:
     """:func:`validate_input` for every input of a batch, in order (all share the prompt
-    prefix); the first failure wins."""
+    prefix and the adapter); the first failure wins."""
     if len(texts) != len(encodings):
         raise ValueError("texts and encodings differ in length")
     return [
@@ -287,6 +352,8 @@ def validate_inputs(
             limits,
             prefix_id=prefix_id,
             prefix_length=prefix_length,
+            adapter_id=adapter_id,
+            adapter_kind=adapter_kind,
             bos_token_id=bos_token_id,
         )
         for text, ids in zip(texts, encodings, strict=True)

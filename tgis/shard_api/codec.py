@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from tgis.pb import shard_pb2
 from tgis.shard_api.messages import (
+    AdapterInfo,
+    AdapterKind,
     DetailOptions,
     InputTokenDetails,
     LengthPenalty,
@@ -100,7 +102,10 @@ def plan_to_pb(plan: StepPlan) -> shard_pb2.StepRequest:
         entry = pb.new_sequences.add(request_id=ns.request_id, prompt_token_ids=ns.prompt_token_ids)
         if ns.prefix_id:
             entry.prefix_id = ns.prefix_id
+        if ns.prefix_length:  # a prefix's or a prompt-tuning adapter's virtual tokens
             entry.prefix_length = ns.prefix_length
+        if ns.adapter_id:
+            entry.adapter_id = ns.adapter_id
         if ns.sampling != _GREEDY:
             entry.sampling.CopyFrom(sampling_to_pb(ns.sampling))
         if ns.details != _NO_DETAILS:
@@ -122,6 +127,7 @@ def plan_from_pb(pb: shard_pb2.StepRequest) -> StepPlan:
                 details=_details_from_pb(ns.details) if ns.HasField("details") else _NO_DETAILS,
                 prefix_id=ns.prefix_id,
                 prefix_length=ns.prefix_length,
+                adapter_id=ns.adapter_id,
             )
             for ns in pb.new_sequences
         ),
@@ -203,6 +209,8 @@ def info_to_pb(info: ShardInfo) -> shard_pb2.InfoResponse:
         device=info.device,
         attention_backend=info.attention_backend,
         step_channel=info.step_channel,
+        adapters_enabled=info.adapters_enabled,
+        max_loras=info.max_loras,
     )
 
 
@@ -220,4 +228,20 @@ def info_from_pb(pb: shard_pb2.InfoResponse) -> ShardInfo:
         device=pb.device,
         attention_backend=pb.attention_backend,
         step_channel=pb.step_channel,
+        adapters_enabled=pb.adapters_enabled,
+        max_loras=pb.max_loras,
     )
+
+
+# ---- AdapterLookupResponse -------------------------------------------------------------------
+
+
+def adapter_to_pb(adapter: AdapterInfo) -> shard_pb2.AdapterLookupResponse:
+    return shard_pb2.AdapterLookupResponse(
+        kind=shard_pb2.AdapterKind.Name(adapter.kind.value),
+        prefix_length=adapter.prefix_length,
+    )
+
+
+def adapter_from_pb(pb: shard_pb2.AdapterLookupResponse) -> AdapterInfo:
+    return AdapterInfo(kind=AdapterKind(pb.kind), prefix_length=pb.prefix_length)

@@ -24,6 +24,26 @@ class ModelKind(Enum):
     SEQ2SEQ_LM = 1
 
 
+class AdapterKind(Enum):
+    """What an adapter from the shard's adapter cache is (``shard.proto``'s ``AdapterKind``)."""
+
+    LORA = 0
+    PROMPT_TUNING = 1
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """The shard's answer to ``AdapterLookup``: the adapter's kind and, for a prompt-tuning
+    adapter, its number of virtual tokens (0 for LoRA)."""
+
+    kind: AdapterKind
+    prefix_length: int = 0
+
+    @property
+    def is_lora(self) -> bool:
+        return self.kind is AdapterKind.LORA
+
+
 @dataclass(frozen=True, slots=True)
 class LengthPenalty:
     """Exponential boost of the EOS score once ``start_index`` tokens have been generated."""
@@ -66,8 +86,10 @@ class DetailOptions:
 class NewSequence:
     """A sequence announced to the shard, with its whole prompt.
 
-    With a prompt-tuning prefix (``prefix_id``), the prompt is ``prefix_length`` virtual
-    positions followed by ``prompt_token_ids``, and every count in a Step includes them.
+    With a prompt-tuning prefix (``prefix_id``) or a prompt-tuning adapter (``adapter_id``,
+    ``prefix_id`` empty), the prompt is ``prefix_length`` virtual positions followed by
+    ``prompt_token_ids``, and every count in a Step includes them. A LoRA adapter
+    (``adapter_id``) adds no positions; it may come with a ``prefix_id``.
     """
 
     request_id: int
@@ -76,6 +98,7 @@ class NewSequence:
     details: DetailOptions = DetailOptions()
     prefix_id: str = ""
     prefix_length: int = 0
+    adapter_id: str = ""
 
     @property
     def prompt_length(self) -> int:
@@ -190,6 +213,10 @@ class ShardInfo:
     attention_backend: str
     step_channel: str = ""
     """Unix socket path of the step channel (set by the server that answers Info)."""
+    adapters_enabled: bool = False
+    """An adapter cache is configured (``AdapterLookup`` and ``NewSequence.adapter_id``)."""
+    max_loras: int = 0
+    """Most different LoRA adapters one step may contain (0: adapters disabled, or no LoRA)."""
 
     @property
     def is_seq2seq(self) -> bool:
