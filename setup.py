@@ -17,8 +17,8 @@ class BuildWithProtos(build_py):
 
 
 CPU_ATTENTION = Extension(
-    "tgis.shard._cpu_attention",
-    sources=["tgis/shard/csrc/cpu_attention.c"],
+    "tgis.shard.native.attention._cpu_attention",
+    sources=["tgis/shard/native/attention/csrc/cpu_attention.c"],
     extra_compile_args=["-O3", "-fopenmp-simd", "-std=c11"],
     optional=True,
 )

@@ -1,9 +1,9 @@
 """Engine-level micro-benchmark of the shard's attention backends, in one process.
 
-Compares ``tgis.shard.attention.TorchPagedAttention`` (the reference: decodes in one padded
-SDPA call, prefill sequences one SDPA call each) with
-``tgis.shard.attention_varlen.SdpaVarlenAttention`` (every sequence in one padded SDPA call
-with a bottom-right causal mask) on the same paged batches: random, non-contiguous block
+Compares ``TorchPagedAttention`` (``tgis.shard.native.attention.backends``, the reference:
+decodes in one padded SDPA call, prefill sequences one SDPA call each) with
+``SdpaVarlenAttention`` (``tgis.shard.native.attention.varlen``: every sequence in one padded
+SDPA call with a bottom-right causal mask) on the same paged batches: random, non-contiguous block
 tables (16-token blocks), random Q/K/V, a KV cache holding every sequence's context.
 
 For each head configuration and batch shape it times, after a warm-up, the median of N
@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from tgis.shard.attention import AttentionBackend, BatchLayout, TorchPagedAttention
-from tgis.shard.attention_varlen import SdpaVarlenAttention
-from tgis.shard.kv_cache import BLOCK_SIZE
+from tgis.shard.native.attention.backends import AttentionBackend, BatchLayout, TorchPagedAttention
+from tgis.shard.native.attention.varlen import SdpaVarlenAttention
+from tgis.shard.native.kv_cache import BLOCK_SIZE
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tgis.shard.checkpoints.model_config import ModelConfig  # noqa: E402
 from tgis.shard.config import ShardConfig  # noqa: E402
 from tgis.shard.loader import load_runner  # noqa: E402
-from tgis.shard.model_config import ModelConfig  # noqa: E402
-from tgis.shard.model_runner import ModelRunner  # noqa: E402
-from tgis.shard.models import model_class  # noqa: E402
+from tgis.shard.native.model_runner import ModelRunner  # noqa: E402
+from tgis.shard.native.models import model_class  # noqa: E402
 from tgis.shard_api.messages import NewSequence, ScheduledSequence, StepPlan  # noqa: E402
 
 
@@ -130,8 +130,11 @@ class Plans:
         self.next_step += 1
         return plan
 
-    def prefill(self, batch: int, context: int, chunk: int) -> list[StepPlan]:
-        """Steps prefilling ``batch`` prompts of ``context`` tokens, ``chunk`` at most each."""
+    def prefill(
+        self, batch: int, context: int, chunk: int, adapters: dict[int, str] | None = None
+    ) -> list[StepPlan]:
+        """Steps prefilling ``batch`` prompts of ``context`` tokens, ``chunk`` at most each
+        (sequence ``rid`` with LoRA adapter ``adapters[rid]`` where given)."""
         gen = torch.Generator().manual_seed(batch * 100_003 + context)
         prompts = {
             rid: torch.randint(3, self.vocab_size, (context,), generator=gen).tolist()
@@ -148,7 +151,8 @@ class Plans:
                     continue
                 num = min(budget, context - done[rid])
                 if done[rid] == 0:
-                    new.append(NewSequence(rid, tuple(ids)))
+                    adapter = (adapters or {}).get(rid, "")
+                    new.append(NewSequence(rid, tuple(ids), adapter_id=adapter))
                 before = -(-done[rid] // self.block_size)
                 after = -(-(done[rid] + num) // self.block_size)
                 scheduled.append(ScheduledSequence(rid, num, self._blocks(after - before)))

@@ -21,13 +21,13 @@ from tokenizers import Tokenizer
 
 from tgis.launcher.config import model_max_sequence_length
 from tgis.router.tokenization import RouterTokenizer
-from tgis.shard.attention import select_attention_backend
-from tgis.shard.dummy_weights import DummyWeights, parameter_count
-from tgis.shard.kv_cache import BLOCK_SIZE
-from tgis.shard.model_config import ModelConfig
-from tgis.shard.models import check_config, model_class
-from tgis.shard.models.llama import LlamaArgs
-from tgis.shard.parallel.group import TensorParallel
+from tgis.shard.checkpoints.dummy_weights import DummyWeights, parameter_count
+from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.native.attention.backends import select_attention_backend
+from tgis.shard.native.kv_cache import BLOCK_SIZE
+from tgis.shard.native.models import check_config, model_class
+from tgis.shard.native.models.llama import LlamaArgs
+from tgis.shard.native.parallel.group import TensorParallel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS = REPO_ROOT / "benchmarks" / "models"

@@ -103,7 +103,9 @@ def test_copy_sources_exist_and_are_in_the_build_context() -> None:
     # the build generates the stubs and compiles the kernel: a checkout's copies stay out
     for generated in ("tgis/pb/generation_pb2.py", "tgis/pb/shard_pb2_grpc.py"):
         assert dockerignored(generated, ignore), generated
-    assert dockerignored("tgis/shard/_cpu_attention.cpython-312-x86_64-linux-gnu.so", ignore)
+    assert dockerignored(
+        "tgis/shard/native/attention/_cpu_attention.cpython-312-x86_64-linux-gnu.so", ignore
+    )
     assert dockerignored(".venv/bin/python", ignore)
     assert not dockerignored("tgis/launcher/cli.py", ignore)
     assert not dockerignored("protos/generation.proto", ignore)
@@ -156,7 +158,11 @@ def test_build_context_builds_the_wheel(tmp_path: Path) -> None:
         "tgis/embedded_model/data/model.safetensors",
     ):
         assert expected in names, expected
-    assert [n for n in names if n.startswith("tgis/shard/_cpu_attention.") and n.endswith(".so")]
+    assert [
+        n
+        for n in names
+        if n.startswith("tgis/shard/native/attention/_cpu_attention.") and n.endswith(".so")
+    ]
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "text-generation-launcher = tgis.launcher.cli:main" in scripts

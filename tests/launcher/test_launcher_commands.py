@@ -82,6 +82,37 @@ def test_load_format_is_passed_to_the_shard_only(model_dir: Path) -> None:
     assert "--load-format" not in shard_argv("tgs", resolved(model_dir, load_format="auto"))
 
 
+def test_adapter_flags_are_passed_to_the_shard_with_an_adapter_cache(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    assert "--adapter-cache" not in shard_argv("tgs", resolved(model_dir, max_loras=3))
+    cfg = resolved(model_dir, adapter_cache=str(tmp_path), max_loras=3, max_lora_rank=16)
+    assert shard_argv("tgs", cfg)[-6:] == [
+        "--adapter-cache", str(tmp_path), "--max-loras", "3", "--max-lora-rank", "16",
+    ]  # fmt: skip
+    assert "--adapter-cache" not in router_argv("tgr", cfg, model_dir / "tokenizer.json")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            {"adapter_cache": "/nonexistent/adapters"},
+            "adapter_cache /nonexistent/adapters is not a directory",
+        ),
+        ({"max_loras": 0}, r"max_loras \(0\) must be at least 1"),
+        ({"max_lora_rank": 0}, r"max_lora_rank \(0\) must be at least 1"),
+    ],
+)
+def test_bad_adapter_flags_fail_at_start(
+    model_dir: Path, flags: dict[str, object], message: str
+) -> None:
+    from tgis.launcher.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        resolved(model_dir, **flags)
+
+
 def test_shutdown_grace_period_is_passed_only_when_set(model_dir: Path) -> None:
     assert "--shutdown-grace-period" not in router_argv("tgr", resolved(model_dir), Path("/t"))
     argv = router_argv("tgr", resolved(model_dir, shutdown_grace_period=110.0), Path("/t"))

@@ -60,6 +60,9 @@ def test_defaults_are_tgis_defaults() -> None:
         "shard_startup_timeout": 600.0,
         "load_format": "auto",
         "shutdown_grace_period": None,  # the router's 25 s (TGIS: no such flag)
+        "adapter_cache": None,  # vllm-tgis-adapter's flag; unset: adapter_id refused
+        "max_loras": 8,
+        "max_lora_rank": 64,
     }
 
 

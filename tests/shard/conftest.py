@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.model_runner import ModelRunner
+from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard_api.messages import (
     DetailOptions,
     NewSequence,
@@ -149,9 +149,10 @@ class Router:
         details: DetailOptions | None = None,
         prefix_id: str = "",
         prefix_length: int = 0,
+        adapter_id: str = "",
     ) -> None:
-        """Announce a sequence with the next step (with a prompt-tuning prefix, the
-        schedule's counts include its ``prefix_length`` virtual tokens)."""
+        """Announce a sequence with the next step (with a prompt-tuning prefix or adapter,
+        the schedule's counts include its ``prefix_length`` virtual tokens)."""
         self.pending.append(
             NewSequence(
                 request_id,
@@ -160,6 +161,7 @@ class Router:
                 details or DetailOptions(),
                 prefix_id=prefix_id,
                 prefix_length=prefix_length,
+                adapter_id=adapter_id,
             )
         )
         self.tables[request_id] = []

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tgis.shard.adapter_store import ItemStore, StoreError, StoreErrorKind
+from tgis.shard.adapters.store_paths import ItemStore, StoreError, StoreErrorKind
 
 CHARS = "must contain only alphanumeric, _ and - and /"
 

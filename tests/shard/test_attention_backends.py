@@ -11,18 +11,22 @@ import pytest
 import torch
 from conftest import Router, TinyModel
 
-from tgis.shard.attention import (
+from tgis.shard.config import ShardConfig
+from tgis.shard.errors import StartupError
+from tgis.shard.loader import load_runner
+from tgis.shard.native.attention.backends import (
     AttentionBackend,
     BatchLayout,
     TorchPagedAttention,
     select_attention_backend,
     start_attention_backend,
 )
-from tgis.shard.attention_varlen import FlashVarlenAttention, SdpaVarlenAttention, prepare_packed
-from tgis.shard.config import ShardConfig
-from tgis.shard.cpu_attention import CpuPagedAttention, load_kernel
-from tgis.shard.errors import StartupError
-from tgis.shard.loader import load_runner
+from tgis.shard.native.attention.cpu_paged import CpuPagedAttention, load_kernel
+from tgis.shard.native.attention.varlen import (
+    FlashVarlenAttention,
+    SdpaVarlenAttention,
+    prepare_packed,
+)
 
 BLOCK, HEADS, KV_HEADS, DIM, NUM_BLOCKS = 16, 4, 2, 8, 32
 HAS_FLASH = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None

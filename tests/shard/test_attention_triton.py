@@ -18,14 +18,14 @@ import pytest
 import torch
 from conftest import Router, TinyModel
 
-from tgis.shard.attention import (
+from tgis.shard.config import ShardConfig
+from tgis.shard.loader import load_runner
+from tgis.shard.native.attention.backends import (
     AttentionBackend,
     BatchLayout,
     TorchPagedAttention,
     select_attention_backend,
 )
-from tgis.shard.config import ShardConfig
-from tgis.shard.loader import load_runner
 
 pytest.importorskip("triton")
 
@@ -36,7 +36,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 
 # Without a GPU, tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton.
-from tgis.shard.attention_triton import TritonPagedAttention  # noqa: E402
+from tgis.shard.native.attention.triton_paged import TritonPagedAttention  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -218,7 +218,7 @@ def test_cuda_default(monkeypatch: pytest.MonkeyPatch) -> None:
     expected = "flash_varlen" if has_flash else "triton_paged"
     assert select_attention_backend(cuda, 16).name == expected
     monkeypatch.delenv("FLASH_ATTENTION")
-    monkeypatch.setattr("tgis.shard.attention._has_triton", lambda: False)
+    monkeypatch.setattr("tgis.shard.native.attention.backends._has_triton", lambda: False)
     assert select_attention_backend(cuda, 16).name in ("flash_varlen", "torch_paged")
 
 

@@ -8,8 +8,11 @@ import pytest
 import torch
 from conftest import TinyModel
 
-from tgis.shard import capacity
-from tgis.shard.capacity import (
+from tgis.shard.config import ShardConfig
+from tgis.shard.errors import StartupError
+from tgis.shard.loader import load_runner
+from tgis.shard.native import capacity
+from tgis.shard.native.capacity import (
     CPU_KV_CACHE_BYTES,
     MemoryReading,
     available_memory,
@@ -19,10 +22,7 @@ from tgis.shard.capacity import (
     warm_up,
     warmup_plans,
 )
-from tgis.shard.config import ShardConfig
-from tgis.shard.errors import StartupError
-from tgis.shard.loader import load_runner
-from tgis.shard.model_runner import ModelRunner
+from tgis.shard.native.model_runner import ModelRunner
 
 GIB = 1 << 30
 

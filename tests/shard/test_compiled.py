@@ -12,10 +12,10 @@ from conftest import Router, TinyModel
 from test_model_families import FAMILIES
 from test_preemption import PROMPTS, Preemption, drive
 
-from tgis.shard.compiled import CompiledForward
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.model_runner import ModelRunner
+from tgis.shard.native.compiled import CompiledForward
+from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard_api.messages import DetailOptions, SamplingParams
 
 DETAILS = DetailOptions(logprobs=True, generated_tokens=True)

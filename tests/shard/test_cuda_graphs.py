@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from tgis.shard.attention import BatchLayout
-from tgis.shard.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
-from tgis.shard.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.native.attention.backends import BatchLayout
+from tgis.shard.native.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
+from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
 
 
 def test_buckets() -> None:

@@ -20,17 +20,17 @@ from conftest import Router
 from safetensors import safe_open
 from tp_utils import Request, make_plans, run_plans
 
-from tgis.shard.attention import select_attention_backend
+from tgis.shard.checkpoints.dummy_weights import DummyWeights, parameter_count
+from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.config import ShardConfig
-from tgis.shard.dummy_weights import DummyWeights, parameter_count
 from tgis.shard.errors import StartupError
-from tgis.shard.kv_cache import BLOCK_SIZE
 from tgis.shard.loader import load_runner
-from tgis.shard.model_config import ModelConfig
-from tgis.shard.model_runner import ModelRunner
-from tgis.shard.models import model_class
-from tgis.shard.parallel.group import TensorParallel
-from tgis.shard.weights import Weights
+from tgis.shard.native.attention.backends import select_attention_backend
+from tgis.shard.native.kv_cache import BLOCK_SIZE
+from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.models import model_class
+from tgis.shard.native.parallel.group import TensorParallel
 
 MAX_SEQUENCE_LENGTH = 128
 _COMMON: dict[str, Any] = dict(vocab_size=256, bos_token_id=1, eos_token_id=2)
@@ -119,7 +119,9 @@ def tensors_of(obj: Any, path: str = "") -> dict[str, torch.Tensor]:
     if isinstance(obj, list | tuple):
         for i, item in enumerate(obj):
             found |= tensors_of(item, f"{path}.{i}")
-    elif type(obj).__module__.startswith(("tgis.shard.models", "tgis.shard.parallel.layers")):
+    elif type(obj).__module__.startswith(
+        ("tgis.shard.native.models", "tgis.shard.native.parallel.layers")
+    ):
         for key, value in vars(obj).items():
             found |= tensors_of(value, f"{path}.{key}" if path else key)
     return found

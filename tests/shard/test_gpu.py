@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import Router, TinyModel, build_tiny_llama
 
-from tgis.shard.attention import BatchLayout
-from tgis.shard.compiled import CompiledForward
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.model_runner import ModelRunner
+from tgis.shard.native.attention.backends import BatchLayout
+from tgis.shard.native.compiled import CompiledForward
+from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard_api.messages import DetailOptions
 
 pytestmark = [
@@ -208,7 +208,7 @@ def test_nccl_joins_a_group_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
     from tgis.procinfo import free_port
-    from tgis.shard.parallel.distributed import backend_for, destroy, join_group
+    from tgis.shard.native.parallel.distributed import backend_for, destroy, join_group
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

@@ -31,14 +31,14 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
+from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import ShardConfig
 from tgis.shard.engines import select_engine
 from tgis.shard.errors import InvalidStepError, StartupError
-from tgis.shard.hf_kv import KVBatch, concat, select
-from tgis.shard.hf_runner import HfRunner
+from tgis.shard.fallback.kv import KVBatch, concat, select
+from tgis.shard.fallback.runner import HfRunner
 from tgis.shard.loader import load_runner
-from tgis.shard.model_config import ModelConfig
-from tgis.shard.model_runner import ModelRunner
+from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard_api.messages import (
     DetailOptions,
     ModelKind,
@@ -296,7 +296,7 @@ def test_mixed_steps_in_one_or_two_forwards(
 ) -> None:
     # 0: decode rows and prompt chunks always run apart; 1000: always one padded forward
     # (decode rows then carry masked holes into the next step, which packs them).
-    monkeypatch.setattr("tgis.shard.hf_causal.MAX_PADDING_RATIO", ratio)
+    monkeypatch.setattr("tgis.shard.fallback.causal.MAX_PADDING_RATIO", ratio)
     router = Router(gpt2.runner())
     run_batch_with_late_joiner(router, PROMPTS)
     assert_matches_generate(router, gpt2, PROMPTS)

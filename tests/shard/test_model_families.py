@@ -23,12 +23,12 @@ import transformers
 from conftest import EOS, VOCAB, Router, TinyModel
 
 from tests.prefix_oracle import prefixed_greedy
+from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
-from tgis.shard.model_config import ModelConfig
-from tgis.shard.model_runner import ModelRunner
-from tgis.shard.models import check_config
+from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.models import check_config
 from tgis.shard_api.messages import DetailOptions
 
 NEW_TOKENS = 10

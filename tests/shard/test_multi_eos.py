@@ -7,9 +7,9 @@ from pathlib import Path
 
 from conftest import Router, TinyModel, build_tiny_llama
 
+from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.model_config import ModelConfig
 from tgis.shard_api.messages import SamplingParams
 
 PROMPT = [9, 30, 31, 200, 17, 4]

@@ -12,12 +12,12 @@ from conftest import Router, TinyModel
 
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.hf_runner import HfRunner
+from tgis.shard.fallback.runner import HfRunner
 from tgis.shard.loader import load_runner
-from tgis.shard.model_runner import ModelRunner
-from tgis.shard.runner import Runner
-from tgis.shard.sequence import Sequence
-from tgis.shard.step_plan import PlanLimits, resolve_plan
+from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.step.plan import PlanLimits, resolve_plan
+from tgis.shard.step.runner import Runner
+from tgis.shard.step.sequence import Sequence
 from tgis.shard_api.messages import (
     DetailOptions,
     SamplingParams,

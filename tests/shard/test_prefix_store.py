@@ -12,16 +12,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tgis.shard import prefix_store
-from tgis.shard.adapter_store import StoreError, StoreErrorKind
-from tgis.shard.errors import StartupError
-from tgis.shard.prefix_store import (
+from tgis.shard.adapters import prefix_store
+from tgis.shard.adapters.prefix_store import (
     PrefixEmbeddings,
     PrefixLoad,
     PrefixStore,
     max_prefix_length,
     prompt_cache_bytes,
 )
+from tgis.shard.adapters.store_paths import StoreError, StoreErrorKind
+from tgis.shard.errors import StartupError
 
 DIM = 8
 CPU = torch.device("cpu")

@@ -18,10 +18,10 @@ from conftest import EOS, Router, TinyModel
 from safetensors.torch import save_file
 
 from tests.prefix_oracle import prefixed_greedy
-from tgis.shard.adapter_store import StoreError, StoreErrorKind
+from tgis.shard.adapters.store_paths import StoreError, StoreErrorKind
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.model_runner import ModelRunner
+from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard_api.messages import DetailOptions
 
 HIDDEN = 64

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tgis.shard.attention import BatchLayout, TorchPagedAttention
+from tgis.shard.native.attention.backends import BatchLayout, TorchPagedAttention
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 4, 2, 8

@@ -16,14 +16,14 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from tgis.shard.sampling import (
+from tgis.shard.step.sampling import (
     SamplingBatch,
     SamplingRow,
     exponential_noise,
     sample,
     stream_key,
 )
-from tgis.shard.token_details import first_input_detail, token_details
+from tgis.shard.step.token_details import first_input_detail, token_details
 from tgis.shard_api.messages import DetailOptions, LengthPenalty, SamplingParams
 
 CPU = torch.device("cpu")

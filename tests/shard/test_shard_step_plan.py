@@ -6,8 +6,8 @@ import pytest
 from conftest import VOCAB, Router
 
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.model_runner import ModelRunner
-from tgis.shard.step_executor import StepExecutor
+from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.serving.step_executor import StepExecutor
 from tgis.shard_api.channel import StepFailed
 from tgis.shard_api.messages import (
     NewSequence,

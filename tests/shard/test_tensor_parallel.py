@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 from conftest import build_tiny_llama
 from safetensors import safe_open
+from safetensors.torch import save_file
 from tp_utils import (
     RankReport,
     Request,
@@ -20,8 +21,9 @@ from tp_utils import (
     run_plans,
 )
 
+from tests.lora_oracle import save_random_lora
 from tgis.shard.cli import main
-from tgis.shard.parallel.lockstep import with_seeds
+from tgis.shard.native.parallel.lockstep import with_seeds
 from tgis.shard_api.messages import DetailOptions, SamplingParams, ScheduledSequence, StepPlan
 
 PROMPT = (9, 30, 31, 200, 17, 4, 99, 100, 101, 5, 6, 7, 8, 250, 3, 3, 40, 41, 42, 43)
@@ -124,6 +126,40 @@ def test_prompt_prefixes_on_two_ranks_match_one(tmp_path: Path) -> None:
     assert sum(len(o.tokens) for o in reports[0].outputs if not isinstance(o, str)) == 4 + 3
     failed = [e for o in reports[0].outputs if not isinstance(o, str) for e in o.errors]
     assert [e.request_id for e in failed] == [3]
+    assert reports[1].worker_error is None
+
+
+def test_lora_adapters_on_two_ranks_match_one(tmp_path: Path) -> None:
+    """Each rank keeps its slice of every adapter, split as the base weights are (q/k/v and
+    gate/up by output rows, o and down by input columns, summed by the same all-reduce):
+    a batch of two LoRA adapters, a prompt-tuning adapter and a plain prompt gives the
+    same tokens and logprobs on two ranks as on one."""
+    path = model_dir(tmp_path / "model")
+    cache = tmp_path / "adapters"
+    save_random_lora(path, cache / "all", seed=1, r=8, alpha=16)
+    save_random_lora(path, cache / "qv", seed=2, r=4, alpha=8, targets=["q_proj", "v_proj"])
+    (cache / "prompt").mkdir()
+    (cache / "prompt" / "adapter_config.json").write_text('{"peft_type": "PROMPT_TUNING"}')
+    embeddings = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    save_file({"prompt_embeddings": embeddings}, cache / "prompt" / "adapter_model.safetensors")
+    requests = [
+        Request(1, PROMPT[:9], 4, details=DETAILS, chunk=5, adapter_id="all"),
+        Request(2, PROMPT[:5], 3, arrives=1),
+        Request(3, PROMPT[:6], 3, details=DETAILS, arrives=1, adapter_id="qv"),
+        Request(4, PROMPT[:4], 2, adapter_id="prompt", prefix_length=3),
+        Request(5, PROMPT[:4], 2, arrives=2, adapter_id="gone"),
+    ]
+    config = {"adapter_cache": str(cache), "adapter_lookups": ["all", "qv", "prompt", "gone"]}
+    single = run_plans(path, make_plans(requests), 1, **config)[0]
+    reports = run_plans(path, make_plans(requests), 2, **config)
+    assert [str(a) for a in reports[0].adapter_lookups] == [str(a) for a in single.adapter_lookups]
+    assert single.adapter_lookups[-1] == (
+        "StoreError: can't retrieve adapter with id 'gone': directory does not exist"
+    )
+    assert_same_outputs(single.outputs, reports[0].outputs)
+    assert sum(len(o.tokens) for o in reports[0].outputs if not isinstance(o, str)) == 4 + 3 + 3 + 2
+    failed = [e for o in reports[0].outputs if not isinstance(o, str) for e in o.errors]
+    assert [e.request_id for e in failed] == [5]
     assert reports[1].worker_error is None
 
 

@@ -26,10 +26,10 @@ from fake_hub import FakeHub
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tgis.shard.checkpoints.convert import convert_directory
+from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.config import ShardConfig, canonical_dtype
-from tgis.shard.convert import convert_directory
 from tgis.shard.errors import StartupError
-from tgis.shard.weights import Weights
 
 SERVER = Path(sys.executable).parent / "text-generation-server"
 REPO = "tiny-org/tiny-llama"
@@ -505,7 +505,7 @@ def test_download_from_hub_errors_are_one_line(tmp_path: Path, cache: Path) -> N
 def test_conversion_that_does_not_read_back_equal_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tgis.shard.convert as convert
+    import tgis.shard.checkpoints.convert as convert
 
     save_bin(tiny_llama(seed=12), tmp_path, shards=2)
     real_save = convert.save_file

@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
+from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.model_runner import ModelRunner
-from tgis.shard.weights import Weights
+from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard_api.messages import (
     DetailOptions,
     NewSequence,
@@ -69,6 +69,7 @@ class Request:
     chunk: int | None = None  # prefill chunk size (None: the whole prompt at once)
     prefix_id: str = ""  # a prompt-tuning prefix of `prefix_length` virtual tokens
     prefix_length: int = 0
+    adapter_id: str = ""  # an adapter of the adapter cache
 
     @property
     def prompt_length(self) -> int:
@@ -120,6 +121,7 @@ def make_plans(
                         r.details,
                         prefix_id=r.prefix_id,
                         prefix_length=r.prefix_length,
+                        adapter_id=r.adapter_id,
                     )
                     for r in new
                 ),
@@ -147,6 +149,7 @@ class RankReport:
     world_size: int = 1
     worker_error: str | None = None  # a rank > 0 that left its loop with an error
     lookups: list[int | str] = field(default_factory=list)  # rank 0's prefix lookups
+    adapter_lookups: list[object] = field(default_factory=list)  # rank 0's adapter lookups
 
 
 def run_plans(
@@ -157,13 +160,15 @@ def run_plans(
     diverge_at: int | None = None,
     timeout_s: float = RANK_TIMEOUT_S,
     lookups: Sequence[str] = (),
+    adapter_lookups: Sequence[str] = (),
     **config: Any,
 ) -> list[RankReport]:
     """Run `plans` on `world_size` ranks of the model at `model_dir`; one report per rank.
 
     `config` goes to `ShardConfig` (default `kv_cache_blocks=64`). `diverge_at` (tests of
     the lock-step check) makes rank 1 fail after running that Step index. `lookups`: prompt
-    prefix ids rank 0 looks up (on every rank) before the first Step.
+    prefix ids rank 0 looks up (on every rank) before the first Step; `adapter_lookups`,
+    adapter ids, after them.
     """
     config.setdefault("kv_cache_blocks", 64)
     spec = {
@@ -172,6 +177,7 @@ def run_plans(
         "config": config,
         "diverge_at": diverge_at,
         "lookups": list(lookups),
+        "adapter_lookups": list(adapter_lookups),
     }
     if world_size == 1:
         return [_run_rank(spec, 0, 1)]
@@ -332,9 +338,9 @@ def count_reads() -> Iterator[dict[str, int]]:
 
 
 def _run_rank(spec: dict[str, Any], rank: int, world_size: int) -> RankReport:
-    from tgis.shard.parallel.distributed import destroy, init_distributed
-    from tgis.shard.parallel.lockstep import LockstepRunner, run_worker
-    from tgis.shard.parallel.serving import native_runner
+    from tgis.shard.native.parallel.distributed import destroy, init_distributed
+    from tgis.shard.native.parallel.lockstep import LockstepRunner, run_worker
+    from tgis.shard.native.parallel.serving import native_runner
 
     tp = init_distributed(rank, world_size)
     config = ShardConfig(
@@ -367,6 +373,11 @@ def _run_rank(spec: dict[str, Any], rank: int, world_size: int) -> RankReport:
             report.lookups.append(driver.lookup_prefix(prefix_id))
         except Exception as e:
             report.lookups.append(f"{type(e).__name__}: {e}")
+    for adapter_id in spec.get("adapter_lookups", ()):
+        try:
+            report.adapter_lookups.append(driver.lookup_adapter(adapter_id))
+        except Exception as e:
+            report.adapter_lookups.append(f"{type(e).__name__}: {e}")
     for plan in spec["plans"]:
         try:
             report.outputs.append(driver.step(plan))

@@ -237,6 +237,26 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
     "health reports NOT_SERVING (default 25: Kubernetes' terminationGracePeriodSeconds of 30 "
     "less a margin; raise both together).",
 )
+@_option(
+    "--adapter-cache",
+    envvar="ADAPTER_CACHE",
+    help="Directory of PEFT adapters (LoRA or prompt tuning, each a directory with "
+    "adapter_config.json) that requests name with adapter_id; loaded on first use. Unset: "
+    "adapter_id is refused.",
+)
+@_option(
+    "--max-loras",
+    envvar="MAX_LORAS",
+    type=int,
+    help="Most different LoRA adapters in one step (requests for others wait); also how many "
+    "stay loaded when unused. Default 8.",
+)
+@_option(
+    "--max-lora-rank",
+    envvar="MAX_LORA_RANK",
+    type=int,
+    help="The largest LoRA rank accepted (larger adapters are refused). Default 64.",
+)
 @click.option(
     "--dry-run",
     is_flag=True,

@@ -68,6 +68,9 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
         argv += ["--revision", flags.revision]
     if cfg.load_format != "auto":
         argv += ["--load-format", cfg.load_format]
+    if flags.adapter_cache:
+        argv += ["--adapter-cache", flags.adapter_cache]
+        argv += ["--max-loras", str(flags.max_loras), "--max-lora-rank", str(flags.max_lora_rank)]
     return argv
 
 

@@ -21,7 +21,7 @@ from tgis.router.config import (
     DEFAULT_SHUTDOWN_GRACE_S,
     check_batching,
 )
-from tgis.shard.config import LOAD_FORMATS
+from tgis.shard.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LOAD_FORMATS
 
 DEPLOYMENT_FRAMEWORKS = (
     "hf_transformers",
@@ -115,6 +115,9 @@ class LauncherConfig:
     shard_startup_timeout: float = 600.0
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
     shutdown_grace_period: float | None = None  # router default: DEFAULT_SHUTDOWN_GRACE_S
+    adapter_cache: str | None = None  # PEFT adapters for `adapter_id` (none: refused)
+    max_loras: int = DEFAULT_MAX_LORAS  # different LoRA adapters in one step
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK  # the largest LoRA rank accepted
 
 
 def default_of(name: str) -> Any:
@@ -208,6 +211,12 @@ def validate_limits(flags: LauncherConfig) -> None:
         )
     if flags.max_batch_size is not None and flags.max_batch_size < 1:
         raise ConfigError(f"max_batch_size ({flags.max_batch_size}) must be at least 1")
+    if flags.max_loras < 1:
+        raise ConfigError(f"max_loras ({flags.max_loras}) must be at least 1")
+    if flags.max_lora_rank < 1:
+        raise ConfigError(f"max_lora_rank ({flags.max_lora_rank}) must be at least 1")
+    if flags.adapter_cache and not Path(flags.adapter_cache).is_dir():
+        raise ConfigError(f"adapter_cache {flags.adapter_cache} is not a directory")
     if not 0.0 <= flags.max_prefill_padding <= 1.0:
         raise ConfigError(
             f"max_prefill_padding ({flags.max_prefill_padding}) must be in range 0 <= x <= 1"

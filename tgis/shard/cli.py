@@ -10,6 +10,8 @@ import click
 
 from tgis.log import setup_logging
 from tgis.shard.config import (
+    DEFAULT_MAX_LORA_RANK,
+    DEFAULT_MAX_LORAS,
     DEFAULT_UDS_PATH,
     LOAD_FORMATS,
     ShardConfig,
@@ -79,6 +81,22 @@ def main() -> None:
     help="auto: read the safetensors weights; dummy: random weights created on the device "
     "from config.json alone (benchmarks; native models only).",
 )
+@click.option(
+    "--adapter-cache",
+    envvar="ADAPTER_CACHE",
+    default=None,
+    help="Directory of PEFT adapters for adapter_id (LoRA and prompt tuning).",
+)
+@click.option(
+    "--max-loras", envvar="MAX_LORAS", type=int, default=DEFAULT_MAX_LORAS, show_default=True
+)
+@click.option(
+    "--max-lora-rank",
+    envvar="MAX_LORA_RANK",
+    type=int,
+    default=DEFAULT_MAX_LORA_RANK,
+    show_default=True,
+)
 @click.option("--uds-path", default=DEFAULT_UDS_PATH, show_default=True)
 def serve(
     model_name: str,
@@ -95,6 +113,9 @@ def serve(
     max_batch_prefill_tokens: int,
     max_batch_total_tokens: int | None,
     load_format: str,
+    adapter_cache: str | None,
+    max_loras: int,
+    max_lora_rank: int,
     uds_path: str,
 ) -> None:
     """Load MODEL_NAME ("" = the embedded model) and serve it on ``{uds-path}-{rank}``."""
@@ -105,12 +126,12 @@ def serve(
     from tgis.model_files import ModelNotFoundError
     from tgis.shard.errors import StartupError
     from tgis.shard.loader import load_runner
-    from tgis.shard.parallel.distributed import init_distributed
-    from tgis.shard.parallel.serving import native_runner, serve_rank
-    from tgis.shard.server import ShardServer
+    from tgis.shard.native.parallel.distributed import init_distributed
+    from tgis.shard.native.parallel.serving import native_runner, serve_rank
+    from tgis.shard.serving.server import ShardServer
 
     try:
-        from tgis.shard.prefix_store import max_prefix_length, prompt_cache_bytes
+        from tgis.shard.adapters.prefix_store import max_prefix_length, prompt_cache_bytes
 
         config = ShardConfig(
             model_name=model_name,
@@ -133,6 +154,9 @@ def serve(
             prefix_store_path=os.environ.get("PREFIX_STORE_PATH") or None,
             prompt_cache_bytes=prompt_cache_bytes(os.environ),
             max_prefix_length=max_prefix_length(os.environ, max_sequence_length),
+            adapter_cache=adapter_cache or None,
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
         )
         config.validate()
         tp = init_distributed(config.rank, config.world_size)
@@ -171,8 +195,8 @@ def download_weights(
     Weights already in the cache are used as they are; otherwise they are downloaded from
     the Hugging Face Hub (never when HF_HUB_OFFLINE=1).
     """
-    from tgis.shard.hub import WeightsError
-    from tgis.shard.hub import download_weights as download
+    from tgis.shard.checkpoints.hub import WeightsError
+    from tgis.shard.checkpoints.hub import download_weights as download
 
     try:
         download(
@@ -198,7 +222,7 @@ def convert_to_safetensors(model_name: str, revision: str | None) -> None:
     MODEL_NAME is a local directory or a model id in the local HF cache; nothing is
     downloaded. Tensors are verified to read back equal; tied duplicates are dropped.
     """
-    from tgis.shard.hub import (
+    from tgis.shard.checkpoints.hub import (
         AlreadyConverted,
         WeightsError,
         bin_sources,
@@ -208,7 +232,7 @@ def convert_to_safetensors(model_name: str, revision: str | None) -> None:
     try:
         model_dir = resolve_existing_model_dir(model_name, revision)
         bin_sources(model_dir)  # the cheap checks, before importing torch
-        from tgis.shard.convert import convert_directory
+        from tgis.shard.checkpoints.convert import convert_directory
 
         converted = convert_directory(model_dir, report=click.echo)
     except AlreadyConverted as e:

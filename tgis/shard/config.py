@@ -24,6 +24,8 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 DEFAULT_PROMPT_CACHE_MB = 512  # TGIS's PROMPT_CACHE_SIZE_MB default
+DEFAULT_MAX_LORAS = 8  # different LoRA adapters one step may hold (--max-loras)
+DEFAULT_MAX_LORA_RANK = 64  # the largest LoRA rank accepted (--max-lora-rank)
 
 
 def default_max_prefix_length(max_sequence_length: int) -> int:
@@ -60,6 +62,11 @@ class ShardConfig:
     prefix_store_path: str | None = None
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_MB * 1024 * 1024
     max_prefix_length: int | None = None
+    # PEFT adapters (vllm-tgis-adapter's ADAPTER_CACHE / --adapter-cache, `adapter_id`):
+    # LoRA and prompt-tuning directories; no path refuses every adapter_id.
+    adapter_cache: str | None = None
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
 
     @property
     def prefix_length_limit(self) -> int:
@@ -87,6 +94,8 @@ class ShardConfig:
             ("--max-sequence-length", self.max_sequence_length),
             ("--max-batch-size", self.max_batch_size),
             ("--max-new-tokens", self.max_new_tokens),
+            ("--max-loras", self.max_loras),
+            ("--max-lora-rank", self.max_lora_rank),
         ):
             if value is not None and value < 1:
                 raise StartupError(f"{name} must be at least 1")

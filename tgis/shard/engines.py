@@ -18,9 +18,9 @@ import os
 from collections.abc import Mapping
 from typing import Literal
 
+from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.errors import StartupError
-from tgis.shard.model_config import ModelConfig
-from tgis.shard.models import check_config, model_class
+from tgis.shard.native.models import check_config, model_class
 
 log = logging.getLogger(__name__)
 

@@ -10,25 +10,33 @@ from pathlib import Path
 import torch
 
 from tgis.model_files import resolve_model_dir
-from tgis.shard.attention import AttentionBackend, start_attention_backend
-from tgis.shard.capacity import blocks_for, check_fits, configured_blocks, measure_cuda_blocks
-from tgis.shard.compiled import CompiledForward, compile_mode, should_compile
+from tgis.shard.adapters.adapter_cache import AdapterCache
+from tgis.shard.adapters.lora_layout import LoraSite
+from tgis.shard.adapters.prefix_store import PrefixLoad, PrefixStore
+from tgis.shard.adapters.prefixes import Prefixes
+from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
+from tgis.shard.checkpoints.dummy_weights import DummyWeights, parameter_count
+from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.config import ShardConfig
 from tgis.shard.device import dtype_name, select_device, select_dtype
-from tgis.shard.dummy_weights import DummyWeights, parameter_count
 from tgis.shard.engines import ENGINE_ENV, select_engine
 from tgis.shard.errors import StartupError
-from tgis.shard.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
-from tgis.shard.model_config import ModelConfig
-from tgis.shard.model_runner import ForwardFn, ModelRunner
-from tgis.shard.models import CausalLM, ModelFactory, check_config, model_class
-from tgis.shard.models.layers import DecoderLM
-from tgis.shard.parallel.distributed import min_over_ranks
-from tgis.shard.parallel.group import SINGLE, TensorParallel
-from tgis.shard.prefix_rows import Prefixes
-from tgis.shard.prefix_store import PrefixLoad, PrefixStore
-from tgis.shard.runner import Runner
-from tgis.shard.weights import Weights
+from tgis.shard.native.attention.backends import AttentionBackend, start_attention_backend
+from tgis.shard.native.capacity import (
+    blocks_for,
+    check_fits,
+    configured_blocks,
+    measure_cuda_blocks,
+)
+from tgis.shard.native.compiled import CompiledForward, compile_mode, should_compile
+from tgis.shard.native.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
+from tgis.shard.native.model_runner import ForwardFn, ModelRunner
+from tgis.shard.native.models import CausalLM, ModelFactory, check_config, model_class
+from tgis.shard.native.models.layers import DecoderLM
+from tgis.shard.native.parallel.distributed import min_over_ranks
+from tgis.shard.native.parallel.group import SINGLE, TensorParallel
+from tgis.shard.step.runner import Runner
 from tgis.shard_api.messages import DEFAULT_MAX_BATCH_SIZE, ModelKind, ShardInfo
 
 log = logging.getLogger(__name__)
@@ -55,14 +63,22 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     if engine == "hf":
         if config.load_format == "dummy":
             raise StartupError(_no_dummy_fallback(model_config, config.max_sequence_length))
-        from tgis.shard.hf_loader import load_hf_runner  # imports transformers
+        from tgis.shard.fallback.loader import load_hf_runner  # imports transformers
 
         if config.prefix_store_path:
             log.warning(
                 "PREFIX_STORE_PATH is set but the transformers engine has no prompt prefixes: "
                 "every prefix id will be not found"
             )
-        return load_hf_runner(config, model_dir, model_config)
+        hf_runner = load_hf_runner(config, model_dir, model_config)
+        if config.adapter_cache:
+            log.warning(
+                "ADAPTER_CACHE is set but the transformers engine runs no adapters: every "
+                "adapter_id will be refused as not supported for this model"
+            )
+            hf_runner.adapters = _adapters(config, [], None, hf_runner.device, torch.float32)
+            hf_runner.info = _with_adapters(hf_runner.info, hf_runner.adapters)
+        return hf_runner
     factory = model_class(model_config)  # fail on the architecture before touching devices
     device = select_device(config.rank, config.world_size, config.cuda_process_memory_fraction)
     dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
@@ -102,10 +118,15 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         spec.block_size,
     )
     prefixes = Prefixes(
-        store=_prefix_store(config, model, device, dtype),
+        store=_prefix_store(config, "PREFIX_STORE_PATH", model, device, dtype),
         placeholder_id=placeholder_token_id(model_config),
     )
-    runner = ModelRunner(model, kv_cache, attention, info, device, forward, prefixes)
+    adapters = NO_ADAPTERS
+    if config.adapter_cache:
+        prompt_tuning = _prefix_store(config, "ADAPTER_CACHE", model, device, dtype)
+        adapters = _adapters(config, model.lora_sites(), prompt_tuning, device, dtype)
+        info = _with_adapters(info, adapters)
+    runner = ModelRunner(model, kv_cache, attention, info, device, forward, prefixes, adapters)
     if isinstance(forward, CompiledForward):
         started = time.monotonic()
         try:
@@ -121,17 +142,59 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     return runner
 
 
+def _adapters(
+    config: ShardConfig,
+    sites: list[LoraSite],
+    prompt_tuning: PrefixStore | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Adapters:
+    """The adapter cache of ``ADAPTER_CACHE`` (LoRA onto ``sites``, prompt tuning through
+    ``prompt_tuning``)."""
+    assert config.adapter_cache
+    root = Path(config.adapter_cache)
+    if not root.is_dir():
+        raise StartupError(f"ADAPTER_CACHE {root} is not a directory")
+    log.info(
+        "Adapters from %s (LoRA: %d sites, at most %d adapters per step, rank <= %d)",
+        root,
+        len(sites),
+        config.max_loras,
+        config.max_lora_rank,
+    )
+    cache = AdapterCache(
+        root,
+        sites=sites,
+        dtype=dtype,
+        device=device,
+        max_rank=config.max_lora_rank,
+        max_cached=config.max_loras,
+        prefix_store=prompt_tuning,
+    )
+    return Adapters(cache, max_loras=config.max_loras if sites else 0)
+
+
+def _with_adapters(info: ShardInfo, adapters: Adapters) -> ShardInfo:
+    return replace(info, adapters_enabled=adapters.enabled, max_loras=adapters.max_loras)
+
+
 def _prefix_store(
-    config: ShardConfig, model: CausalLM, device: torch.device, dtype: torch.dtype
+    config: ShardConfig,
+    setting: str,
+    model: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> PrefixStore | None:
-    """The prompt-tuning prefix store, when ``PREFIX_STORE_PATH`` is set."""
-    if not config.prefix_store_path:
+    """A prompt-tuning prefix store over ``PREFIX_STORE_PATH``, or over the prompt-tuning
+    adapters of ``ADAPTER_CACHE`` (``setting``); None when it is unset."""
+    path = config.prefix_store_path if setting == "PREFIX_STORE_PATH" else config.adapter_cache
+    if not path:
         return None
     if not isinstance(model, DecoderLM):
         raise StartupError("prompt prefixes need a native decoder model")
-    store_path = Path(config.prefix_store_path)
+    store_path = Path(path)
     if not store_path.is_dir():
-        raise StartupError(f"PREFIX_STORE_PATH {store_path} is not a directory")
+        raise StartupError(f"{setting} {store_path} is not a directory")
     log.info(
         "Prompt prefixes from %s (cache %d MB, at most %d virtual tokens)",
         store_path,
@@ -168,7 +231,7 @@ def placeholder_token_id(model_config: ModelConfig) -> int:
 def _capture_decode_graphs(runner: ModelRunner, config: ShardConfig, tp: TensorParallel) -> None:
     """CUDA graphs of the decode steps (``cuda_graphs.py``) where they apply: CUDA,
     ``triton_paged``, one rank, ``TGIS_CUDA_GRAPHS`` not 0."""
-    from tgis.shard.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
+    from tgis.shard.native.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
 
     mode = graphs_mode()
     applies = (

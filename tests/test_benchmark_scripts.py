@@ -1,0 +1,74 @@
+"""The CPU parts of the benchmark scripts run and report figures (not a timing test: the
+figures are only checked to exist and be sane). ``step_bench.py`` is what
+``benchmarks/gpu_check.sh`` runs on a GPU; here it runs on the embedded model's shape with
+dummy weights and with its real weights, and ``lora_bench.py`` on the same shape."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED = ROOT / "tgis" / "embedded_model" / "data"
+
+pytestmark = pytest.mark.slow
+
+
+def run_script(script: str, *args: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("load_format", ["dummy", "auto"])
+def test_step_bench_reports_every_case(tmp_path: Path, load_format: str) -> None:
+    out = tmp_path / "step.json"
+    run_script(
+        "step_bench.py",
+        "--model", str(EMBEDDED),
+        "--load-format", load_format,
+        "--batches", "1,4",
+        "--contexts", "16,40",
+        "--steps", "3",
+        "--warmup", "1",
+        "--json", str(out),
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    results = report["results"] if isinstance(report, dict) else report
+    cases = {(r["batch"], r["context"]) for r in results}
+    assert cases == {(1, 16), (1, 40), (4, 16), (4, 40)}
+    for r in results:
+        assert r["forward_ms_p50"] > 0 and 0 < r["ms_per_step_p50"] <= r["ms_per_step_p90"]
+        assert r["kernels_per_step"] is None  # CPU: no CUDA kernels counted
+
+
+def test_lora_bench_reports_the_three_cases(tmp_path: Path) -> None:
+    out = tmp_path / "lora.json"
+    stdout = run_script(
+        "lora_bench.py",
+        "--model", str(EMBEDDED),
+        "--adapters", "2",
+        "--rank", "4",
+        "--batches", "3",
+        "--context", "8",
+        "--steps", "3",
+        "--warmup", "1",
+        "--json", str(out),
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert (report["adapters"], report["rank"]) == (2, 4)
+    assert [r["case"] for r in report["results"]] == ["plain", "mixed", "one adapter"]
+    for r in report["results"]:
+        assert r["ms_per_step"] > 0
+    assert report["results"][0]["vs_plain"] == 1.0
+    assert "one adapter" in stdout

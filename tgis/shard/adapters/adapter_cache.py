@@ -1,0 +1,254 @@
+"""The adapters a request can name by ``adapter_id`` (``ADAPTER_CACHE``, as in
+vllm-tgis-adapter): what each one is, loaded once and kept ready for the step.
+
+``<ADAPTER_CACHE>/<id>/`` is a PEFT adapter directory; its ``adapter_config.json`` says what
+it is. A LoRA adapter is read onto this rank's LoRA sites (``lora_store.read_lora``) and
+kept in a small LRU (``max_cached`` adapters; one a sequence still holds stays alive with
+it, and a later ``lora()`` simply reads it again). A prompt-tuning adapter is a prompt
+prefix by another name: its embeddings come from a ``PrefixStore`` over the same
+directory, which has its own cache.
+
+Ids follow the store's path rule (``store_paths``). Every refusal is a StoreError whose
+``message`` is what the client is shown, in vllm-tgis-adapter's words; its kind picks the
+gRPC status (NOT_FOUND or INVALID_ARGUMENT). Loads happen off the step thread through the
+router's ``AdapterLookup``; many callers asking for one id at once share one read, and
+failures are not remembered.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tgis.shard.adapters.lora_layout import LoraSite, LoraWeights
+from tgis.shard.adapters.lora_store import WEIGHT_FILES, read_lora
+from tgis.shard.adapters.prefix_store import PrefixStore
+from tgis.shard.adapters.store_paths import (
+    BadIdError,
+    ItemStore,
+    StoreError,
+    StoreErrorKind,
+    invalid,
+)
+from tgis.shard_api.messages import AdapterInfo, AdapterKind
+
+CONFIG_FILE = "adapter_config.json"
+LORA = AdapterInfo(AdapterKind.LORA)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """One adapter, ready: a LoRA adapter's weights or a prompt-tuning adapter's
+    embeddings."""
+
+    info: AdapterInfo
+    lora: LoraWeights | None = None
+    prompt: torch.Tensor | None = None
+
+
+class AdapterCache:
+    """PEFT adapters by id from ``root``; thread-safe."""
+
+    def __init__(
+        self,
+        root: Path,
+        sites: Sequence[LoraSite],
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rank: int,
+        max_cached: int,
+        prefix_store: PrefixStore | None = None,
+    ) -> None:
+        self.store = ItemStore(Path(root), "adapter")
+        self.sites = tuple(sites)  # empty: the model runs no LoRA
+        self.dtype = dtype
+        self.device = device
+        self.max_rank = max_rank
+        self.max_cached = max_cached
+        self.prefix_store = prefix_store  # None: the model runs no prompt tuning
+        self._lock = threading.Lock()
+        self._lora: OrderedDict[str, LoraWeights] = OrderedDict()  # oldest first
+        self._prompt_ids: set[str] = set()  # prompt tuning seen (embeddings: prefix_store)
+        self._loading: dict[str, Future[_Loaded]] = {}
+
+    def cached_ids(self) -> list[str]:
+        """The LoRA adapters held in the cache, least recently used first."""
+        with self._lock:
+            return list(self._lora)
+
+    def lookup(self, adapter_id: str) -> AdapterInfo:
+        """What ``adapter_id`` is, loading it now unless it is cached; StoreError with the
+        client's message when it cannot be used."""
+        return self._get(adapter_id).info
+
+    def lora(self, adapter_id: str) -> LoraWeights:
+        """The weights of LoRA adapter ``adapter_id`` (read again if it was evicted)."""
+        loaded = self._get(adapter_id)
+        if loaded.lora is None:
+            raise invalid(f"adapter '{adapter_id}' is a prompt-tuning adapter, not LoRA")
+        return loaded.lora
+
+    def prompt_embeddings(self, adapter_id: str) -> torch.Tensor:
+        """The decoder embeddings [virtual tokens, hidden] of prompt-tuning adapter
+        ``adapter_id``."""
+        loaded = self._get(adapter_id)
+        if loaded.prompt is None:
+            raise invalid(f"adapter '{adapter_id}' is a LoRA adapter, not prompt tuning")
+        return loaded.prompt
+
+    def _get(self, adapter_id: str) -> _Loaded:
+        with self._lock:
+            weights = self._lora.get(adapter_id)
+            if weights is not None:
+                self._lora.move_to_end(adapter_id)
+                return _Loaded(LORA, lora=weights)
+            known_prompt = adapter_id in self._prompt_ids
+            pending = None if known_prompt else self._loading.get(adapter_id)
+            owner = not known_prompt and pending is None
+            if owner:
+                pending = self._loading[adapter_id] = Future()
+        if known_prompt:
+            try:
+                return self._prompt(adapter_id)
+            except StoreError:
+                with self._lock:  # gone or changed: the next lookup starts over
+                    self._prompt_ids.discard(adapter_id)
+                raise
+        assert pending is not None
+        if not owner:
+            return pending.result()
+        try:
+            loaded = self._load(adapter_id)
+        except BaseException as e:
+            pending.set_exception(e)
+            raise
+        else:
+            pending.set_result(loaded)
+            return loaded
+        finally:
+            with self._lock:
+                del self._loading[adapter_id]
+
+    def _load(self, adapter_id: str) -> _Loaded:
+        try:
+            item_dir = self.store.resolve(adapter_id)
+        except BadIdError:
+            raise bad_id(adapter_id) from None
+        if not item_dir.is_dir():
+            raise not_found(adapter_id, "directory does not exist")
+        config_path = self._file(adapter_id, item_dir, CONFIG_FILE)
+        if config_path is None:
+            raise not_found(adapter_id, f"invalid adapter: no {CONFIG_FILE} found")
+        config = _read_config(adapter_id, config_path)
+        peft_type = config.get("peft_type")
+        if peft_type == "LORA":
+            return self._load_lora(adapter_id, item_dir, config)
+        if peft_type == "PROMPT_TUNING":
+            return self._load_prompt(adapter_id, item_dir)
+        raise invalid(f"adapter type {peft_type} is not currently supported")
+
+    def _load_lora(self, adapter_id: str, item_dir: Path, config: dict[str, Any]) -> _Loaded:
+        if not self.sites:
+            raise invalid("adapter type LORA is not currently supported for this model")
+        try:
+            weights = read_lora(
+                adapter_id,
+                item_dir,
+                config,
+                self.store,
+                self.sites,
+                self.dtype,
+                self.device,
+                self.max_rank,
+            )
+        except BadIdError:
+            raise bad_id(adapter_id) from None
+        except StoreError as e:
+            raise invalid_adapter(adapter_id, e.message) from None
+        logger.info(
+            "Loaded LoRA adapter %s: rank %d, %d sites, %.1f MiB",
+            adapter_id,
+            weights.rank,
+            len(weights.pairs),
+            weights.nbytes / 2**20,
+        )
+        with self._lock:
+            self._lora[adapter_id] = weights
+            while len(self._lora) > max(self.max_cached, 0):
+                self._lora.popitem(last=False)
+        return _Loaded(LORA, lora=weights)
+
+    def _load_prompt(self, adapter_id: str, item_dir: Path) -> _Loaded:
+        if self.prefix_store is None:
+            raise invalid("adapter type PROMPT_TUNING is not currently supported for this model")
+        if all(self._file(adapter_id, item_dir, name) is None for name in WEIGHT_FILES):
+            raise invalid_adapter(adapter_id, "no adapter_model.safetensors or adapter_model.bin")
+        loaded = self._prompt(adapter_id)
+        with self._lock:
+            self._prompt_ids.add(adapter_id)
+        return loaded
+
+    def _prompt(self, adapter_id: str) -> _Loaded:
+        """A prompt-tuning adapter's embeddings, from the prefix store's cache or disk."""
+        assert self.prefix_store is not None
+        try:
+            prefix = self.prefix_store.get(adapter_id)
+        except BadIdError:
+            raise bad_id(adapter_id) from None
+        except StoreError as e:
+            raise invalid_adapter(adapter_id, e.message) from None
+        if prefix.decoder is None:  # a PEFT directory always gives a decoder tensor
+            raise invalid_adapter(adapter_id, "no prompt embeddings")
+        info = AdapterInfo(AdapterKind.PROMPT_TUNING, prefix_length=prefix.length)
+        return _Loaded(info, prompt=prefix.decoder)
+
+    def _file(self, adapter_id: str, item_dir: Path, name: str) -> Path | None:
+        try:
+            return self.store.file(item_dir, name, adapter_id)
+        except BadIdError:
+            raise bad_id(adapter_id) from None
+
+
+def bad_id(adapter_id: str) -> StoreError:
+    """An id the path rule refuses (vllm-tgis-adapter's wording, for every such case)."""
+    return invalid(
+        f"Invalid adapter id '{adapter_id}', must contain only alphanumeric, _ and - and /"
+    )
+
+
+def not_found(adapter_id: str, reason: str) -> StoreError:
+    """Nothing usable stored under a valid id."""
+    return StoreError(
+        StoreErrorKind.NOT_FOUND, f"can't retrieve adapter with id '{adapter_id}': {reason}"
+    )
+
+
+def invalid_adapter(adapter_id: str, reason: str) -> StoreError:
+    """An adapter that is there but cannot be used, for ``reason``."""
+    return invalid(f"can't retrieve adapter with id '{adapter_id}': invalid adapter: {reason}")
+
+
+def _read_config(adapter_id: str, path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise invalid_adapter(adapter_id, f"{CONFIG_FILE} is not valid JSON ({e})") from None
+    except UnicodeDecodeError:
+        raise invalid_adapter(adapter_id, f"{CONFIG_FILE} is not valid UTF-8") from None
+    except OSError as e:
+        logger.warning("cannot read %s: %s", path, e)
+        raise invalid_adapter(adapter_id, f"cannot read {CONFIG_FILE}") from None
+    if not isinstance(config, dict):
+        raise invalid_adapter(adapter_id, f"{CONFIG_FILE} is not a JSON object")
+    return config

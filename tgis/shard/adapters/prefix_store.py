@@ -1,0 +1,296 @@
+"""TGIS prompt-tuning prefixes (``prefix_id``): load, check and cache them (§10.4).
+
+A prefix lives in ``<PREFIX_STORE_PATH>/<id>/`` as ``decoder.pt`` and/or ``encoder.pt``
+(2-D tensors saved with ``torch.save``, read with ``weights_only=True``), or as a PEFT
+prompt-tuning adapter (``adapter_model.safetensors`` or ``adapter_model.bin`` holding
+``prompt_embeddings``; decoder-only models only). Each tensor is checked and converted to
+the serving dtype with TGIS's messages, then kept in an LRU cache bounded by bytes
+(``PROMPT_CACHE_SIZE_MB``). A prefix many threads ask for at once is read once.
+
+Not wired into serving yet (issue 10): for encoder-decoder models the caller appends the
+decoder-start embedding to ``decoder``, and with tensor parallelism decides what each rank
+keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from tgis.shard.adapters.store_paths import ItemStore, StoreError, StoreErrorKind, invalid
+from tgis.shard.config import DEFAULT_PROMPT_CACHE_MB, default_max_prefix_length
+from tgis.shard.errors import StartupError
+
+SIZE_UNIT = 512  # TGIS rounds every tensor's size up to a multiple of 512 bytes
+DECODER_FILE = "decoder.pt"
+ENCODER_FILE = "encoder.pt"
+PEFT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+PEFT_KEY = "prompt_embeddings"
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixEmbeddings:
+    """One prefix's tensors, checked, in the serving dtype, on the serving device."""
+
+    decoder: torch.Tensor | None
+    encoder: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Virtual tokens: the rows of both tensors (without a decoder-start embedding)."""
+        return sum(t.shape[0] for t in self._tensors())
+
+    @property
+    def nbytes(self) -> int:
+        """The cache space it takes: each tensor rounded up to 512 bytes, as TGIS counts."""
+        return sum(_rounded_size(t) for t in self._tensors())
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.decoder, self.encoder) if t is not None)
+
+
+@dataclass(frozen=True)
+class PrefixLoad:
+    """One read of a prefix from disk (cache misses only), for the load metrics."""
+
+    prefix_id: str
+    seconds: float
+    error: Exception | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+LoadHook = Callable[[PrefixLoad], None]
+
+
+@dataclass(frozen=True)
+class TensorRules:
+    """What every prefix tensor must satisfy for this model."""
+
+    embedding_dim: int
+    dtype: torch.dtype
+    max_length: int
+    is_encoder_decoder: bool
+
+    def check(self, value: Any) -> torch.Tensor:
+        """``value`` as a 2-D tensor of the serving dtype, or StoreError with TGIS's message."""
+        if not isinstance(value, torch.Tensor) or value.dim() != 2:
+            raise invalid("Invalid prefix embedding tensor")
+        length, dim = value.shape
+        if length == 0 or length > self.max_length:
+            raise invalid(f"Invalid prefix embedding length of {length}")
+        if self.is_encoder_decoder and length % 2 != 0:
+            raise invalid("Encoder/decoder prefix tensor must be of even length")
+        if dim != self.embedding_dim:
+            raise invalid(
+                f"Prefix embedding tensor dim {dim} does not match model ({self.embedding_dim})"
+            )
+        converted = value.to(self.dtype)
+        if not bool(converted.isfinite().all()):
+            if not bool(value.isfinite().all()):
+                raise invalid("Prefix contains non-finite elements")
+            raise invalid(
+                "Prefix contains non-finite elements after conversion "
+                f"from {value.dtype} to {self.dtype}"
+            )
+        return converted
+
+
+class PrefixStore:
+    """Prefixes by id from a store directory, through a thread-safe LRU cache of bytes."""
+
+    def __init__(
+        self,
+        store_path: Path,
+        embedding_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_length: int,
+        cache_bytes: int,
+        is_encoder_decoder: bool = False,
+        on_load: LoadHook | None = None,
+    ) -> None:
+        self.store = ItemStore(Path(store_path), "prefix")
+        self.rules = TensorRules(embedding_dim, dtype, max_length, is_encoder_decoder)
+        self.device = device
+        self.cache_bytes = cache_bytes
+        self.on_load = on_load
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, PrefixEmbeddings] = OrderedDict()  # oldest first
+        self._used = 0
+        self._loading: dict[str, Future[PrefixEmbeddings]] = {}
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used
+
+    def cached_ids(self) -> list[str]:
+        """The cached ids, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def get(self, prefix_id: str) -> PrefixEmbeddings:
+        """The prefix ``prefix_id``, from the cache or read from disk (once, however many
+        threads ask at the same time). Raises StoreError; failures are not cached."""
+        with self._lock:
+            hit = self._entries.get(prefix_id)
+            if hit is not None:
+                self._entries.move_to_end(prefix_id)
+                return hit
+            pending = self._loading.get(prefix_id)
+            owner = pending is None
+            if pending is None:
+                pending = self._loading[prefix_id] = Future()
+        if not owner:
+            return pending.result()
+        try:
+            prefix = self._load_and_insert(prefix_id)
+        except BaseException as e:
+            pending.set_exception(e)
+            raise
+        else:
+            pending.set_result(prefix)
+            return prefix
+        finally:
+            with self._lock:
+                del self._loading[prefix_id]
+
+    def _load_and_insert(self, prefix_id: str) -> PrefixEmbeddings:
+        start = time.perf_counter()
+        try:
+            prefix = self._load(prefix_id)
+            self._insert(prefix_id, prefix)
+        except Exception as e:
+            self._report(PrefixLoad(prefix_id, time.perf_counter() - start, e))
+            raise
+        self._report(PrefixLoad(prefix_id, time.perf_counter() - start))
+        return prefix
+
+    def _report(self, load: PrefixLoad) -> None:
+        if self.on_load is not None:
+            self.on_load(load)
+
+    def _insert(self, prefix_id: str, prefix: PrefixEmbeddings) -> None:
+        size = prefix.nbytes
+        if size > self.cache_bytes:
+            raise invalid(
+                f"Prefix ID object {prefix_id} exceeds the allowed cache size", "ValueError"
+            )
+        with self._lock:
+            while self._used + size > self.cache_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._used -= evicted.nbytes
+            self._entries[prefix_id] = prefix
+            self._used += size
+
+    def _load(self, prefix_id: str) -> PrefixEmbeddings:
+        item_dir = self.store.resolve(prefix_id)
+        if _is_peft(item_dir):
+            return self._load_peft(prefix_id, item_dir)
+        decoder = self._read(prefix_id, item_dir, DECODER_FILE)
+        encoder = (
+            self._read(prefix_id, item_dir, ENCODER_FILE) if self.rules.is_encoder_decoder else None
+        )
+        if decoder is None and encoder is None:
+            raise not_found(prefix_id)
+        return PrefixEmbeddings(decoder=decoder, encoder=encoder)
+
+    def _load_peft(self, prefix_id: str, item_dir: Path) -> PrefixEmbeddings:
+        if self.rules.is_encoder_decoder:
+            raise invalid("encoder-decoder architectures not supported for peft models")
+        for name in PEFT_FILES:
+            path = self.store.file(item_dir, name, prefix_id)
+            if path is not None:
+                state = _read_file(prefix_id, path)
+                if not isinstance(state, dict) or PEFT_KEY not in state:
+                    raise invalid(f"{name} of prefix {prefix_id} has no {PEFT_KEY} tensor")
+                return PrefixEmbeddings(decoder=self._checked(state[PEFT_KEY]))
+        raise not_found(prefix_id)
+
+    def _read(self, prefix_id: str, item_dir: Path, name: str) -> torch.Tensor | None:
+        path = self.store.file(item_dir, name, prefix_id)
+        if path is None:
+            return None
+        return self._checked(_read_file(prefix_id, path))
+
+    def _checked(self, value: Any) -> torch.Tensor:
+        return self.rules.check(value).to(self.device).contiguous()
+
+
+def not_found(prefix_id: str) -> StoreError:
+    """The error for a valid id with nothing stored under it (TGIS's router wording)."""
+    return StoreError(StoreErrorKind.NOT_FOUND, f'prefix id "{prefix_id}" not found')
+
+
+def max_prefix_length(env: Mapping[str, str], max_sequence_length: int) -> int:
+    """``MAX_PROMPT_PREFIX_LENGTH``, else half of ``max_sequence_length`` rounded up."""
+    value = _env_int(env, "MAX_PROMPT_PREFIX_LENGTH")
+    if value is None:
+        return default_max_prefix_length(max_sequence_length)
+    if not 0 < value <= max_sequence_length - 1:
+        raise StartupError(
+            f"MAX_PROMPT_PREFIX_LENGTH ({value}) must be between 1 and "
+            f"max_sequence_length - 1 ({max_sequence_length - 1})"
+        )
+    return value
+
+
+def prompt_cache_bytes(env: Mapping[str, str]) -> int:
+    """``PROMPT_CACHE_SIZE_MB`` (default 512) in bytes."""
+    value = _env_int(env, "PROMPT_CACHE_SIZE_MB")
+    megabytes = DEFAULT_PROMPT_CACHE_MB if value is None else value
+    if megabytes < 0:
+        raise StartupError(f"PROMPT_CACHE_SIZE_MB must not be negative, got {megabytes}")
+    return megabytes * 1024 * 1024
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise StartupError(f"environment variable {name} must be an integer, got '{raw}'") from None
+
+
+def _is_peft(item_dir: Path) -> bool:
+    """TGIS's test: the directory holds some ``adapter_model.*`` file."""
+    if not item_dir.is_dir():
+        return False
+    return any(p.stem == "adapter_model" for p in item_dir.iterdir())
+
+
+def _read_file(prefix_id: str, path: Path) -> Any:
+    """A ``.safetensors`` file as a dict, anything else through ``torch.load`` with
+    ``weights_only=True``; unreadable files fail with StoreError(INVALID)."""
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(str(path), device="cpu")
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:
+        logger.warning("cannot read %s: %s", path, e)
+        raise invalid(
+            f"cannot read {path.name} of prefix {prefix_id} ({type(e).__name__})"
+        ) from None
+
+
+def _rounded_size(tensor: torch.Tensor) -> int:
+    raw = tensor.element_size() * tensor.nelement()
+    return math.ceil(raw / SIZE_UNIT) * SIZE_UNIT

@@ -1,0 +1,63 @@
+"""Prompt-tuning prefixes as the step algorithm sees them: the router's ``PrefixLookup``
+answered, and each new sequence given its prefix's embeddings.
+
+``Prefixes`` takes them from the ``PrefixStore`` cache (``PREFIX_STORE_PATH``), or refuses
+when no store is set (``NO_PREFIXES``: also the transformers engine's). How a step puts
+the embeddings in place of the placeholder tokens is the engine's business
+(``native/prefix_rows.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tgis.shard.adapters.prefix_store import PrefixEmbeddings, PrefixStore, not_found
+from tgis.shard.adapters.store_paths import StoreError
+from tgis.shard_api.messages import NewSequence
+
+
+class PrefixUnavailable(Exception):
+    """A new sequence's prefix cannot be used: that sequence fails alone."""
+
+
+@dataclass(frozen=True)
+class Prefixes:
+    """This rank's prompt-tuning prefixes: a store (None: ``PREFIX_STORE_PATH`` unset,
+    every id is not found, as TGIS answers) and the id of the placeholder tokens."""
+
+    store: PrefixStore | None
+    placeholder_id: int = 0
+
+    def lookup(self, prefix_id: str) -> int:
+        """Load ``prefix_id`` (or find it cached) and return its virtual tokens; StoreError
+        with TGIS's message otherwise."""
+        return self._get(prefix_id).length
+
+    def embeddings(self, ns: NewSequence) -> torch.Tensor:
+        """The decoder embeddings [prefix_length, hidden] of ``ns``'s prefix; raises
+        PrefixUnavailable when the prefix is missing, malformed, or no longer as long as
+        the router counted."""
+        try:
+            prefix = self._get(ns.prefix_id)
+        except StoreError as e:
+            raise PrefixUnavailable(
+                f"Error retrieving prompt prefix '{ns.prefix_id}': {e.tgis_message}"
+            ) from None
+        if prefix.decoder is None or prefix.length != ns.prefix_length:
+            raise PrefixUnavailable(
+                f"prompt prefix '{ns.prefix_id}' has {prefix.length} virtual tokens but the "
+                f"router counted {ns.prefix_length} (it changed in the store after the "
+                "router looked it up; the router keeps a length for up to an hour)"
+            )
+        return prefix.decoder
+
+    def _get(self, prefix_id: str) -> PrefixEmbeddings:
+        if self.store is None:
+            raise not_found(prefix_id)
+        return self.store.get(prefix_id)
+
+
+NO_PREFIXES = Prefixes(store=None)
+"""An engine without a prefix store: every prefix id is not found."""

@@ -1,0 +1,82 @@
+"""``cpu_paged``: the reference backend with its decode group run by a C kernel that reads
+keys and values in place through the block table (``csrc/cpu_attention.c``).
+
+On the CPU, gathering every decoding sequence's context out of the cache before SDPA costs
+more than the attention itself: a step of 32 sequences at 150 tokens copies ~10 MB per
+layer. The kernel instead walks each sequence's blocks, reading each key and value row once
+for the query heads that share it, with a numerically stable softmax in float32. Prompts
+and prompt chunks still go through the reference (``TorchPagedAttention``). Used for
+float32 caches when the extension was built (``setup.py``; it needs a C compiler at install
+time), else the reference runs alone.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from types import ModuleType
+
+import torch
+
+from tgis.shard.native.attention.backends import TorchPagedAttention, TorchPagedMetadata
+
+
+def load_kernel() -> ModuleType | None:
+    """The compiled extension, or None when it was not built."""
+    try:
+        return importlib.import_module("tgis.shard.native.attention._cpu_attention")
+    except ImportError:
+        return None
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    """``TorchPagedAttention`` with decodes in the C kernel (float32 CPU caches)."""
+
+    name = "cpu_paged"
+    masks_decodes = False  # the kernel bounds each sequence by its context length
+
+    def __init__(self, block_size: int, kernel: ModuleType) -> None:
+        super().__init__(block_size)
+        self.kernel = kernel
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_blocks: torch.Tensor,
+        v_blocks: torch.Tensor,
+        metadata: TorchPagedMetadata,
+        scale: float | None,
+        cache_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        if (
+            metadata.decode_tables is None
+            or metadata.decode_context is None
+            or q.dtype != torch.float32
+            or cache_dtype != torch.float32
+            or q.device.type != "cpu"
+        ):
+            return super()._decode(q, k_blocks, v_blocks, metadata, scale, cache_dtype)
+        assert metadata.decode_rows is not None
+        queries = q[metadata.decode_rows].contiguous()  # [decodes, heads, dim]
+        seqs, heads, head_dim = queries.shape
+        kv_heads = k_blocks.shape[1] // (self.block_size * head_dim)
+        out = torch.empty_like(queries)
+        tables = metadata.decode_tables
+        self.kernel.paged_decode_attention(
+            queries.data_ptr(),
+            k_blocks.data_ptr(),
+            v_blocks.data_ptr(),
+            out.data_ptr(),
+            tables.data_ptr(),
+            metadata.decode_context.data_ptr(),
+            seqs,
+            heads,
+            kv_heads,
+            head_dim,
+            self.block_size,
+            tables.shape[1],
+            k_blocks.shape[0],
+            metadata.max_context,
+            1.0 / math.sqrt(head_dim) if scale is None else scale,
+        )
+        return out

@@ -1,0 +1,186 @@
+/*
+ * Paged decode attention on the CPU, reading keys and values in place through the block
+ * table (no gather), for float32 caches: tgis.shard.native.attention._cpu_attention.
+ *
+ * For each sequence s (one query token each) and each KV head h, the G = heads / kv_heads
+ * query heads that share h attend to the sequence's first context_lens[s] cached tokens:
+ *
+ *   score[g][t] = scale * dot(q[s, h*G + g], K[t, h])      t = 0 .. context_lens[s] - 1
+ *   out[s, h*G + g] = sum_t softmax(score[g])[t] * V[t, h]
+ *
+ * where token t lives in block block_tables[s, t / block_size] at offset t % block_size of a
+ * cache laid out [num_blocks, block_size, kv_heads, head_dim]. Each key and value row is
+ * read once for the G heads that use it. Plain C with no Python objects in the loop (the
+ * GIL is released); built by setup.py as an optional extension, compiled for AVX-512, AVX2
+ * and baseline x86-64, chosen at load time (target_clones); tgis/shard/native/attention/cpu_paged.py
+ * falls back to the torch reference when it is missing.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TGIS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define TGIS_CLONES
+#endif
+
+typedef struct {
+    const float *q;           /* [seqs, heads, head_dim] */
+    const float *k_cache;     /* [num_blocks, block_size, kv_heads, head_dim] */
+    const float *v_cache;
+    float *out;               /* [seqs, heads, head_dim] */
+    const int64_t *tables;    /* [seqs, table_stride] */
+    const int64_t *context;   /* [seqs] */
+    int64_t seqs, heads, kv_heads, head_dim, block_size, table_stride, num_blocks, max_context;
+    float scale;
+} DecodeArgs;
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static inline void axpy(float *restrict y, float alpha, const float *restrict x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
+}
+
+/* Returns 0, or -1 when a sequence's context is empty, longer than max_context or its table,
+ * or names a block out of range (nothing is written for that sequence). ``scores`` holds
+ * heads * max_context floats. Keys and values are read in cache order, each row once for
+ * every head: one pass over the keys (scores), a softmax per head, one pass over the values. */
+TGIS_CLONES
+static int decode(const DecodeArgs *a, float *scores) {
+    const int64_t heads = a->heads, group = a->heads / a->kv_heads, dim = a->head_dim;
+    const int64_t bs = a->block_size;
+    const int64_t row = a->kv_heads * dim; /* floats between consecutive tokens of a block */
+    int status = 0;
+    for (int64_t s = 0; s < a->seqs; s++) {
+        const int64_t length = a->context[s];
+        const int64_t *table = a->tables + s * a->table_stride;
+        const int64_t blocks = (length + bs - 1) / bs;
+        if (length <= 0 || length > a->max_context || blocks > a->table_stride) {
+            status = -1;
+            continue;
+        }
+        int bad = 0;
+        for (int64_t b = 0; b < blocks; b++) {
+            if (table[b] < 0 || table[b] >= a->num_blocks) bad = 1;
+        }
+        if (bad) {
+            status = -1;
+            continue;
+        }
+        const float *q = a->q + s * heads * dim;
+        float *out = a->out + s * heads * dim;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t first = b * bs;
+            const int64_t n = length - first < bs ? length - first : bs;
+            const float *k = a->k_cache + table[b] * bs * row;
+            for (int64_t i = 0; i < n; i++, k += row) {
+                for (int64_t hq = 0; hq < heads; hq++) {
+                    const float *kh = k + (hq / group) * dim;
+                    scores[hq * length + first + i] = a->scale * dot(q + hq * dim, kh, dim);
+                }
+            }
+        }
+        for (int64_t hq = 0; hq < heads; hq++) {
+            float *sc = scores + hq * length;
+            float max = sc[0];
+            for (int64_t t = 1; t < length; t++) max = sc[t] > max ? sc[t] : max;
+            float total = 0.0f;
+            for (int64_t t = 0; t < length; t++) {
+                sc[t] = expf(sc[t] - max);
+                total += sc[t];
+            }
+            const float inv = 1.0f / total;
+            for (int64_t t = 0; t < length; t++) sc[t] *= inv;
+        }
+        memset(out, 0, (size_t)(heads * dim) * sizeof(float));
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t first = b * bs;
+            const int64_t n = length - first < bs ? length - first : bs;
+            const float *v = a->v_cache + table[b] * bs * row;
+            for (int64_t i = 0; i < n; i++, v += row) {
+                for (int64_t hq = 0; hq < heads; hq++) {
+                    axpy(out + hq * dim, scores[hq * length + first + i], v + (hq / group) * dim,
+                         dim);
+                }
+            }
+        }
+    }
+    return status;
+}
+
+static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t q, k_cache, v_cache, out, tables, context;
+    DecodeArgs a;
+    long long seqs, heads, kv_heads, head_dim, block_size, table_stride, num_blocks, max_context;
+    double scale;
+    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd", &q, &k_cache, &v_cache, &out, &tables,
+                          &context, &seqs, &heads, &kv_heads, &head_dim, &block_size,
+                          &table_stride, &num_blocks, &max_context, &scale)) {
+        return NULL;
+    }
+    if (seqs < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 ||
+        block_size <= 0 || table_stride < 0 || num_blocks <= 0 || max_context < 0) {
+        PyErr_SetString(PyExc_ValueError, "paged_decode_attention: bad shape arguments");
+        return NULL;
+    }
+    a.q = (const float *)q;
+    a.k_cache = (const float *)k_cache;
+    a.v_cache = (const float *)v_cache;
+    a.out = (float *)out;
+    a.tables = (const int64_t *)tables;
+    a.context = (const int64_t *)context;
+    a.seqs = seqs;
+    a.heads = heads;
+    a.kv_heads = kv_heads;
+    a.head_dim = head_dim;
+    a.block_size = block_size;
+    a.table_stride = table_stride;
+    a.num_blocks = num_blocks;
+    a.max_context = max_context;
+    a.scale = (float)scale;
+    float *scores =
+        malloc((size_t)(max_context > 0 ? max_context : 1) * (size_t)heads * sizeof(float));
+    if (scores == NULL) return PyErr_NoMemory();
+    int status;
+    Py_BEGIN_ALLOW_THREADS
+    status = decode(&a, scores);
+    Py_END_ALLOW_THREADS
+    free(scores);
+    if (status != 0) {
+        PyErr_SetString(PyExc_ValueError,
+                        "paged_decode_attention: a context is empty or too long, or a block id "
+                        "is out of range");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"paged_decode_attention", paged_decode_attention, METH_VARARGS,
+     "paged_decode_attention(q, k_cache, v_cache, out, block_tables, context_lens, seqs, heads, "
+     "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale): float32 "
+     "decode attention over a paged cache, by data pointers (see cpu_attention.py)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_cpu_attention",
+    .m_doc = "Paged decode attention on the CPU (float32), reading the cache in place.",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__cpu_attention(void) { return PyModule_Create(&module); }

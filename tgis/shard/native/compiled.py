@@ -1,0 +1,112 @@
+"""The compiled step: the model's layers under ``torch.compile``, attention as an opaque op.
+
+``torch.compile`` (inductor: generated C++ on CPU, Triton on CUDA) turns each layer's chain
+of small ops (RMSNorm, rotary, residual adds, SiLU-and-multiply, ...) into a few fused
+kernels around the matrix multiplications. Attention stays outside the graph: it is the
+custom op ``tgis::paged_attention``, which calls the step's attention backend over the paged
+cache with the step's metadata (held in ``_ACTIVE`` while the step runs), so one graph
+serves every batch composition and the per-step metadata never becomes a guard. The token
+dimension is unbacked-dynamic: one compilation covers every step size, decode of one
+sequence included.
+
+Compilation happens at start-up (``ModelRunner.warm_up`` runs a prompt and a decode step),
+never while serving a request; inductor caches its output on disk, so later start-ups are
+quicker. The eager path (``DecoderLM.forward``) stays the reference and the fallback.
+
+``TGIS_COMPILE``: ``auto`` (default) compiles on CUDA and runs eagerly on CPU, where
+BENCHMARKS.md measures no gain on decode steps for tens of seconds of start-up; ``1``
+compiles on any device; ``0`` never compiles. Under ``auto`` a compilation that fails at
+start-up falls back to the eager path with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from tgis.shard.config import env_mode
+from tgis.shard.native.attention.backends import AttentionBackend
+from tgis.shard.native.kv_cache import KVCache
+from tgis.shard.native.models.layers import DecoderLM
+
+log = logging.getLogger(__name__)
+
+# The attention backend, KV cache and metadata of the step being run (one step at a time).
+_ACTIVE: list[tuple[AttentionBackend, KVCache, Any] | None] = [None]
+
+
+@torch.library.custom_op("tgis::paged_attention", mutates_args=())
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+) -> torch.Tensor:
+    """Store ``k``/``v`` in layer ``layer``'s paged cache and attend (``scale`` <= 0: the
+    backend's default, 1/sqrt(dim)). The cache is the step's, outside the graph."""
+    active = _ACTIVE[0]
+    if active is None:
+        raise RuntimeError("tgis::paged_attention called outside a step")
+    backend, kv_cache, metadata = active
+    k_cache, v_cache = kv_cache.layer(layer)
+    return backend.forward(q, k, v, k_cache, v_cache, metadata, scale=scale if scale > 0 else None)
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def _opaque_attend(
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    return paged_attention(q, k, v, layer, -1.0 if scale is None else scale)
+
+
+@contextlib.contextmanager
+def _active_step(backend: AttentionBackend, kv_cache: KVCache, metadata: Any) -> Iterator[None]:
+    _ACTIVE[0] = (backend, kv_cache, metadata)
+    try:
+        yield
+    finally:
+        _ACTIVE[0] = None
+
+
+def compile_mode() -> str:
+    """``TGIS_COMPILE`` as ``auto``, ``on`` or ``off`` (ValueError for other values)."""
+    return env_mode("TGIS_COMPILE")
+
+
+def should_compile(device: torch.device) -> bool:
+    """Whether the step is compiled on ``device`` (see the module docstring)."""
+    mode = compile_mode()
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+class CompiledForward:
+    """``DecoderLM.forward`` with the layers compiled (same arguments, same result)."""
+
+    def __init__(self, model: DecoderLM) -> None:
+        self.model = model
+
+        def hidden_states(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model.hidden_states(input_ids, positions, _opaque_attend)
+
+        # Dynamo keeps its compiled code per code object: give each model its own, so models
+        # loaded in one process (tests) never count as recompilations of one another.
+        hidden_states.__code__ = hidden_states.__code__.replace()
+        self._compiled = torch.compile(hidden_states, dynamic=True, fullgraph=True)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        with _active_step(self.model.attention, kv_cache, attn_metadata):
+            out: torch.Tensor = self._compiled(input_ids, positions)
+        return out

@@ -1,0 +1,221 @@
+"""The native engine's runner: owns the model, the paged KV cache, the block tables and
+every sequence's state.
+
+``ModelRunner`` runs the step algorithm of ``step.runner.SequenceRunner``; its part
+(``_compute``): the scheduled sequences' next tokens are flattened into one varlen batch
+(ids, absolute positions, KV slots) and the model runs once; logits are taken at the last
+computed position of every sequence whose known tokens are now all computed, and one token
+is sampled for each (sequences mid-prompt get none); sequences that asked for input-token
+details also get logits at their prompt positions. A step that raises changes nothing but
+the forgetting of finished sequences and the preemptions (applied first).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes
+from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
+from tgis.shard.device import cpu_threads
+from tgis.shard.native.attention.backends import AttentionBackend, BatchLayout
+from tgis.shard.native.block_tables import BlockTables, flatten
+from tgis.shard.native.kv_cache import KVCache
+from tgis.shard.native.lora_rows import LoraRows, lora_rows
+from tgis.shard.native.models import CausalLM
+from tgis.shard.native.models.layers import EmbeddingRows
+from tgis.shard.native.prefix_rows import embedding_rows
+from tgis.shard.step.plan import PlanLimits, ResolvedStep, WorkItem
+from tgis.shard.step.results import sample_tokens
+from tgis.shard.step.runner import Computed, SequenceRunner
+from tgis.shard.step.sequence import Sequence
+from tgis.shard.step.token_details import first_input_detail, token_details
+from tgis.shard_api.messages import (
+    NewSequence,
+    ScheduledSequence,
+    SequenceError,
+    ShardInfo,
+    StepPlan,
+    TokenDetail,
+)
+
+if TYPE_CHECKING:
+    from tgis.shard.native.cuda_graphs import DecodeGraphs
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, KVCache, Any], torch.Tensor]
+"""``forward(input_ids, positions, kv_cache, attention metadata)`` → final hidden states."""
+
+# Prompt positions whose logits are materialised at once for input-token details.
+INPUT_DETAIL_ROWS = 256
+
+
+@dataclass(frozen=True)
+class _FlatBatch:
+    """The flattened inputs of one step and where each sequence's rows are."""
+
+    layout: BatchLayout
+    # Prompt-tuning prefixes' virtual tokens computed this step (None: none).
+    prefix_rows: EmbeddingRows | None
+    # LoRA adapters of the step and their rows (None: none).
+    lora_rows: LoraRows | None
+    sample_rows: torch.Tensor  # [sampling items] last row of each, in work order
+    sample_items: tuple[WorkItem, ...]
+    # Input-token details: (item, first row, number of rows) per asking sequence.
+    detail_spans: tuple[tuple[WorkItem, int, int], ...]
+
+
+class ModelRunner(SequenceRunner):
+    """Executes StepPlans against one model replica (one rank)."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        info: ShardInfo,
+        device: torch.device,
+        forward: ForwardFn | None = None,
+        prefixes: Prefixes | None = None,
+        adapters: Adapters | None = None,
+    ) -> None:
+        self.model = model
+        self.prefixes = prefixes or NO_PREFIXES
+        self.adapters = adapters or NO_ADAPTERS
+        # The model's forward: eager (the reference), or compiled.CompiledForward.
+        self.forward: ForwardFn = forward or model.forward
+        # Decode steps replayed from CUDA graphs (cuda_graphs.py; set by the loader).
+        self.graphs: DecodeGraphs | None = None
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.info = info
+        self.device = device
+        self.sequences: dict[int, Sequence] = {}
+        self.dropped: set[int] = set()
+        self.block_tables = BlockTables()
+        self.threads = cpu_threads(info.world_size) if device.type == "cpu" else None
+        self.limits = PlanLimits(
+            vocab_size=info.vocab_size,
+            num_blocks=kv_cache.num_blocks,
+            block_size=kv_cache.block_size,
+            device=device,
+        )
+
+    def reset(self) -> None:
+        super().reset()
+        self.block_tables.clear()
+
+    def warm_up(self) -> None:
+        """Run a prompt and a decode step through the forward (compiling it, if it is
+        compiled) and forget them."""
+        prompt = tuple(range(3, 3 + min(4, self.kv_cache.block_size)))
+        self.step(
+            StepPlan(1, (NewSequence(1, prompt),), (ScheduledSequence(1, len(prompt), (0,)),))
+        )
+        self.step(StepPlan(2, (), (ScheduledSequence(1, 1),)))
+        self.reset()
+
+    def _forget(self, request_id: int) -> None:
+        super()._forget(request_id)
+        self.block_tables.release(request_id)
+
+    def _compute(self, resolved: ResolvedStep) -> Computed:
+        """Flatten the work into one varlen batch, run the model once, sample the rows whose
+        sequence gets a token and score the prompt positions asked for."""
+        if self.threads is not None:
+            tokens = sum(item.num_tokens for item in resolved.work)
+            wanted = self.threads.for_step(tokens)
+            if torch.get_num_threads() != wanted:
+                torch.set_num_threads(wanted)
+        try:
+            batch = self._flatten(resolved.work)
+            hidden = self._hidden_states(batch.layout, batch.prefix_rows, batch.lora_rows)
+            sampled, errors = self._sample(hidden, batch)
+            input_details = self._input_details(hidden, batch, resolved.work)
+        except BaseException:
+            for seq in resolved.new:  # never registered: give their rows back
+                self.block_tables.release(seq.request_id)
+            raise
+        return Computed(sampled, input_details, errors)
+
+    def _hidden_states(
+        self, layout: BatchLayout, prefix_rows: EmbeddingRows | None, lora: LoraRows | None
+    ) -> torch.Tensor:
+        """The forward pass of the step: a decode step that fits a captured bucket replays
+        its CUDA graph (``cuda_graphs.py``), a step computing prefix rows or using LoRA
+        adapters runs the eager forward (the only one that takes them), any other step runs
+        ``self.forward``."""
+        eager_only = prefix_rows is not None or lora is not None
+        bucket = None
+        if self.graphs is not None and not eager_only:
+            bucket = self.graphs.bucket_for(layout)
+        if bucket is not None:
+            assert self.graphs is not None
+            return self.graphs.run(layout, bucket)
+        input_ids, positions, slot_mapping = layout.to_device(self.device)
+        metadata = self.attention.prepare(layout, self.device, slot_mapping)
+        if eager_only:
+            return self.model.forward(
+                input_ids, positions, self.kv_cache, metadata, prefix_rows, lora
+            )
+        return self.forward(input_ids, positions, self.kv_cache, metadata)
+
+    def _flatten(self, work: SequenceOf[WorkItem]) -> _FlatBatch:
+        layout = flatten(work, self.block_tables, self.kv_cache.block_size)
+        sample_rows: list[int] = []
+        sample_items: list[WorkItem] = []
+        detail_spans: list[tuple[WorkItem, int, int]] = []
+        query_starts = layout.query_starts.tolist()
+        for item, row in zip(work, query_starts, strict=True):
+            if item.samples:
+                sample_rows.append(row + item.num_tokens - 1)
+                sample_items.append(item)
+            if item.prompt_details:
+                # Position p's logits score prompt token p + 1.
+                last_scored = min(item.end, item.seq.prompt_len - 1)
+                if item.start < last_scored:
+                    detail_spans.append((item, row, last_scored - item.start))
+        return _FlatBatch(
+            layout=layout,
+            prefix_rows=embedding_rows(work, query_starts),
+            lora_rows=lora_rows(work, query_starts, self.device),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sample_items=tuple(sample_items),
+            detail_spans=tuple(detail_spans),
+        )
+
+    def _sample(
+        self, hidden: torch.Tensor, batch: _FlatBatch
+    ) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
+        if not batch.sample_items:
+            return {}, []
+        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        return sample_tokens(logits, batch.sample_items, self.info, lambda seq: seq.token_ids)
+
+    def _input_details(
+        self, hidden: torch.Tensor, batch: _FlatBatch, work: SequenceOf[WorkItem]
+    ) -> dict[int, list[TokenDetail]]:
+        """Details of the prompt positions computed this step, for sequences that asked;
+        the first prompt token (no logits score it) gets a NaN/zero entry."""
+        result: dict[int, list[TokenDetail]] = {}
+        for item in work:
+            if item.start == 0 and item.prompt_details:
+                detail = first_input_detail(item.seq.token_ids[0], item.seq.details)
+                result[item.seq.request_id] = [detail]
+        for item, row, count in batch.detail_spans:
+            seq = item.seq
+            details: list[TokenDetail] = []
+            # Bounded pieces: a long prompt times a large vocabulary would not fit at once.
+            for offset in range(0, count, INPUT_DETAIL_ROWS):
+                n = min(INPUT_DETAIL_ROWS, count - offset)
+                logits = self.model.compute_logits(hidden[row + offset : row + offset + n])
+                first = item.start + offset + 1  # position p's logits score token p + 1
+                targets = torch.tensor(
+                    seq.token_ids[first : first + n], dtype=torch.long, device=self.device
+                )
+                details += token_details(logits, targets, [seq.details] * n)
+            result.setdefault(seq.request_id, []).extend(details)
+        return result

@@ -1,0 +1,125 @@
+"""Model implementations and the registry that maps Hugging Face architectures to them."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from tgis.shard.adapters.lora_layout import LoraSite
+from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.checkpoints.weights import Weights
+from tgis.shard.errors import StartupError
+from tgis.shard.native.attention.backends import AttentionBackend
+from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.native.lora_rows import LoraRows
+from tgis.shard.native.models.falcon import FalconForCausalLM
+from tgis.shard.native.models.gpt_bigcode import GPTBigCodeForCausalLM
+from tgis.shard.native.models.gpt_neox import GPTNeoXForCausalLM
+from tgis.shard.native.models.layers import EmbeddingRows, Shapes
+from tgis.shard.native.models.llama import LlamaForCausalLM
+
+
+class CausalLM(Protocol):
+    """What the model runner needs from a decoder-only model."""
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The shape of one KV-cache block."""
+        ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: Any,
+        rows: EmbeddingRows | None = None,
+        lora: LoraRows | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states [tokens, hidden] of the flattened batch; ``rows`` replace
+        the vocabulary embeddings of some rows (prompt-tuning prefixes), ``lora`` adds
+        LoRA adapters' deltas to some rows."""
+        ...
+
+    def lora_sites(self) -> list[LoraSite]:
+        """The linear layers LoRA adapters may target (``DecoderLM.lora_sites``)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] of selected hidden rows."""
+        ...
+
+
+class ModelFactory(Protocol):
+    """A model class: its constructor, the check of a config before any weight is read, and
+    the checkpoint layout it reads."""
+
+    def __call__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        attention: AttentionBackend,
+        max_sequence_length: int,
+    ) -> CausalLM: ...
+
+    def check_config(self, config: ModelConfig, max_sequence_length: int) -> None:
+        """StartupError for a variant of the architecture the class cannot run."""
+        ...
+
+    def checkpoint_shapes(self, config: ModelConfig, max_sequence_length: int) -> Shapes:
+        """Every tensor a checkpoint of ``config`` holds, by name, with its full shape (the
+        names the class reads); what ``--load-format dummy`` creates instead."""
+        ...
+
+
+# Hugging Face ``architectures[0]`` → implementation. Granite and Qwen2 are Llama with a
+# few options, chosen by ``model_type`` (``LlamaArgs``).
+ARCHITECTURES: dict[str, ModelFactory] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "GraniteForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
+    "RWForCausalLM": FalconForCausalLM,  # Falcon's original remote-code checkpoints
+}
+# Fallback when a config names no architecture.
+MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gpt_bigcode": "GPTBigCodeForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "falcon": "FalconForCausalLM",
+    "RefinedWeb": "RWForCausalLM",
+    "RefinedWebModel": "RWForCausalLM",
+}
+
+
+def model_class(config: ModelConfig) -> ModelFactory:
+    """The implementation for ``config``; StartupError naming the architecture otherwise."""
+    arch = config.architecture or MODEL_TYPES.get(config.model_type, "")
+    factory = ARCHITECTURES.get(arch)
+    if factory is None:
+        name = config.architecture or config.model_type
+        raise StartupError(
+            f"unsupported model architecture '{name}' (model_type '{config.model_type}'); "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return factory
+
+
+def check_config(config: ModelConfig, max_sequence_length: int) -> None:
+    """StartupError, before any weight is read, when the native implementation cannot run
+    ``config``: an unknown architecture or an unsupported variant of a known one (ALiBi,
+    sliding window, a rope type, ...). Loading raises the same error."""
+    try:
+        model_class(config).check_config(config, max_sequence_length)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, StartupError):
+            raise
+        name = config.architecture or config.model_type
+        raise StartupError(f"{name}: config.json is missing or has a bad value for {e}") from e

@@ -1,0 +1,427 @@
+"""Building blocks the model families share, on top of the tensor-parallel layers.
+
+Norms and activations, this rank's share of the attention heads (``Heads``), fused q/k/v
+projections read head by head from a checkpoint's fused tensor, the self-attention block
+over the paged KV cache, the plain (non-gated) MLP, the LM head, and ``DecoderLM``: the
+model-level loop and KV-cache spec every family shares. Every weight is read as this
+rank's slice; with one rank that is all of it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from tgis.shard.adapters.lora_layout import LoraSite
+from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.checkpoints.weights import Weights
+from tgis.shard.errors import StartupError
+from tgis.shard.native.attention.backends import AttentionBackend
+from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.native.lora_rows import LoraRows
+from tgis.shard.native.models.rotary import RotaryEmbedding, apply_rotary
+from tgis.shard.native.parallel.group import TensorParallel
+from tgis.shard.native.parallel.layers import (
+    ColumnLinear,
+    LMHead,
+    RowLinear,
+    VocabEmbedding,
+    column_linear,
+    head_range,
+    lora_part,
+    row_linear,
+)
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+Shapes = dict[str, tuple[int, ...]]
+"""A checkpoint's layout: every tensor's Hugging Face name → its full (unsharded) shape."""
+
+_GELU_TANH: Activation = functools.partial(F.gelu, approximate="tanh")
+
+# Hugging Face activation names → functions (the tanh approximations are one function).
+ACTIVATIONS: dict[str, Activation] = {
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": _GELU_TANH,
+    "gelu_new": _GELU_TANH,
+    "gelu_fast": _GELU_TANH,
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def activation(name: str, architecture: str) -> Activation:
+    """The activation function called ``name`` in a config; StartupError if unknown."""
+    fn = ACTIVATIONS.get(name)
+    if fn is None:
+        raise StartupError(
+            f"{architecture}: unsupported activation '{name}' "
+            f"(supported: {', '.join(sorted(ACTIVATIONS))})"
+        )
+    return fn
+
+
+_REQUIRED: Any = object()
+
+
+def first_key(raw: dict[str, Any], *keys: str, default: Any = _REQUIRED) -> Any:
+    """The value of the first of ``keys`` present (and not null) in ``raw`` (aliases of one
+    setting); ``default`` when none is, StartupError when there is no default."""
+    for key in keys:
+        if raw.get(key) is not None:
+            return raw[key]
+    if default is _REQUIRED:
+        raise StartupError(f"config.json has none of {', '.join(keys)}")
+    return default
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as Hugging Face's LlamaRMSNorm."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RMSNorm:
+    """RMSNorm (``name`` is its weight), whole on every rank."""
+
+    def __init__(self, weights: Weights, name: str, eps: float) -> None:
+        self.weight = weights.get(name)
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def linear_shapes(prefix: str, out_features: int, in_features: int, bias: bool) -> Shapes:
+    """The checkpoint tensors of the linear layer ``prefix``: weight [out, in], bias [out]."""
+    shapes: Shapes = {f"{prefix}.weight": (out_features, in_features)}
+    if bias:
+        shapes[f"{prefix}.bias"] = (out_features,)
+    return shapes
+
+
+def layer_norm_shapes(prefix: str, size: int) -> Shapes:
+    """The checkpoint tensors of the LayerNorm ``prefix``: weight and bias [size]."""
+    return {f"{prefix}.weight": (size,), f"{prefix}.bias": (size,)}
+
+
+class LayerNorm:
+    """LayerNorm with weight and bias (``<prefix>.weight``/``.bias``), whole on every rank."""
+
+    def __init__(self, weights: Weights, prefix: str, eps: float) -> None:
+        self.weight = weights.get(f"{prefix}.weight")
+        self.bias = weights.get(f"{prefix}.bias")
+        self.eps = eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+@dataclass(frozen=True)
+class Heads:
+    """The model's attention heads and this rank's share: query heads [q_first, q_last),
+    KV heads [kv_first, kv_last) (global indices). KV heads fewer than ranks are
+    replicated; query head ``h`` attends with KV head ``h // (total / total_kv)``."""
+
+    total: int
+    total_kv: int
+    head_dim: int
+    q_first: int
+    q_last: int
+    kv_first: int
+    kv_last: int
+
+    @classmethod
+    def split(cls, num_heads: int, num_kv_heads: int, head_dim: int, tp: TensorParallel) -> Heads:
+        """This rank's heads; StartupError for head counts that cannot be split."""
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise StartupError(
+                f"num_attention_heads {num_heads} not divisible by {num_kv_heads} KV heads"
+            )
+        q_first, q_last = head_range(num_heads, tp, "num_attention_heads")
+        kv_first, kv_last = head_range(num_kv_heads, tp, "num_key_value_heads")
+        return cls(num_heads, num_kv_heads, head_dim, q_first, q_last, kv_first, kv_last)
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads on this rank."""
+        return self.q_last - self.q_first
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads on this rank."""
+        return self.kv_last - self.kv_first
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def grouped_qkv_ranges(heads: Heads) -> list[tuple[int, int]]:
+    """Row ranges of this rank's q, then k, then v heads in a fused q/k/v tensor laid out
+    per KV head as [q × (heads / kv_heads), k, v] (each ``head_dim`` rows).
+
+    One layout covers the families' fused tensors: GPT-NeoX and non-multi-query
+    GPT-BigCode/Falcon ([q, k, v] per head: kv_heads = heads), multi-query GPT-BigCode and
+    Falcon ([all q, k, v]: one KV head) and Falcon's new decoder architecture (grouped).
+    """
+    group = heads.total // heads.total_kv
+    dim = heads.head_dim
+    stride = (group + 2) * dim
+
+    def head_rows(kv: int, slot: int) -> tuple[int, int]:
+        start = kv * stride + slot * dim
+        return start, start + dim
+
+    q = [head_rows(h // group, h % group) for h in range(heads.q_first, heads.q_last)]
+    kv_heads = range(heads.kv_first, heads.kv_last)
+    k = [head_rows(kv, group) for kv in kv_heads]
+    v = [head_rows(kv, group + 1) for kv in kv_heads]
+    return q + k + v
+
+
+def fused_qkv_linear(weights: Weights, prefix: str, heads: Heads, bias: bool) -> ColumnLinear:
+    """This rank's heads of the fused ``<prefix>.weight`` (see ``grouped_qkv_ranges``), as
+    one column-parallel projection whose output is [q | k | v]."""
+    name = f"{prefix}.weight"
+    rows = (heads.total + 2 * heads.total_kv) * heads.head_dim
+    if weights.shape(name)[0] != rows:
+        raise StartupError(
+            f"{name} has {weights.shape(name)[0]} rows; the config's {heads.total} heads and "
+            f"{heads.total_kv} KV heads of size {heads.head_dim} need {rows}"
+        )
+    ranges = grouped_qkv_ranges(heads)
+    b = weights.get_row_ranges(f"{prefix}.bias", ranges) if bias else None
+    site = LoraSite((lora_part(weights, prefix, ranges),), row_parallel=False)
+    return ColumnLinear(weights.get_row_ranges(name, ranges), b, site)
+
+
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
+"""``attend(layer, q, k, v, scale)``: store ``k``/``v`` in layer ``layer``'s cache and attend
+(q [tokens, heads, dim], k/v [tokens, kv_heads, dim] → like q)."""
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer needs, besides its input, for one forward pass."""
+
+    attend: AttendFn
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin; None: no rotary embedding
+    lora: LoraRows | None = None  # the step's LoRA adapters and their rows
+
+
+def paged_attend(backend: AttentionBackend, kv_cache: KVCache, metadata: Any) -> AttendFn:
+    """The eager ``attend`` of one step: the backend over the paged cache."""
+
+    def attend(
+        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache.layer(layer)
+        return backend.forward(q, k, v, k_cache, v_cache, metadata, scale=scale)
+
+    return attend
+
+
+class Attention:
+    """One layer's self-attention over the paged KV cache: the column-parallel ``qkv``
+    gives this rank's heads as [q | k | v], rotary turns q and k (when the step has cos/sin),
+    the backend writes k/v to the cache and attends, ``out`` is row-parallel."""
+
+    def __init__(
+        self,
+        index: int,
+        heads: Heads,
+        qkv: ColumnLinear,
+        out: RowLinear,
+        scale: float | None = None,
+    ) -> None:
+        self.index = index
+        self.heads = heads
+        self.qkv = qkv
+        self.out = out
+        self.scale = scale
+
+    def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``x``: normed hidden states [tokens, hidden] → the attention output, all-reduced."""
+        tokens, h = x.shape[0], self.heads
+        q, k, v = self.qkv(x, ctx.lora).split([h.q_size, h.kv_size, h.kv_size], dim=-1)
+        q = q.view(tokens, h.num_heads, h.head_dim)
+        k = k.view(tokens, h.num_kv_heads, h.head_dim)
+        v = v.view(tokens, h.num_kv_heads, h.head_dim)
+        if ctx.rope is not None:
+            q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
+        attn = ctx.attend(self.index, q, k, v, self.scale)
+        return self.out(attn.reshape(tokens, h.q_size), ctx.lora)
+
+
+class MLP:
+    """``proj(act(fc(x)))``: ``fc`` column-parallel, ``proj`` row-parallel."""
+
+    def __init__(self, weights: Weights, fc: str, proj: str, bias: bool, act: Activation) -> None:
+        self.fc = column_linear(weights, [fc], bias)
+        self.proj = row_linear(weights, proj, bias)
+        self.act = act
+
+    def __call__(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+        return self.proj(self.act(self.fc(x, lora)), lora)
+
+
+def load_lm_head(
+    weights: Weights,
+    embedding: VocabEmbedding,
+    vocab_size: int,
+    tied: bool,
+    names: Sequence[str] = ("lm_head.weight",),
+) -> LMHead:
+    """The LM head: tied to ``embedding`` when the config says so, else the first of
+    ``names`` in the checkpoint (StartupError when none is)."""
+    name = next((n for n in names if n in weights), None)
+    if tied:
+        return LMHead.tied(embedding, vocab_size)
+    if name is None:
+        raise StartupError(f"{names[0]} missing and tie_word_embeddings is false")
+    return LMHead.load(weights, name)
+
+
+class DecoderLayer(Protocol):
+    """One transformer layer of a family."""
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``x``: [tokens, hidden] → [tokens, hidden]."""
+        ...
+
+
+class ConfigParser(Protocol):
+    """A family's ``<Family>Args.from_config``: parses and checks, StartupError if it cannot
+    run the config."""
+
+    def __call__(self, config: ModelConfig, max_sequence_length: int) -> object: ...
+
+
+@dataclass(frozen=True)
+class EmbeddingRows:
+    """Input embeddings that replace the vocabulary's at some rows of a step: the virtual
+    tokens of prompt-tuning prefixes (TGIS's ``inputs_embeds``). Family-specific scaling and
+    position embeddings still apply to them, as Hugging Face applies them to
+    ``inputs_embeds``."""
+
+    index: torch.Tensor  # [rows] long: rows of the flattened batch
+    values: torch.Tensor  # [rows, hidden]
+
+
+class DecoderLM:
+    """What every family's model class shares (the ``CausalLM`` protocol): embed, run the
+    layers over one ``StepContext``, final norm, LM head, and the KV-cache spec.
+
+    Subclasses name their config parser (``parse_args``) and set, in their constructor,
+    every other attribute annotated here; they override ``embed_tokens`` to add position
+    embeddings or multipliers.
+    """
+
+    parse_args: ClassVar[ConfigParser]
+    attention: AttentionBackend
+    dtype: torch.dtype
+    heads: Heads
+    embed: VocabEmbedding
+    layers: Sequence[DecoderLayer]
+    final_norm: Callable[[torch.Tensor], torch.Tensor]
+    lm_head: LMHead
+    rotary: RotaryEmbedding | None = None
+
+    @classmethod
+    def check_config(cls, config: ModelConfig, max_sequence_length: int) -> None:
+        """StartupError for a config this class cannot run (reads no weights)."""
+        cls.parse_args(config, max_sequence_length)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The shape of one KV-cache block for this model (this rank's KV heads)."""
+        return KVCacheSpec(
+            num_layers=len(self.layers),
+            num_kv_heads=self.heads.num_kv_heads,
+            head_dim=self.heads.head_dim,
+            dtype=self.dtype,
+        )
+
+    def word_embeddings(
+        self, input_ids: torch.Tensor, rows: EmbeddingRows | None = None
+    ) -> torch.Tensor:
+        """The vocabulary embeddings of ``input_ids`` [tokens, hidden], with ``rows`` (the
+        virtual tokens of prompt-tuning prefixes) put in place of theirs."""
+        x = self.embed(input_ids)
+        if rows is not None:
+            x = x.index_copy(0, rows.index, rows.values.to(x.dtype))
+        return x
+
+    def embed_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: EmbeddingRows | None = None
+    ) -> torch.Tensor:
+        """The first layer's input [tokens, hidden]."""
+        del positions
+        return self.word_embeddings(input_ids, rows)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: Any,
+        rows: EmbeddingRows | None = None,
+        lora: LoraRows | None = None,
+    ) -> torch.Tensor:
+        """Final (normed) hidden states [tokens, hidden] for flattened ``input_ids``, eagerly
+        (``compiled.CompiledForward`` runs ``hidden_states`` compiled instead; steps with
+        prefix ``rows`` or LoRA adapters always run here)."""
+        attend = paged_attend(self.attention, kv_cache, attn_metadata)
+        return self.hidden_states(input_ids, positions, attend, rows, lora)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        rows: EmbeddingRows | None = None,
+        lora: LoraRows | None = None,
+    ) -> torch.Tensor:
+        """Embed, every layer (attending through ``attend``), final norm."""
+        x = self.embed_tokens(input_ids, positions, rows)
+        rope = None if self.rotary is None else self.rotary.cos_sin(positions, x.dtype)
+        ctx = StepContext(attend, rope, lora)
+        for layer in self.layers:
+            x = layer.forward(x, ctx)
+        return self.final_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] for selected rows of ``forward``'s output."""
+        return self.lm_head(hidden)
+
+    def lora_sites(self) -> list[LoraSite]:
+        """The linear layers LoRA adapters may target, in a fixed order; each layer learns
+        its index in it (``lora_index``), which keys an adapter's pairs."""
+        linears: list[ColumnLinear | RowLinear] = []
+        for layer in self.layers:
+            _collect_linears(layer, linears)
+        for index, linear in enumerate(linears):
+            linear.lora_index = index
+        return [linear.lora_site for linear in linears if linear.lora_site is not None]
+
+
+def _collect_linears(obj: object, found: list[ColumnLinear | RowLinear]) -> None:
+    """Every linear layer with a LoRA site reachable from ``obj``'s attributes, in
+    attribute order."""
+    for value in vars(obj).values():
+        if isinstance(value, ColumnLinear | RowLinear):
+            if value.lora_site is not None:
+                found.append(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor | type):
+            _collect_linears(value, found)

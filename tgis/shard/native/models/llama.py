@@ -1,0 +1,255 @@
+"""The Llama architecture and its close relatives on flattened varlen inputs.
+
+Own implementation, reading Hugging Face checkpoints by their parameter names: token
+embedding, per layer RMSNorm → attention (fused q/k/v projection, RoPE, grouped-query
+attention over the paged cache, o projection) → residual → RMSNorm → SwiGLU MLP → residual,
+then a final RMSNorm and the LM head (tied to the embedding when the config says so).
+
+The same code runs the families that differ from Llama only in a few options
+(``LlamaArgs``): Mistral (without sliding window), Granite (embedding, residual and logits
+multipliers, its own softmax scale) and Qwen2 (biases on q/k/v but not o).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tgis.shard.adapters.lora_layout import LoraPart, LoraSite
+from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.checkpoints.weights import Weights
+from tgis.shard.errors import StartupError
+from tgis.shard.native.attention.backends import AttentionBackend
+from tgis.shard.native.models.layers import (
+    Attention,
+    DecoderLM,
+    EmbeddingRows,
+    Heads,
+    RMSNorm,
+    Shapes,
+    StepContext,
+    linear_shapes,
+    load_lm_head,
+)
+from tgis.shard.native.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
+from tgis.shard.native.parallel.layers import (
+    ColumnLinear,
+    VocabEmbedding,
+    column_linear,
+    head_range,
+    heads_rows,
+    lora_part,
+    row_linear,
+)
+
+# Architectures of the Llama relatives whose config may lack ``model_type``.
+_ARCHITECTURE_TYPES = {"GraniteForCausalLM": "granite", "Qwen2ForCausalLM": "qwen2"}
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The fields of a Llama-family ``config.json`` the implementation uses."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    rope: dict[str, Any]
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None  # softmax scale; None: 1/sqrt(head_dim)
+    logits_scaling: float = 1.0  # logits are divided by it
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, max_sequence_length: int) -> LlamaArgs:
+        """Parse and check ``config.raw``; StartupError for what this class cannot run."""
+        raw = config.raw
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise StartupError(f"{config.architecture}: unsupported hidden_act '{act}'")
+        window = sliding_window(raw)
+        if window is not None and window < max_sequence_length:
+            raise StartupError(
+                f"{config.architecture}: sliding-window attention ({window}) is not "
+                f"implemented; it is only accepted when >= --max-sequence-length"
+            )
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        attention_bias = bool(raw.get("attention_bias", False))
+        args = cls(
+            vocab_size=config.vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            rope=rope_parameters(raw),
+        )
+        return _with_family_options(args, config)
+
+
+def sliding_window(raw: dict[str, Any]) -> int | None:
+    """The window of the config's sliding-window layers; None when no layer slides."""
+    window = raw.get("sliding_window")
+    if window is None or not raw.get("use_sliding_window", True):
+        return None
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    # Qwen2 without layer_types: layers from max_window_layers on slide.
+    first_sliding = raw.get("max_window_layers")
+    if first_sliding is not None and int(first_sliding) >= int(raw["num_hidden_layers"]):
+        return None
+    return int(window)
+
+
+def _with_family_options(args: LlamaArgs, config: ModelConfig) -> LlamaArgs:
+    """``args`` with the options of the config's family where it departs from Llama."""
+    family = config.model_type or _ARCHITECTURE_TYPES.get(config.architecture, "")
+    raw = config.raw
+    if family == "granite":
+        return replace(
+            args,
+            embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+            attention_scale=float(raw.get("attention_multiplier", 1.0)),
+            logits_scaling=float(raw.get("logits_scaling", 1.0)),
+        )
+    if family == "qwen2":
+        return replace(args, qkv_bias=True, o_bias=False)
+    return args
+
+
+def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x * factor``, skipping the multiplication when ``factor`` is 1."""
+    return x if factor == 1.0 else x * factor
+
+
+class LlamaLayer:
+    """One decoder layer; q/k/v and gate/up projections fused into single matmuls.
+
+    With tensor parallelism the layer holds this rank's heads and MLP columns: q/k/v and
+    gate/up are column-parallel, o and down row-parallel (one all-reduce each).
+    """
+
+    def __init__(self, args: LlamaArgs, heads: Heads, weights: Weights, index: int) -> None:
+        prefix = f"model.layers.{index}"
+        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        self.eps = args.rms_norm_eps
+        self.residual_multiplier = args.residual_multiplier
+        self.input_norm = RMSNorm(weights, f"{prefix}.input_layernorm.weight", self.eps)
+        self.post_norm = RMSNorm(weights, f"{prefix}.post_attention_layernorm.weight", self.eps)
+        self.attn = Attention(
+            index,
+            heads,
+            _separate_qkv(weights, attn, args),
+            row_linear(weights, f"{attn}.o_proj", args.o_bias),
+            args.attention_scale,
+        )
+        self.gate_up = column_linear(weights, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], args.mlp_bias)
+        self.down = row_linear(weights, f"{mlp}.down_proj", args.mlp_bias)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``x``: [tokens, hidden] → [tokens, hidden]."""
+        x = x + _scaled(self.attn(self.input_norm(x), ctx), self.residual_multiplier)
+        gate, up = self.gate_up(self.post_norm(x), ctx.lora).chunk(2, dim=-1)
+        return x + _scaled(self.down(F.silu(gate) * up, ctx.lora), self.residual_multiplier)
+
+
+def _separate_qkv(weights: Weights, attn: str, args: LlamaArgs) -> ColumnLinear:
+    """This rank's heads of the separate q/k/v projections, fused into one."""
+    heads = {"q": args.num_heads, "k": args.num_kv_heads, "v": args.num_kv_heads}
+    what = {"q": "num_attention_heads", "k": "num_key_value_heads", "v": "num_key_value_heads"}
+
+    def rows(p: str, kind: str) -> torch.Tensor:
+        name = f"{attn}.{p}_proj.{kind}"
+        return heads_rows(weights, name, heads[p], args.head_dim, what[p])
+
+    def part(p: str) -> LoraPart:
+        first, last = head_range(heads[p], weights.tp, what[p])
+        ranges = ((first * args.head_dim, last * args.head_dim),)
+        return lora_part(weights, f"{attn}.{p}_proj", ranges)
+
+    bias = torch.cat([rows(p, "bias") for p in "qkv"]) if args.qkv_bias else None
+    site = LoraSite(tuple(part(p) for p in "qkv"), row_parallel=False)
+    return ColumnLinear(torch.cat([rows(p, "weight") for p in "qkv"]), bias, site)
+
+
+class LlamaForCausalLM(DecoderLM):
+    """Llama decoder stack plus LM head, over flattened tokens and the paged KV cache."""
+
+    parse_args = LlamaArgs.from_config
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        attention: AttentionBackend,
+        max_sequence_length: int,
+    ) -> None:
+        args = LlamaArgs.from_config(config, max_sequence_length)
+        self.args = args
+        self.dtype = weights.dtype
+        self.attention = attention
+        self.heads = Heads.split(args.num_heads, args.num_kv_heads, args.head_dim, weights.tp)
+        self.embed = VocabEmbedding(weights, "model.embed_tokens.weight")
+        self.layers = [LlamaLayer(args, self.heads, weights, i) for i in range(args.num_layers)]
+        self.final_norm = RMSNorm(weights, "model.norm.weight", args.rms_norm_eps)
+        self.lm_head = load_lm_head(weights, self.embed, args.vocab_size, args.tie_word_embeddings)
+        inv_freq = inverse_frequencies(args.rope, args.head_dim, args.max_position_embeddings)
+        self.rotary = RotaryEmbedding(inv_freq, weights.device)
+
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig, max_sequence_length: int) -> Shapes:
+        """Every tensor of a checkpoint of ``config`` (the names this class reads)."""
+        args = LlamaArgs.from_config(config, max_sequence_length)
+        h, inter = args.hidden_size, args.intermediate_size
+        q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        shapes: Shapes = {"model.embed_tokens.weight": (args.vocab_size, h)}
+        for i in range(args.num_layers):
+            prefix = f"model.layers.{i}"
+            attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+            shapes[f"{prefix}.input_layernorm.weight"] = (h,)
+            shapes[f"{prefix}.post_attention_layernorm.weight"] = (h,)
+            for proj, rows in (("q", q), ("k", kv), ("v", kv)):
+                shapes |= linear_shapes(f"{attn}.{proj}_proj", rows, h, args.qkv_bias)
+            shapes |= linear_shapes(f"{attn}.o_proj", h, q, args.o_bias)
+            shapes |= linear_shapes(f"{mlp}.gate_proj", inter, h, args.mlp_bias)
+            shapes |= linear_shapes(f"{mlp}.up_proj", inter, h, args.mlp_bias)
+            shapes |= linear_shapes(f"{mlp}.down_proj", h, inter, args.mlp_bias)
+        shapes["model.norm.weight"] = (h,)
+        if not args.tie_word_embeddings:
+            shapes["lm_head.weight"] = (args.vocab_size, h)
+        return shapes
+
+    def embed_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: EmbeddingRows | None = None
+    ) -> torch.Tensor:
+        """Token embeddings, times Granite's ``embedding_multiplier``."""
+        x = super().embed_tokens(input_ids, positions, rows)
+        return _scaled(x, self.args.embedding_multiplier)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab], divided by Granite's ``logits_scaling``."""
+        logits = super().compute_logits(hidden)
+        scaling = self.args.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling

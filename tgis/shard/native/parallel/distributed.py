@@ -1,0 +1,132 @@
+"""Join the ranks of one model into a torch.distributed group, and the object collectives.
+
+Every shard process of a `--num-shard N` launch calls `init_distributed` once before loading
+its weights. The default process group (the tensor collectives of the layers) uses NCCL when
+CUDA is available (device `cuda:LOCAL_RANK`) and gloo on CPU, so CPU runs exercise the same
+code. A second group, always gloo, carries Python objects (rank 0's commands, each rank's
+outcome): its collectives wait without a timeout, because an idle server may not send a
+command for hours; a rank that dies still ends them at once (the connection closes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tgis.shard.config import env_int
+from tgis.shard.errors import StartupError
+from tgis.shard.native.parallel.group import SINGLE, TensorParallel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Joining the group, and any one tensor collective, must finish within this (seconds);
+env ``TGIS_DISTRIBUTED_TIMEOUT_S`` overrides it."""
+TIMEOUT_ENV = "TGIS_DISTRIBUTED_TIMEOUT_S"
+CONTROL_TIMEOUT = timedelta(days=3650)
+"""The object group's collective timeout: in effect none."""
+
+
+def backend_for(cuda: bool) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if cuda else "gloo"
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    local_rank: int | None = None,
+    timeout_s: float | None = None,
+    cuda: bool | None = None,
+) -> TensorParallel:
+    """Join the `world_size` ranks at MASTER_ADDR:MASTER_PORT; `SINGLE` for one rank.
+
+    `local_rank` (default: env LOCAL_RANK, else `rank`) picks the GPU; `timeout_s` defaults
+    to env TGIS_DISTRIBUTED_TIMEOUT_S, else DEFAULT_TIMEOUT_S. Raises StartupError (one line)
+    when the environment is incomplete or this rank cannot join within the timeout (a peer
+    never started, the port is taken, ...).
+    """
+    if world_size == 1:
+        return SINGLE
+    return join_group(rank, world_size, local_rank, timeout_s, cuda)
+
+
+def join_group(
+    rank: int,
+    world_size: int,
+    local_rank: int | None = None,
+    timeout_s: float | None = None,
+    cuda: bool | None = None,
+) -> TensorParallel:
+    """``init_distributed`` without its one-rank shortcut (tests join a group of one)."""
+    if local_rank is None:
+        local_rank = env_int("LOCAL_RANK", rank)
+    if timeout_s is None:
+        timeout_s = float(env_int(TIMEOUT_ENV, int(DEFAULT_TIMEOUT_S)))
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not addr or not port:
+        raise StartupError("MASTER_ADDR and MASTER_PORT must be set when WORLD_SIZE > 1")
+    use_cuda = torch.cuda.is_available() if cuda is None else cuda
+    backend = backend_for(use_cuda)
+    timeout = timedelta(seconds=timeout_s)
+    options: dict[str, Any] = {}
+    if use_cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        options["device_id"] = device  # eager NCCL communicator: failures show at start-up
+    try:
+        dist.init_process_group(
+            backend,
+            init_method="env://",  # MASTER_ADDR, MASTER_PORT
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            **options,
+        )
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    except Exception as e:
+        destroy()
+        raise StartupError(
+            f"rank {rank} of {world_size} could not join the {backend} group at "
+            f"{addr}:{port} within {timeout_s:g} s: {first_line(e)}"
+        ) from None
+    log.info("Rank %d of %d joined the %s group at %s:%s", rank, world_size, backend, addr, port)
+    return TensorParallel(rank=rank, world_size=world_size, group=None, control_group=control)
+
+
+def destroy() -> None:
+    """Leave and free every process group of this process (no-op when none)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_object(tp: TensorParallel, obj: Any = None) -> Any:
+    """Rank 0's `obj` on every rank (others pass nothing); pickled over the object group."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=tp.control_group)
+    return box[0]
+
+
+def gather_objects(tp: TensorParallel, obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    out: list[Any] = [None] * tp.world_size
+    dist.all_gather_object(out, obj, group=tp.control_group)
+    return out
+
+
+def min_over_ranks(tp: TensorParallel, value: int) -> int:
+    """The smallest `value` of all ranks (e.g. KV blocks that fit on every GPU)."""
+    if not tp.is_parallel:
+        return value
+    return int(min(gather_objects(tp, value)))
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (c10d appends C++ stack traces)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__

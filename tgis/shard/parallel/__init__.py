@@ -1,5 +1,0 @@
-"""Tensor parallelism: the rank's place in the group and the sharded layers built on it."""
-
-from tgis.shard.parallel.group import SINGLE, TensorParallel
-
-__all__ = ["SINGLE", "TensorParallel"]

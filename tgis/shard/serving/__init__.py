@@ -1,0 +1,2 @@
+"""The shard's servers: the ``ShardService`` gRPC handlers and the step channel, both in
+front of one ``StepExecutor``."""

@@ -1,0 +1,240 @@
+"""Check a StepPlan against the shard's state before anything changes.
+
+``resolve_plan`` either raises ``InvalidStepError`` (the router broke the protocol; the
+shard's state stays as it was) or returns what the step will do: the sequences to forget,
+the sequences to preempt, the new sequences to register, one ``WorkItem`` per scheduled
+sequence, and per-sequence errors for new sequences that cannot run (these are never
+registered).
+
+Preemption: a preempted sequence keeps its token ids, sampling state and counters but loses
+its block table and computed count, so its next ``WorkItem`` starts at position 0 (a
+recompute of every known token, possibly in chunks, in the same step as the preemption or
+later). Nothing is sampled until the last known token is computed (``WorkItem.samples``),
+and the prompt-token details are computed only on the prompt's first pass
+(``WorkItem.prompt_details``), so a resumed sequence continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
+import torch
+
+from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes, PrefixUnavailable
+from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
+from tgis.shard.errors import InvalidStepError
+from tgis.shard.step.sampling import random_seed
+from tgis.shard.step.sequence import Sequence
+from tgis.shard_api.messages import NewSequence, SamplingParams, SequenceError, StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One scheduled sequence: compute ``token_ids[start:end]``, its block table being the
+    first ``prior_blocks`` blocks it had plus ``new_block_ids``.
+
+    Positions are fixed when the plan is resolved, so they stay right while the runner
+    commits the step and updates the sequence.
+    """
+
+    seq: Sequence
+    start: int  # absolute position of the first token computed this step
+    end: int  # one past the last position computed (= cached tokens afterwards)
+    prior_blocks: int  # blocks of the sequence's table kept (0 when it is resumed)
+    new_block_ids: tuple[int, ...]  # blocks appended to the table before the step runs
+    samples: bool  # every known token is computed after this step, so one is sampled
+    completes_prompt: bool  # this step computes the prompt's last token
+    # Input-token details are wanted for this step's prompt positions: asked for, and the
+    # prompt's first pass (nothing generated yet; a resumed sequence sent them already).
+    prompt_details: bool = False
+
+    @classmethod
+    def plan(
+        cls,
+        seq: Sequence,
+        num_tokens: int,
+        new_block_ids: tuple[int, ...] = (),
+        start: int | None = None,
+    ) -> WorkItem:
+        """The work of computing ``seq``'s next ``num_tokens`` tokens from ``start``
+        (default: its computed count; 0 when it is resumed after a preemption, which also
+        drops its old blocks)."""
+        start = seq.num_computed if start is None else start
+        end = start + num_tokens
+        return cls(
+            seq=seq,
+            start=start,
+            end=end,
+            prior_blocks=len(seq.block_table) if start else 0,
+            new_block_ids=new_block_ids,
+            samples=end == len(seq.token_ids),
+            completes_prompt=start < seq.prompt_len <= end,
+            prompt_details=seq.details.input_tokens and seq.num_generated == 0,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed this step."""
+        return self.end - self.start
+
+    @property
+    def block_table(self) -> tuple[int, ...]:
+        """The sequence's whole block table for this step (a copy: for checks and tests)."""
+        return (*self.seq.block_table[: self.prior_blocks], *self.new_block_ids)
+
+
+@dataclass(frozen=True)
+class ResolvedStep:
+    """What a valid StepPlan does."""
+
+    finished: tuple[int, ...]
+    preempted: tuple[int, ...]  # known sequences to preempt (after forgetting finished)
+    new: tuple[Sequence, ...]
+    work: tuple[WorkItem, ...]
+    errors: tuple[SequenceError, ...]
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    """What the shard can accept: vocabulary ids, block ids, tokens per block."""
+
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    # False for engines that cannot recompute generated tokens (encoder-decoder fallback).
+    resumes_generated: bool = True
+
+
+def resolve_plan(
+    plan: StepPlan,
+    sequences: Mapping[int, Sequence],
+    limits: PlanLimits,
+    dropped: AbstractSet[int] = frozenset(),
+    prefixes: Prefixes = NO_PREFIXES,
+    adapters: Adapters = NO_ADAPTERS,
+) -> ResolvedStep:
+    """Validate ``plan`` against ``sequences`` without changing them.
+
+    ``dropped`` are sequences that failed on their own in an earlier step: the router may
+    have scheduled them again before it saw the error, so they are skipped, not refused.
+    ``prefixes`` gives new sequences their prompt-tuning prefix and ``adapters`` their
+    adapter (a sequence whose prefix or adapter cannot be used fails alone).
+    """
+    finished = set(plan.finished_request_ids)
+    preempted = {
+        rid for rid in plan.preempted_request_ids if rid in sequences and rid not in finished
+    }
+    if not limits.resumes_generated:
+        bad_rid = next((r for r in sorted(preempted) if sequences[r].num_generated > 0), None)
+        if bad_rid is not None:
+            raise InvalidStepError(
+                f"request {bad_rid}: this engine cannot preempt a sequence that has "
+                "generated tokens"
+            )
+    new: dict[int, Sequence] = {}
+    errors: list[SequenceError] = []
+    failed: set[int] = set()
+    for ns in plan.new_sequences:
+        rid = ns.request_id
+        if (rid in sequences and rid not in finished) or rid in new or rid in failed:
+            raise InvalidStepError(f"request {rid} is already known to the shard")
+        problem = check_new_sequence(ns, limits.vocab_size)
+        prefix = lora = None
+        if problem is None and (ns.prefix_id or ns.adapter_id):
+            try:
+                if ns.prefix_id:
+                    prefix = prefixes.embeddings(ns)
+                if ns.adapter_id:
+                    adapter_prefix, lora = adapters.for_sequence(ns)
+                    prefix = prefix if adapter_prefix is None else adapter_prefix
+            except PrefixUnavailable as e:
+                problem = str(e)
+        if problem is not None:
+            errors.append(SequenceError(rid, problem))
+            failed.add(rid)
+            continue
+        placeholders = [prefixes.placeholder_id] * ns.prefix_length
+        new[rid] = Sequence(
+            request_id=rid,
+            token_ids=placeholders + list(ns.prompt_token_ids),
+            prompt_len=ns.prompt_length,
+            prefix=prefix,
+            lora=lora,
+            sampling=ns.sampling,
+            details=ns.details,
+            seed=0
+            if ns.sampling.is_greedy
+            else (random_seed() if ns.sampling.seed is None else ns.sampling.seed),
+        )
+    work: list[WorkItem] = []
+    seen: set[int] = set()
+    for s in plan.scheduled:
+        rid = s.request_id
+        if rid in failed:
+            continue
+        if rid in seen:
+            raise InvalidStepError(f"request {rid} is scheduled twice")
+        seen.add(rid)
+        seq = new.get(rid) or (sequences.get(rid) if rid not in finished else None)
+        if seq is None:
+            if rid in dropped and rid not in finished:
+                continue
+            raise InvalidStepError(f"unknown request id {rid}")
+        restart = rid in preempted
+        computed = 0 if restart else seq.num_computed
+        uncomputed = len(seq.token_ids) - computed
+        if not 1 <= s.num_tokens <= uncomputed:
+            raise InvalidStepError(
+                f"request {rid}: num_tokens {s.num_tokens} but {uncomputed} "
+                f"token(s) are waiting to be computed"
+            )
+        bad = [b for b in s.new_block_ids if b >= limits.num_blocks]
+        if bad:
+            raise InvalidStepError(
+                f"request {rid}: block id {bad[0]} out of range (num_blocks {limits.num_blocks})"
+            )
+        table_len = (0 if restart else len(seq.block_table)) + len(s.new_block_ids)
+        needed = computed + s.num_tokens
+        if table_len * limits.block_size < needed:
+            raise InvalidStepError(
+                f"request {rid}: {table_len} block(s) cannot hold {needed} tokens "
+                f"(block size {limits.block_size})"
+            )
+        work.append(WorkItem.plan(seq, s.num_tokens, s.new_block_ids, computed))
+    return ResolvedStep(
+        finished=tuple(finished),
+        preempted=tuple(sorted(preempted)),
+        new=tuple(new.values()),
+        work=tuple(work),
+        errors=tuple(errors),
+    )
+
+
+def check_new_sequence(ns: NewSequence, vocab_size: int) -> str | None:
+    """Why a new sequence cannot run, or None."""
+    if ns.prompt_length == 0:
+        return "empty prompt"
+    if ns.prefix_length and not (ns.prefix_id or ns.adapter_id):
+        return f"prefix_length {ns.prefix_length} without a prefix_id or adapter_id"
+    bad = next((t for t in ns.prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"prompt token id {bad} out of range (vocab size {vocab_size})"
+    return check_sampling(ns.sampling)
+
+
+def check_sampling(p: SamplingParams) -> str | None:
+    """Why sampling parameters are unusable, or None."""
+    if not p.temperature >= 0:
+        return f"invalid temperature {p.temperature}"
+    if not 0 < p.top_p <= 1:
+        return f"invalid top_p {p.top_p}"
+    if not p.repetition_penalty > 0:
+        return f"invalid repetition_penalty {p.repetition_penalty}"
+    if p.top_k < 0 or p.min_new_tokens < 0:
+        return "negative top_k or min_new_tokens"
+    if p.length_penalty is not None and not p.length_penalty.decay_factor > 0:
+        return f"invalid length penalty decay_factor {p.length_penalty.decay_factor}"
+    return None
