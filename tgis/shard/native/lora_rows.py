@@ -6,10 +6,17 @@ adds, for each group, ``(x[rows] @ A) @ B`` to its output rows (``LoraRows.add``
 of small matmuls per adapter present and site, whatever the number of sequences. Rows of
 sequences without an adapter are untouched, and a step without LoRA rows pays nothing.
 Such steps run the eager forward (the compiled step and CUDA graphs never see adapters).
+
+On CUDA the same deltas come from Triton kernels instead (``lora_triton.py``: two launches
+per site for every adapter of the step, the per-step layout built here once); this torch
+path stays the reference and the CPU path. ``TGIS_LORA_KERNEL`` chooses: ``auto`` (the
+default: Triton on CUDA when it imports, torch elsewhere), ``triton`` or ``torch``.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +26,10 @@ import torch
 from tgis.shard.adapters.lora_layout import LoraWeights
 
 if TYPE_CHECKING:
+    from tgis.shard.native.lora_triton import LoraKernelMetadata
     from tgis.shard.step.plan import WorkItem
+
+KERNELS = ("auto", "triton", "torch")
 
 
 @dataclass(frozen=True)
@@ -35,10 +45,17 @@ class LoraRows:
     """The adapters of one step, each with its rows."""
 
     groups: tuple[LoraGroup, ...]
+    # The Triton kernels' layout of the same groups, when they compute the deltas.
+    kernel: LoraKernelMetadata | None = None
 
     def add(self, site: int, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add to ``y`` (the output of site ``site`` for input ``x``) each group's delta, in
         place, on that group's rows."""
+        if self.kernel is not None:
+            from tgis.shard.native.lora_triton import lora_add
+
+            if lora_add(self.kernel, site, x, y):
+                return
         for group in self.groups:
             pair = group.weights.pairs.get(site)
             if pair is None:
@@ -50,12 +67,39 @@ class LoraRows:
                 y.index_add_(0, group.rows, delta)
 
 
+def lora_kernel(device: torch.device, choice: str | None = None) -> str:
+    """``triton`` or ``torch``: which computes the deltas on ``device``, by ``choice`` or
+    else ``TGIS_LORA_KERNEL`` (``auto``: Triton on CUDA when it is installed)."""
+    if choice is None:
+        choice = os.environ.get("TGIS_LORA_KERNEL", "").strip().lower() or "auto"
+    if choice not in KERNELS:
+        raise ValueError(f"TGIS_LORA_KERNEL={choice!r} is not one of {', '.join(KERNELS)}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and _triton_imports() else "torch"
+    return choice
+
+
+def _triton_imports() -> bool:
+    """Whether Triton is there and imports (a broken install means the torch path)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 def lora_rows(
-    work: SequenceOf[WorkItem], query_starts: list[int], device: torch.device
+    work: SequenceOf[WorkItem],
+    query_starts: list[int],
+    device: torch.device,
+    kernel: str | None = None,
 ) -> LoraRows | None:
     """The step's LoRA groups, or None when no scheduled sequence has a LoRA adapter.
 
-    ``query_starts[i]`` is the first row of ``work[i]`` in the flattened batch.
+    ``query_starts[i]`` is the first row of ``work[i]`` in the flattened batch; ``kernel``
+    overrides ``TGIS_LORA_KERNEL`` (see ``lora_kernel``).
     """
     by_adapter: dict[str, tuple[LoraWeights, list[range]]] = {}
     for item, row in zip(work, query_starts, strict=True):
@@ -74,4 +118,10 @@ def lora_rows(
         if count != total:
             rows = torch.tensor([r for s in spans for r in s], dtype=torch.long, device=device)
         groups.append(LoraGroup(weights, rows))
-    return LoraRows(tuple(groups))
+    metadata = None
+    if lora_kernel(device, kernel) == "triton":
+        from tgis.shard.native.lora_triton import prepare
+
+        spans_of = [(w, [r for s in spans for r in s]) for w, spans in by_adapter.values()]
+        metadata = prepare(spans_of, device)
+    return LoraRows(tuple(groups), metadata)

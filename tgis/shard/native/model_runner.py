@@ -25,7 +25,7 @@ from tgis.shard.device import cpu_threads
 from tgis.shard.native.attention.backends import AttentionBackend, BatchLayout
 from tgis.shard.native.block_tables import BlockTables, flatten
 from tgis.shard.native.kv_cache import KVCache
-from tgis.shard.native.lora_rows import LoraRows, lora_rows
+from tgis.shard.native.lora_rows import LoraRows, lora_kernel, lora_rows
 from tgis.shard.native.models import CausalLM
 from tgis.shard.native.models.layers import EmbeddingRows
 from tgis.shard.native.prefix_rows import embedding_rows
@@ -85,6 +85,8 @@ class ModelRunner(SequenceRunner):
         self.model = model
         self.prefixes = prefixes or NO_PREFIXES
         self.adapters = adapters or NO_ADAPTERS
+        # Which computes LoRA deltas (TGIS_LORA_KERNEL, read once; lora_rows.lora_kernel).
+        self.lora_kernel = lora_kernel(device) if self.adapters.enabled else "torch"
         # The model's forward: eager (the reference), or compiled.CompiledForward.
         self.forward: ForwardFn = forward or model.forward
         # Decode steps replayed from CUDA graphs (cuda_graphs.py; set by the loader).
@@ -181,7 +183,7 @@ class ModelRunner(SequenceRunner):
         return _FlatBatch(
             layout=layout,
             prefix_rows=embedding_rows(work, query_starts),
-            lora_rows=lora_rows(work, query_starts, self.device),
+            lora_rows=lora_rows(work, query_starts, self.device, self.lora_kernel),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             sample_items=tuple(sample_items),
             detail_spans=tuple(detail_spans),
