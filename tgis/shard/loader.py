@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,12 +66,20 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
             raise StartupError(_no_dummy_fallback(model_config, config.max_sequence_length))
         from tgis.shard.fallback.loader import load_hf_runner  # imports transformers
 
-        if config.prefix_store_path:
-            log.warning(
-                "PREFIX_STORE_PATH is set but the transformers engine has no prompt prefixes: "
-                "every prefix id will be not found"
-            )
         hf_runner = load_hf_runner(config, model_dir, model_config)
+        if config.prefix_store_path:
+            embeddings = hf_runner.engine.model.get_input_embeddings().weight
+            hf_runner.prefixes = Prefixes(
+                store=_prefix_store(
+                    config,
+                    "PREFIX_STORE_PATH",
+                    embedding_dim=lambda: int(embeddings.shape[1]),
+                    device=hf_runner.device,
+                    dtype=embeddings.dtype,
+                    is_encoder_decoder=hf_runner.info.model_kind is ModelKind.SEQ2SEQ_LM,
+                ),
+                placeholder_id=placeholder_token_id(model_config),
+            )
         if config.adapter_cache:
             log.warning(
                 "ADAPTER_CACHE is set but the transformers engine runs no adapters: every "
@@ -118,12 +127,16 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         spec.block_size,
     )
     prefixes = Prefixes(
-        store=_prefix_store(config, "PREFIX_STORE_PATH", model, device, dtype),
+        store=_prefix_store(
+            config, "PREFIX_STORE_PATH", lambda: _embedding_dim(model), device, dtype
+        ),
         placeholder_id=placeholder_token_id(model_config),
     )
     adapters = NO_ADAPTERS
     if config.adapter_cache:
-        prompt_tuning = _prefix_store(config, "ADAPTER_CACHE", model, device, dtype)
+        prompt_tuning = _prefix_store(
+            config, "ADAPTER_CACHE", lambda: _embedding_dim(model), device, dtype
+        )
         adapters = _adapters(config, model.lora_sites(), prompt_tuning, device, dtype)
         info = _with_adapters(info, adapters)
     runner = ModelRunner(model, kv_cache, attention, info, device, forward, prefixes, adapters)
@@ -178,20 +191,27 @@ def _with_adapters(info: ShardInfo, adapters: Adapters) -> ShardInfo:
     return replace(info, adapters_enabled=adapters.enabled, max_loras=adapters.max_loras)
 
 
+def _embedding_dim(model: CausalLM) -> int:
+    """The width of a native model's input embeddings (a prefix row's width)."""
+    if not isinstance(model, DecoderLM):
+        raise StartupError("prompt prefixes need a native decoder model")
+    return int(model.embed.weight.shape[1])
+
+
 def _prefix_store(
     config: ShardConfig,
     setting: str,
-    model: CausalLM,
+    embedding_dim: Callable[[], int],
     device: torch.device,
     dtype: torch.dtype,
+    is_encoder_decoder: bool = False,
 ) -> PrefixStore | None:
     """A prompt-tuning prefix store over ``PREFIX_STORE_PATH``, or over the prompt-tuning
-    adapters of ``ADAPTER_CACHE`` (``setting``); None when it is unset."""
+    adapters of ``ADAPTER_CACHE`` (``setting``); None when it is unset. ``embedding_dim``
+    gives the model's embedding width (called only when the setting is set)."""
     path = config.prefix_store_path if setting == "PREFIX_STORE_PATH" else config.adapter_cache
     if not path:
         return None
-    if not isinstance(model, DecoderLM):
-        raise StartupError("prompt prefixes need a native decoder model")
     store_path = Path(path)
     if not store_path.is_dir():
         raise StartupError(f"{setting} {store_path} is not a directory")
@@ -203,11 +223,12 @@ def _prefix_store(
     )
     return PrefixStore(
         store_path,
-        embedding_dim=model.embed.weight.shape[1],
+        embedding_dim=embedding_dim(),
         dtype=dtype,
         device=device,
         max_length=config.prefix_length_limit,
         cache_bytes=config.prompt_cache_bytes,
+        is_encoder_decoder=is_encoder_decoder,
         on_load=_log_prefix_load,
     )
 

@@ -7,9 +7,9 @@ prompt-tuning adapter (``adapter_model.safetensors`` or ``adapter_model.bin`` ho
 the serving dtype with TGIS's messages, then kept in an LRU cache bounded by bytes
 (``PROMPT_CACHE_SIZE_MB``). A prefix many threads ask for at once is read once.
 
-Not wired into serving yet (issue 10): for encoder-decoder models the caller appends the
-decoder-start embedding to ``decoder``, and with tensor parallelism decides what each rank
-keeps.
+For encoder-decoder models (the transformers fallback, ``fallback/seq2seq.py``) the
+engine appends the decoder-start embedding to ``decoder`` and puts ``encoder`` before the
+input's embeddings.
 """
 
 from __future__ import annotations

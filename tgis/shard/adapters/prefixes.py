@@ -2,16 +2,14 @@
 answered, and each new sequence given its prefix's embeddings.
 
 ``Prefixes`` takes them from the ``PrefixStore`` cache (``PREFIX_STORE_PATH``), or refuses
-when no store is set (``NO_PREFIXES``: also the transformers engine's). How a step puts
-the embeddings in place of the placeholder tokens is the engine's business
-(``native/prefix_rows.py``).
+when no store is set (``NO_PREFIXES``). How a step puts the embeddings in place of the
+placeholder tokens is the engine's business (``native/prefix_rows.py``, and the
+transformers fallback's ``fallback/causal.py`` and ``fallback/seq2seq.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from tgis.shard.adapters.prefix_store import PrefixEmbeddings, PrefixStore, not_found
 from tgis.shard.adapters.store_paths import StoreError
@@ -35,23 +33,24 @@ class Prefixes:
         with TGIS's message otherwise."""
         return self._get(prefix_id).length
 
-    def embeddings(self, ns: NewSequence) -> torch.Tensor:
-        """The decoder embeddings [prefix_length, hidden] of ``ns``'s prefix; raises
-        PrefixUnavailable when the prefix is missing, malformed, or no longer as long as
-        the router counted."""
+    def embeddings(self, ns: NewSequence) -> PrefixEmbeddings:
+        """The embeddings of ``ns``'s prefix: its decoder rows [virtual tokens, hidden]
+        and, for encoder-decoder models, its encoder rows (either may be None there, not
+        both). Raises PrefixUnavailable when the prefix is missing, malformed, or no longer
+        as long as the router counted."""
         try:
             prefix = self._get(ns.prefix_id)
         except StoreError as e:
             raise PrefixUnavailable(
                 f"Error retrieving prompt prefix '{ns.prefix_id}': {e.tgis_message}"
             ) from None
-        if prefix.decoder is None or prefix.length != ns.prefix_length:
+        if prefix.length != ns.prefix_length:
             raise PrefixUnavailable(
                 f"prompt prefix '{ns.prefix_id}' has {prefix.length} virtual tokens but the "
                 f"router counted {ns.prefix_length} (it changed in the store after the "
                 "router looked it up; the router keeps a length for up to an hour)"
             )
-        return prefix.decoder
+        return prefix
 
     def _get(self, prefix_id: str) -> PrefixEmbeddings:
         if self.store is None:

@@ -8,6 +8,10 @@ the decode rows and the prompt chunks run as two forwards instead.)
 The attention mask hides every padding column, explicit ``position_ids`` give each token
 its true position (models without them, e.g. BLOOM, derive ALiBi from the mask), and
 padding queries always see their row's own tokens, so no attention row is fully masked.
+A prompt-tuning prefix's virtual tokens are placeholder ids at positions ``0..P-1``
+(``step.plan``): a step that computes any of them feeds ``inputs_embeds`` (the model's
+input embeddings, the prefix rows in place of the placeholders'), at the same positions,
+so the result is transformers' ``inputs_embeds = concat(prefix, embed(ids))``.
 
 A step whose rows computed different numbers of tokens leaves masked holes after the short
 rows; the next step packs the batch again (``kv.select``). While the same rows keep
@@ -46,6 +50,9 @@ class _Layout:
     attention_mask: torch.Tensor  # [B, cached + N]
     packed: bool  # every row computes N tokens (no holes afterwards)
     keep: tuple[int, ...]  # new-token columns whose logits are needed
+    # Prompt-tuning prefix rows of this step: (row, embeddings of its first columns), for
+    # the placeholder ids whose embeddings the prefix replaces.
+    prefix_rows: tuple[tuple[int, torch.Tensor], ...] = ()
 
     @classmethod
     def build(cls, items: Sequence[WorkItem], cached: KVBatch, device: torch.device) -> _Layout:
@@ -55,12 +62,16 @@ class _Layout:
         positions: list[list[int]] = []
         new_mask: list[list[int]] = []
         keep: set[int] = set()
-        for item in items:
+        prefix_rows: list[tuple[int, torch.Tensor]] = []
+        for row, item in enumerate(items):
             n, pad = item.num_tokens, width - item.num_tokens
             ids.append(item.seq.token_ids[item.start : item.end] + [PAD_ID] * pad)
             positions.append(list(range(item.start, item.end)) + [item.end - 1] * pad)
             new_mask.append([1] * n + [0] * pad)
             keep.update(_needed_columns(item))
+            prefix = item.seq.prefix
+            if prefix is not None and item.start < prefix.shape[0]:
+                prefix_rows.append((row, prefix[item.start : min(item.end, prefix.shape[0])]))
         mask = torch.tensor(new_mask, dtype=torch.long, device=device)
         return cls(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
@@ -68,6 +79,7 @@ class _Layout:
             attention_mask=torch.cat([cached.mask, mask], dim=1),
             packed=all(item.num_tokens == width for item in items),
             keep=tuple(sorted(keep)) or (width - 1,),
+            prefix_rows=tuple(prefix_rows),
         )
 
 
@@ -163,7 +175,7 @@ class HfCausalEngine:
 
     def _forward(self, layout: _Layout, cached: KVBatch) -> tuple[torch.Tensor, Any]:
         kwargs: dict[str, Any] = {
-            "input_ids": layout.input_ids,
+            **self._inputs(layout),
             "attention_mask": layout.attention_mask,
             "past_key_values": cached.cache(),
             "use_cache": True,
@@ -176,6 +188,16 @@ class HfCausalEngine:
         out = self.model(**kwargs)
         logits = out.logits if self._takes_logits_to_keep else out.logits[:, keep]
         return logits, out.past_key_values
+
+    def _inputs(self, layout: _Layout) -> dict[str, torch.Tensor]:
+        """``input_ids``, or ``inputs_embeds`` with the prefix rows in place of their
+        placeholders when a prompt-tuning prefix has positions in this step."""
+        if not layout.prefix_rows:
+            return {"input_ids": layout.input_ids}
+        embeds = self.model.get_input_embeddings()(layout.input_ids)
+        for row, rows in layout.prefix_rows:
+            embeds[row, : rows.shape[0]] = rows.to(embeds.dtype)
+        return {"inputs_embeds": embeds}
 
     def _input_details(
         self, items: Sequence[WorkItem], logits: torch.Tensor, column: dict[int, int]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -62,6 +62,8 @@ def combine(parts: Sequence[Part], previous: KVBatch, live: Collection[int]) -> 
 
 class HfEngine(Protocol):
     """One model family's batched forward over transformers caches."""
+
+    model: Any  # the transformers model
 
     def run(self, work: Sequence[WorkItem], live: Collection[int]) -> Forward:
         """Compute ``work`` (rows of sequences in ``live`` not scheduled are carried over)."""

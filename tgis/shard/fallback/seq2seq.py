@@ -15,6 +15,14 @@ so the encoder output is passed as a zero-stride placeholder. Left padding is in
 T5's relative position buckets; decoders with absolute positions (BART and the like) are
 batched only with rows of the same decoder length, one forward per length.
 
+A prompt-tuning prefix (``Sequence.encoder_prefix`` and ``Sequence.prefix``, TGIS's
+``encoder.pt`` and ``decoder.pt``) starts the prompt with one placeholder id per row,
+encoder rows first: the encoder input is the encoder rows then the embeddings of the rest
+of the prompt (``inputs_embeds``), and the decoder's first inputs are the decoder rows then
+the decoder start token's embedding (``decoder_inputs_embeds``), so generation continues
+after them. Sequences start together only with decoder prefixes of one length (no padding
+in the decoder's first forward; a step may run one such forward per length).
+
 Repetition penalty sees the decoder ids only (decoder start token + generated), as TGIS's
 seq2seq models do. Input-token details are one entry per prompt token with logprob NaN
 when logprobs were asked for, and no ranks or alternatives.
@@ -82,8 +90,10 @@ class HfSeq2SeqEngine:
         starting = [item for item in work if item.completes_prompt]
         decoding = [item for item in work if item.start >= item.seq.prompt_len]
         parts = [self._decode(group) for group in self._groups(decoding)]
-        if starting:
-            parts.append(self._start(starting))
+        by_prefix: dict[int, list[WorkItem]] = {}
+        for item in starting:  # equal decoder inputs' lengths: no decoder padding
+            by_prefix.setdefault(_rows(item.seq.prefix), []).append(item)
+        parts.extend(self._start(group) for group in by_prefix.values())
         return combine(parts, self._batch, live)
 
     def _groups(self, decoding: Sequence[WorkItem]) -> list[list[WorkItem]]:
@@ -94,29 +104,37 @@ class HfSeq2SeqEngine:
             return [in_batch_order(decoding, self._batch)]
         by_length: dict[int, list[WorkItem]] = {}
         for item in decoding:
-            by_length.setdefault(item.start - item.seq.prompt_len, []).append(item)
+            length = _rows(item.seq.prefix) + item.start - item.seq.prompt_len
+            by_length.setdefault(length, []).append(item)
         return list(by_length.values())
 
     def _start(self, items: Sequence[WorkItem]) -> Part:
-        """Encoder over each whole prompt plus the first decoder step, one batch."""
-        prompts = [item.seq.token_ids[: item.seq.prompt_len] for item in items]
-        width = max(len(p) for p in prompts)
+        """Encoder over each whole prompt plus the first decoder step(s), one batch (every
+        row's decoder prefix is as long)."""
+        prompts = [_text(item.seq) for item in items]
+        widths = [_rows(i.seq.encoder_prefix) + len(p) for i, p in zip(items, prompts, strict=True)]
+        width = max(widths)
         pad = self.spec.pad_token_id
         ids = torch.tensor(
             [p + [pad] * (width - len(p)) for p in prompts], dtype=torch.long, device=self.device
         )
         enc_mask = torch.tensor(
-            [[1] * len(p) + [0] * (width - len(p)) for p in prompts],
-            dtype=torch.long,
-            device=self.device,
+            [[1] * w + [0] * (width - w) for w in widths], dtype=torch.long, device=self.device
         )
         start = torch.full(
             (len(items), 1), self.spec.decoder_start_token_id, dtype=torch.long, device=self.device
         )
+        inputs: dict[str, torch.Tensor]
+        if any(
+            item.seq.prefix is not None or item.seq.encoder_prefix is not None for item in items
+        ):
+            inputs = self._prefixed_inputs(items, ids, start)
+        else:
+            inputs = {"input_ids": ids, "decoder_input_ids": start}
+        decoder_length = _rows(items[0].seq.prefix) + 1
         out = self.model(
-            input_ids=ids,
+            **inputs,
             attention_mask=enc_mask,
-            decoder_input_ids=start,
             past_key_values=EncoderDecoderCache(DynamicCache(), DynamicCache()),
             use_cache=True,
         )
@@ -126,7 +144,7 @@ class HfSeq2SeqEngine:
             rows=tuple(item.seq.request_id for item in items),
             keys=keys,
             values=values,
-            mask=torch.ones(len(items), 1, dtype=torch.long, device=self.device),
+            mask=torch.ones(len(items), decoder_length, dtype=torch.long, device=self.device),
             packed=True,
             cross=CrossKV(cross_keys, cross_values, enc_mask),
         )
@@ -136,6 +154,30 @@ class HfSeq2SeqEngine:
             batch=batch,
             input_details=self._input_details(items),
         )
+
+    def _prefixed_inputs(
+        self, items: Sequence[WorkItem], ids: torch.Tensor, start: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """``inputs_embeds``: each row's encoder prefix rows, then its prompt's embeddings
+        (right-padded, as wide as ``ids``); ``decoder_inputs_embeds``: its decoder prefix
+        rows, then the decoder start token's embedding."""
+        embed = self.model.get_input_embeddings()
+        text = embed(ids)
+        start_embeds = embed(start)
+        encoder = torch.zeros_like(text)
+        decoder = []
+        for row, item in enumerate(items):
+            seq = item.seq
+            first = _rows(seq.encoder_prefix)
+            if seq.encoder_prefix is not None:
+                encoder[row, :first] = seq.encoder_prefix.to(text.dtype)
+            length = seq.prompt_len - _virtual(seq)
+            encoder[row, first : first + length] = text[row, :length]
+            rows = [start_embeds[row]]
+            if seq.prefix is not None:
+                rows.insert(0, seq.prefix.to(text.dtype))
+            decoder.append(torch.cat(rows))
+        return {"inputs_embeds": encoder, "decoder_inputs_embeds": torch.stack(decoder)}
 
     def _decode(self, items: Sequence[WorkItem]) -> Part:
         """One decoder step of ``items`` (each has its last sampled token to feed)."""
@@ -178,3 +220,19 @@ class HfSeq2SeqEngine:
             for item in starting
             if item.prompt_details
         }
+
+
+def _rows(prefix: torch.Tensor | None) -> int:
+    """Rows of a prefix tensor (0: none)."""
+    return 0 if prefix is None else int(prefix.shape[0])
+
+
+def _virtual(seq: ShardSequence) -> int:
+    """The placeholder ids starting ``seq``'s prompt: its encoder prefix's rows, then its
+    decoder prefix's."""
+    return _rows(seq.encoder_prefix) + _rows(seq.prefix)
+
+
+def _text(seq: ShardSequence) -> list[int]:
+    """The encoder's input ids: the prompt without its placeholders."""
+    return seq.token_ids[_virtual(seq) : seq.prompt_len]

@@ -142,11 +142,12 @@ def resolve_plan(
         if (rid in sequences and rid not in finished) or rid in new or rid in failed:
             raise InvalidStepError(f"request {rid} is already known to the shard")
         problem = check_new_sequence(ns, limits.vocab_size)
-        prefix = lora = None
+        prefix = encoder_prefix = lora = None
         if problem is None and (ns.prefix_id or ns.adapter_id):
             try:
                 if ns.prefix_id:
-                    prefix = prefixes.embeddings(ns)
+                    embeddings = prefixes.embeddings(ns)
+                    prefix, encoder_prefix = embeddings.decoder, embeddings.encoder
                 if ns.adapter_id:
                     adapter_prefix, lora = adapters.for_sequence(ns)
                     prefix = prefix if adapter_prefix is None else adapter_prefix
@@ -162,6 +163,7 @@ def resolve_plan(
             token_ids=placeholders + list(ns.prompt_token_ids),
             prompt_len=ns.prompt_length,
             prefix=prefix,
+            encoder_prefix=encoder_prefix,
             lora=lora,
             sampling=ns.sampling,
             details=ns.details,

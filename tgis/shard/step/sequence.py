@@ -29,8 +29,11 @@ class Sequence:
     seed: int  # the random stream of a sampled sequence (sampling.stream_key)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0
-    # The prefix's embeddings [virtual tokens, hidden] (None: no prefix).
+    # The prefix's (decoder) embeddings [virtual tokens, hidden] (None: no prefix).
     prefix: torch.Tensor | None = None
+    # Encoder-decoder models only: the prefix's encoder rows (None: none). The placeholder
+    # ids then stand for these rows first, then ``prefix``'s (``fallback/seq2seq.py``).
+    encoder_prefix: torch.Tensor | None = None
     # Its LoRA adapter, on the model's device (None: none; ``native/lora_rows.py``).
     lora: LoraWeights | None = None
     # Prompt-token details gathered chunk by chunk until the prompt completes.
