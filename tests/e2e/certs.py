@@ -24,6 +24,10 @@ class Pki:
     client_cert: Path
     client_key: Path
     other_ca_cert: Path
+    expired_server_cert: Path  # signed by the CA, validity ended yesterday
+    expired_server_key: Path
+    other_client_cert: Path  # a client certificate signed by the unrelated CA
+    other_client_key: Path
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -80,9 +84,12 @@ def _leaf(
     ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
     usage: x509.ObjectIdentifier,
     server: bool,
+    expired: bool = False,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = _key()
     now = datetime.datetime.now(datetime.UTC)
+    if expired:
+        now -= datetime.timedelta(days=2)
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(common_name))
@@ -114,6 +121,8 @@ def make_pki(directory: Path) -> Pki:
     server = _leaf("localhost", ca, ExtendedKeyUsageOID.SERVER_AUTH, server=True)
     client = _leaf("tgis test client", ca, ExtendedKeyUsageOID.CLIENT_AUTH, server=False)
     other_ca = _ca("unrelated CA")
+    expired = _leaf("localhost", ca, ExtendedKeyUsageOID.SERVER_AUTH, server=True, expired=True)
+    other_client = _leaf("other client", other_ca, ExtendedKeyUsageOID.CLIENT_AUTH, server=False)
     paths = Pki(
         ca_cert=directory / "ca.pem",
         server_cert=directory / "server.pem",
@@ -121,6 +130,10 @@ def make_pki(directory: Path) -> Pki:
         client_cert=directory / "client.pem",
         client_key=directory / "client.key",
         other_ca_cert=directory / "other-ca.pem",
+        expired_server_cert=directory / "expired-server.pem",
+        expired_server_key=directory / "expired-server.key",
+        other_client_cert=directory / "other-client.pem",
+        other_client_key=directory / "other-client.key",
     )
     pem = serialization.Encoding.PEM
     paths.ca_cert.write_bytes(ca[0].public_bytes(pem))
@@ -129,6 +142,10 @@ def make_pki(directory: Path) -> Pki:
     paths.client_cert.write_bytes(client[0].public_bytes(pem))
     _write_key(client[1], paths.client_key)
     paths.other_ca_cert.write_bytes(other_ca[0].public_bytes(pem))
+    paths.expired_server_cert.write_bytes(expired[0].public_bytes(pem))
+    _write_key(expired[1], paths.expired_server_key)
+    paths.other_client_cert.write_bytes(other_client[0].public_bytes(pem))
+    _write_key(other_client[1], paths.other_client_key)
     return paths
 
 

@@ -394,6 +394,16 @@ def test_tls_and_mtls(tmp_path: Path) -> None:
         credentials = grpc.ssl_channel_credentials(ca, client_key, client_cert)
         with grpc.secure_channel(target, credentials) as channel:
             assert _generate_once(channel).responses[0].generated_token_count == 2
+        # A client certificate signed by a CA the server does not trust is refused.
+        stranger = grpc.ssl_channel_credentials(
+            ca, pki.other_client_key.read_bytes(), pki.other_client_cert.read_bytes()
+        )
+        with (
+            grpc.secure_channel(target, stranger) as channel,
+            pytest.raises(grpc.RpcError) as untrusted,
+        ):
+            _generate_once(channel)
+        assert untrusted.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         assert mtls.stop() == 0
 

@@ -49,12 +49,14 @@ def test_batch_size_and_joining_rule_are_passed_only_when_set(model_dir: Path) -
 
 
 def test_all_optional_arguments(model_dir: Path, tmp_path: Path) -> None:
-    pem = tmp_path / "x.pem"
-    pem.write_text("")
+    from tests.e2e.certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    cert, key, ca = str(pki.server_cert), str(pki.server_key), str(pki.ca_cert)
     cfg = resolved(
         model_dir, revision="v2", dtype_str="bf16", quantize="gptq", num_shard=2,
-        shard_uds_path=str(tmp_path / "sock"), tls_cert_path=str(pem), tls_key_path=str(pem),
-        tls_client_ca_cert_path=str(pem), json_output=True, output_special_tokens=True,
+        shard_uds_path=str(tmp_path / "sock"), tls_cert_path=cert, tls_key_path=key,
+        tls_client_ca_cert_path=ca, json_output=True, output_special_tokens=True,
         default_include_stop_seqs=False, otlp_endpoint="http://otel:4317",
         otlp_service_name="svc", max_sequence_length=128, cuda_process_memory_fraction=0.5,
     )  # fmt: skip
@@ -67,8 +69,8 @@ def test_all_optional_arguments(model_dir: Path, tmp_path: Path) -> None:
     assert argv[argv.index("--master-shard-uds-path") + 1] == f"{tmp_path}/sock-0"
     assert argv[argv.index("--model-name") + 1 :] == [
         str(model_dir),
-        "--tls-cert-path", str(pem), "--tls-key-path", str(pem),
-        "--tls-client-ca-cert-path", str(pem),
+        "--tls-cert-path", cert, "--tls-key-path", key,
+        "--tls-client-ca-cert-path", ca,
         "--json-output", "--output-special-tokens",
         "--otlp-endpoint", "http://otel:4317", "--otlp-service-name", "svc",
     ]  # fmt: skip

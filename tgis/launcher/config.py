@@ -19,8 +19,10 @@ from tgis.model_files import ModelNotFoundError, resolve_model_dir
 from tgis.router.config import (
     DEFAULT_MAX_BATCH_PREFILL_TOKENS,
     DEFAULT_SHUTDOWN_GRACE_S,
+    TlsConfig,
     check_batching,
 )
+from tgis.router.tls import TlsError, load_material
 from tgis.shard.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LOAD_FORMATS
 
 DEPLOYMENT_FRAMEWORKS = (
@@ -284,6 +286,14 @@ def validate_tls(flags: LauncherConfig) -> None:
     for what, path in (("cert", cert), ("key", key), ("client ca cert", ca)):
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"tls: {what} file not found: {path}")
+    if cert is not None and key is not None:
+        # What the router checks again at start and on every rotation, checked here before
+        # any shard loads: readable PEM, a key matching the certificate, a certificate
+        # still valid, a readable client CA bundle.
+        try:
+            load_material(TlsConfig(cert_path=cert, key_path=key, client_ca_path=ca))
+        except TlsError as e:
+            raise ConfigError(str(e)) from None
 
 
 def resolve_num_shard(num_shard: int | None, environ: Mapping[str, str]) -> int:

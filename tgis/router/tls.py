@@ -18,6 +18,7 @@ import logging
 import os
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def load_material(tls: TlsConfig) -> TlsMaterial:
             data[kind] = Path(path).read_bytes()
         except OSError as err:
             raise TlsError(f"couldn't load {kind} from {path}: {err.strerror}") from err
+    _check_not_expired(tls.cert_path)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(tls.cert_path, tls.key_path)
@@ -79,6 +81,21 @@ def load_material(tls: TlsConfig) -> TlsMaterial:
                 f"tls configuration error: {tls.client_ca_path} is not a PEM CA bundle: {err}"
             ) from err
     return TlsMaterial(cert=data["cert"], key=data["key"], client_ca=client_ca)
+
+
+def _check_not_expired(cert_path: str) -> None:
+    """TlsError when the certificate's validity has ended (clients would refuse it at every
+    handshake). The stdlib decodes the PEM; a file it cannot decode is left to
+    ``load_cert_chain``, which says what is wrong with it."""
+    decode = getattr(ssl._ssl, "_test_decode_cert", None)  # type: ignore[attr-defined]
+    if decode is None:
+        return
+    try:
+        not_after = decode(cert_path)["notAfter"]
+    except (ssl.SSLError, OSError, KeyError, ValueError):
+        return
+    if ssl.cert_time_to_seconds(not_after) <= time.time():
+        raise TlsError(f"tls configuration error: certificate {cert_path} expired on {not_after}")
 
 
 def _configuration(material: TlsMaterial) -> grpc.ServerCertificateConfiguration:
