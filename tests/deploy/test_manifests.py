@@ -347,11 +347,16 @@ def test_tls_overlay() -> None:
 
 @pytest.fixture
 def tls_files(tmp_path: Path) -> dict[str, str]:
-    files = {}
-    for name in ("tls.crt", "tls.key", "ca.crt"):
-        (tmp_path / name).write_text("placeholder\n")  # --dry-run only checks they exist
-        files[name] = str(tmp_path / name)
-    return files
+    """A real certificate, key and CA under the Secret's file names (the launcher checks
+    they form a usable pair before anything starts, --dry-run included)."""
+    from tests.e2e.certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    return {
+        "tls.crt": str(pki.server_cert),
+        "tls.key": str(pki.server_key),
+        "ca.crt": str(pki.ca_cert),
+    }
 
 
 @pytest.mark.parametrize("kustomization", ["kserve", "overlays/gpu-2", "overlays/tls"])
