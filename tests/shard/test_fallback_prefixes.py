@@ -10,21 +10,13 @@ and BART) against a greedy loop of transformers forwards with ``inputs_embeds`` 
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import Router, TinyModel
-from transformers import (
-    BartConfig,
-    BartForConditionalGeneration,
-    GPT2Config,
-    GPT2LMHeadModel,
-    T5Config,
-    T5ForConditionalGeneration,
-)
+from hf_models import HIDDEN, prompt_of, random_causal, random_seq2seq
 
 from tests.prefix_oracle import prefixed_greedy
 from tgis.shard.adapters.store_paths import StoreError, StoreErrorKind
@@ -33,16 +25,8 @@ from tgis.shard.fallback.runner import HfRunner
 from tgis.shard.loader import load_runner
 from tgis.shard_api.messages import DetailOptions, ModelKind
 
-VOCAB = 256
-HIDDEN = 64
 NEW_TOKENS = 6
 LOGPROBS = DetailOptions(logprobs=True, generated_tokens=True)
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    """A random prompt avoiding the special ids 0-2."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(length)]
 
 
 PROMPT_A, PROMPT_B, PROMPT_C = prompt_of(7, 1), prompt_of(5, 2), prompt_of(9, 3)
@@ -77,14 +61,6 @@ def stored(store: Path, prefix_id: str, name: str = "decoder") -> torch.Tensor |
     return torch.load(path, weights_only=True) if path.is_file() else None
 
 
-def _randomize(model: Any, std: float) -> None:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, std)
-
-
 def _saved(model: Any, path: Path) -> TinyModel:
     model.eval()
     model.save_pretrained(path)
@@ -94,13 +70,7 @@ def _saved(model: Any, path: Path) -> TinyModel:
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=256, eos_token_id=2
-    )
-    model = GPT2LMHeadModel(config)
-    _randomize(model, 0.15)
-    return _saved(model, tmp_path_factory.mktemp("gpt2"))
+    return _saved(random_causal("gpt2"), tmp_path_factory.mktemp("gpt2"))
 
 
 @pytest.fixture(params=["llama", "gpt2"])
@@ -118,44 +88,7 @@ def causal(
 @pytest.fixture(scope="module", params=["t5", "bart"])
 def seq2seq(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """A tiny T5 (relative decoder positions) and BART (absolute ones)."""
-    torch.manual_seed(0)
-    if request.param == "t5":
-        model: Any = T5ForConditionalGeneration(
-            T5Config(
-                vocab_size=VOCAB,
-                d_model=HIDDEN,
-                d_kv=16,
-                d_ff=128,
-                num_layers=2,
-                num_decoder_layers=2,
-                num_heads=4,
-                eos_token_id=1,
-                pad_token_id=0,
-                decoder_start_token_id=0,
-            )
-        )
-    else:
-        model = BartForConditionalGeneration(
-            BartConfig(
-                vocab_size=VOCAB,
-                d_model=HIDDEN,
-                encoder_layers=2,
-                decoder_layers=2,
-                encoder_attention_heads=4,
-                decoder_attention_heads=4,
-                encoder_ffn_dim=128,
-                decoder_ffn_dim=128,
-                max_position_embeddings=256,
-                bos_token_id=0,
-                pad_token_id=1,
-                eos_token_id=2,
-                decoder_start_token_id=2,
-                forced_bos_token_id=None,
-                forced_eos_token_id=None,
-            )
-        )
-    _randomize(model, 0.3)
-    return _saved(model, tmp_path_factory.mktemp(request.param))
+    return _saved(random_seq2seq(request.param), tmp_path_factory.mktemp(request.param))
 
 
 def make_runner(model: TinyModel, store: Path | None) -> HfRunner:

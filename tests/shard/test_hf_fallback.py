@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,18 +17,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Router, TinyModel
-from transformers import (
-    BartConfig,
-    BartForConditionalGeneration,
-    BloomConfig,
-    BloomForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    OPTConfig,
-    OPTForCausalLM,
-    T5Config,
-    T5ForConditionalGeneration,
-)
+from hf_models import VOCAB, prompt_of, random_causal, random_seq2seq
 
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import ShardConfig
@@ -48,52 +36,11 @@ from tgis.shard_api.messages import (
     StepPlan,
 )
 
-VOCAB = 256
 NEW_TOKENS = 10
 LOGPROBS = DetailOptions(logprobs=True, ranks=True, generated_tokens=True)
 
 
-def prompt_of(length: int, seed: int) -> list[int]:
-    """A random prompt avoiding the special ids 0-2."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(length)]
-
-
 PROMPTS = {1: prompt_of(3, 1), 2: prompt_of(11, 2), 3: prompt_of(29, 3), 4: prompt_of(6, 4)}
-
-
-def _causal_configs() -> dict[str, tuple[Any, Any]]:
-    common: dict[str, Any] = dict(vocab_size=VOCAB, eos_token_id=2, bos_token_id=1)
-    return {
-        "gpt2": (
-            GPT2LMHeadModel,
-            GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common),
-        ),
-        "opt": (
-            OPTForCausalLM,
-            OPTConfig(
-                hidden_size=64,
-                word_embed_proj_dim=64,
-                ffn_dim=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                max_position_embeddings=256,
-                pad_token_id=0,
-                **common,
-            ),
-        ),
-        # BLOOM takes no position ids: ALiBi comes from the attention mask.
-        "bloom": (BloomForCausalLM, BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common)),
-    }
-
-
-def _randomize(model: Any, std: float) -> None:
-    """Larger weights than the default init, so logits are far from uniform (no near-ties)."""
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, std)
 
 
 @dataclass
@@ -149,70 +96,19 @@ def _save(model: Any, path: Path, seq2seq: bool = False) -> HfModel:
 @pytest.fixture(scope="module", params=["gpt2", "opt", "bloom"])
 def causal(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> HfModel:
     """One tiny random causal LM per family the native engine lacks."""
-    cls, config = _causal_configs()[request.param]
-    torch.manual_seed(0)
-    model = cls(config)
-    _randomize(model, 0.15)
-    return _save(model, tmp_path_factory.mktemp(request.param))
+    return _save(random_causal(request.param), tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory: pytest.TempPathFactory) -> HfModel:
     """The tiny GPT-2 alone, for the tests that need one causal family only."""
-    cls, config = _causal_configs()["gpt2"]
-    torch.manual_seed(0)
-    model = cls(config)
-    _randomize(model, 0.15)
-    return _save(model, tmp_path_factory.mktemp("gpt2-only"))
-
-
-def _t5() -> Any:
-    return T5ForConditionalGeneration(
-        T5Config(
-            vocab_size=VOCAB,
-            d_model=64,
-            d_kv=16,
-            d_ff=128,
-            num_layers=2,
-            num_decoder_layers=2,
-            num_heads=4,
-            eos_token_id=1,
-            pad_token_id=0,
-            decoder_start_token_id=0,
-        )
-    )
-
-
-def _bart() -> Any:
-    """BART's decoder has absolute positions: decode rows are grouped by length."""
-    return BartForConditionalGeneration(
-        BartConfig(
-            vocab_size=VOCAB,
-            d_model=64,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=128,
-            decoder_ffn_dim=128,
-            max_position_embeddings=256,
-            bos_token_id=0,
-            pad_token_id=1,
-            eos_token_id=2,
-            decoder_start_token_id=2,
-            forced_bos_token_id=None,
-            forced_eos_token_id=None,
-        )
-    )
+    return _save(random_causal("gpt2"), tmp_path_factory.mktemp("gpt2-only"))
 
 
 @pytest.fixture(scope="module")
 def t5(tmp_path_factory: pytest.TempPathFactory) -> HfModel:
     """A tiny random float32 T5 (pad 0 = decoder start, EOS 1)."""
-    torch.manual_seed(0)
-    model = _t5()
-    _randomize(model, 0.3)
-    return _save(model, tmp_path_factory.mktemp("t5"), seq2seq=True)
+    return _save(random_seq2seq("t5"), tmp_path_factory.mktemp("t5"), seq2seq=True)
 
 
 @pytest.fixture(scope="module", params=["t5", "bart"])
@@ -220,10 +116,7 @@ def seq2seq(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     """Each tiny random encoder-decoder family."""
     if request.param == "t5":
         return request.getfixturevalue("t5")
-    torch.manual_seed(0)
-    model = _bart()
-    _randomize(model, 0.3)
-    return _save(model, tmp_path_factory.mktemp("bart"), seq2seq=True)
+    return _save(random_seq2seq("bart"), tmp_path_factory.mktemp("bart"), seq2seq=True)
 
 
 def run_batch_with_late_joiner(router: Router, prompts: dict[int, list[int]]) -> None:
