@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tgis.launcher.local_process import BIN_DIR, LauncherProcess
@@ -14,6 +16,7 @@ __all__ = [
     "LauncherProcess",
     "descendants",
     "free_port",
+    "healthy_launcher",
     "is_alive",
     "start_launcher",
 ]
@@ -30,3 +33,17 @@ def start_launcher(
     if os.environ.get("TGIS_E2E_MODEL"):
         args += ["--model-name", os.environ["TGIS_E2E_MODEL"]]
     return _start(log_dir, args, env, unset_env=ISOLATED_ENV)
+
+
+@contextmanager
+def healthy_launcher(
+    log_dir: Path, extra_args: list[str] | None = None, env: dict[str, str] | None = None
+) -> Iterator[LauncherProcess]:
+    """A launcher (``start_launcher``) serving for the block's duration: healthy when the
+    block starts, stopped when it ends."""
+    launcher = start_launcher(log_dir, extra_args, env)
+    try:
+        launcher.wait_healthy()
+        yield launcher
+    finally:
+        launcher.stop()

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from tests.e2e.models import save_tiny_llama
-from tests.e2e.server import LauncherProcess, start_launcher
+from tests.e2e.server import LauncherProcess, healthy_launcher
 from tests.lora_oracle import lora_greedy, save_random_lora
 from tests.prefix_oracle import prefixed_greedy
 from tgis.pb import generation_pb2 as pb
@@ -59,16 +59,12 @@ def cache(model: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory) -> 
 def server(
     model: tuple[Path, Any], cache: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LauncherProcess]:
-    launcher = start_launcher(
+    with healthy_launcher(
         tmp_path_factory.mktemp("adapters-e2e"),
         ["--model-name", str(model[0]), "--max-sequence-length", "64", "--max-loras", "1"],
         env={"ADAPTER_CACHE": str(cache)},
-    )
-    try:
-        launcher.wait_healthy()
+    ) as launcher:
         yield launcher
-    finally:
-        launcher.stop()
 
 
 @pytest.fixture(scope="module")

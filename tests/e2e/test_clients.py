@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from tests.e2e.certs import make_pki
-from tests.e2e.server import BIN_DIR, LauncherProcess, start_launcher
+from tests.e2e.server import BIN_DIR, LauncherProcess, healthy_launcher, start_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -45,12 +45,8 @@ def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
-    launcher = start_launcher(tmp_path_factory.mktemp("clients"))
-    try:
-        launcher.wait_healthy()
+    with healthy_launcher(tmp_path_factory.mktemp("clients")) as launcher:
         yield launcher
-    finally:
-        launcher.stop()
 
 
 def unary_text(target: str, max_new_tokens: int) -> pb.GenerationResponse:

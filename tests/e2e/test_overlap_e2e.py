@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from tests.e2e.server import LauncherProcess, start_launcher
+from tests.e2e.server import LauncherProcess, healthy_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -41,22 +41,16 @@ STOPS = [[" the"], ["."], [" a", ","], [" of"]]
 
 @pytest.fixture(scope="module")
 def overlapped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
-    launcher = start_launcher(tmp_path_factory.mktemp("overlapped"))
-    try:
-        launcher.wait_healthy()
+    with healthy_launcher(tmp_path_factory.mktemp("overlapped")) as launcher:
         yield launcher
-    finally:
-        launcher.stop()
 
 
 @pytest.fixture(scope="module")
 def serial(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
-    launcher = start_launcher(tmp_path_factory.mktemp("serial"), env={"TGIS_PIPELINE_DEPTH": "1"})
-    try:
-        launcher.wait_healthy()
+    with healthy_launcher(
+        tmp_path_factory.mktemp("serial"), env={"TGIS_PIPELINE_DEPTH": "1"}
+    ) as launcher:
         yield launcher
-    finally:
-        launcher.stop()
 
 
 @dataclass

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
 from tests.e2e.models import PAD_TOKEN_ID, save_tiny_llama
-from tests.e2e.server import LauncherProcess, start_launcher
+from tests.e2e.server import LauncherProcess, healthy_launcher
 from tests.prefix_oracle import prefixed_greedy
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -62,16 +62,12 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def server(
     model: tuple[Path, Any], store: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LauncherProcess]:
-    launcher = start_launcher(
+    with healthy_launcher(
         tmp_path_factory.mktemp("prefix-e2e"),
         ["--model-name", str(model[0]), "--max-sequence-length", str(MAX_SEQUENCE_LENGTH)],
         env={"PREFIX_STORE_PATH": str(store)},
-    )
-    try:
-        launcher.wait_healthy()
+    ) as launcher:
         yield launcher
-    finally:
-        launcher.stop()
 
 
 @pytest.fixture(scope="module")

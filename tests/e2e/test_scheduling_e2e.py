@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from tests.e2e.server import LauncherProcess, start_launcher
+from tests.e2e.server import LauncherProcess, healthy_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -44,20 +44,14 @@ WORDS = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
     # 320 KV tokens (20 blocks) for up to 16 sequences of up to ~150 tokens each.
-    launcher = start_launcher(
-        tmp_path_factory.mktemp("scheduling"),
-        [
-            "--max-sequence-length", "256",
-            "--max-batch-total-tokens", "320",
-            "--max-batch-prefill-tokens", "96",
-            "--max-waiting-tokens", "4",
-        ],
-    )  # fmt: skip
-    try:
-        launcher.wait_healthy()
+    flags = [
+        "--max-sequence-length", "256",
+        "--max-batch-total-tokens", "320",
+        "--max-batch-prefill-tokens", "96",
+        "--max-waiting-tokens", "4",
+    ]  # fmt: skip
+    with healthy_launcher(tmp_path_factory.mktemp("scheduling"), flags) as launcher:
         yield launcher
-    finally:
-        launcher.stop()
 
 
 @pytest.fixture(scope="module")
