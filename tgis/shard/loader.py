@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -73,7 +72,8 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
                 store=_prefix_store(
                     config,
                     "PREFIX_STORE_PATH",
-                    embedding_dim=lambda: int(embeddings.shape[1]),
+                    config.prefix_store_path,
+                    embedding_dim=int(embeddings.shape[1]),
                     device=hf_runner.device,
                     dtype=embeddings.dtype,
                     is_encoder_decoder=hf_runner.info.model_kind is ModelKind.SEQ2SEQ_LM,
@@ -126,16 +126,21 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         num_blocks,
         spec.block_size,
     )
-    prefixes = Prefixes(
-        store=_prefix_store(
-            config, "PREFIX_STORE_PATH", lambda: _embedding_dim(model), device, dtype
-        ),
-        placeholder_id=placeholder_token_id(model_config),
-    )
+    prefix_store = None
+    if config.prefix_store_path:
+        prefix_store = _prefix_store(
+            config,
+            "PREFIX_STORE_PATH",
+            config.prefix_store_path,
+            _embedding_dim(model),
+            device,
+            dtype,
+        )
+    prefixes = Prefixes(store=prefix_store, placeholder_id=placeholder_token_id(model_config))
     adapters = NO_ADAPTERS
     if config.adapter_cache:
         prompt_tuning = _prefix_store(
-            config, "ADAPTER_CACHE", lambda: _embedding_dim(model), device, dtype
+            config, "ADAPTER_CACHE", config.adapter_cache, _embedding_dim(model), device, dtype
         )
         adapters = _adapters(config, model.lora_sites(), prompt_tuning, device, dtype)
         info = _with_adapters(info, adapters)
@@ -201,17 +206,14 @@ def _embedding_dim(model: CausalLM) -> int:
 def _prefix_store(
     config: ShardConfig,
     setting: str,
-    embedding_dim: Callable[[], int],
+    path: str,
+    embedding_dim: int,
     device: torch.device,
     dtype: torch.dtype,
     is_encoder_decoder: bool = False,
-) -> PrefixStore | None:
-    """A prompt-tuning prefix store over ``PREFIX_STORE_PATH``, or over the prompt-tuning
-    adapters of ``ADAPTER_CACHE`` (``setting``); None when it is unset. ``embedding_dim``
-    gives the model's embedding width (called only when the setting is set)."""
-    path = config.prefix_store_path if setting == "PREFIX_STORE_PATH" else config.adapter_cache
-    if not path:
-        return None
+) -> PrefixStore:
+    """A prompt-tuning prefix store over ``path``: ``PREFIX_STORE_PATH``, or the
+    prompt-tuning adapters of ``ADAPTER_CACHE`` (``setting`` names it in errors)."""
     store_path = Path(path)
     if not store_path.is_dir():
         raise StartupError(f"{setting} {store_path} is not a directory")
@@ -223,7 +225,7 @@ def _prefix_store(
     )
     return PrefixStore(
         store_path,
-        embedding_dim=embedding_dim(),
+        embedding_dim=embedding_dim,
         dtype=dtype,
         device=device,
         max_length=config.prefix_length_limit,
