@@ -121,6 +121,26 @@ def divergence(command: Command, outcomes: list[Outcome]) -> str | None:
     return f"ranks diverged on {command.value} ({'; '.join(parts)})"
 
 
+def lookup_disagreement(message: Message, ours: Outcome, theirs: Outcome) -> str:
+    """Why a prefix or adapter that rank 0 loaded fails: another rank read it otherwise."""
+
+    def read(outcome: Outcome) -> str:
+        if outcome.error:
+            return outcome.error
+        if message.command is Command.PREFIX:
+            return f"{outcome.prefix_length} virtual tokens"
+        return str(outcome.adapter)
+
+    if message.command is Command.PREFIX:
+        what = f"the tensor-parallel ranks read prefix {message.prefix_id} differently"
+    else:
+        what = (
+            f"can't retrieve adapter with id '{message.adapter_id}': the tensor-parallel "
+            "ranks read it differently"
+        )
+    return f"{what} (rank 0: {read(ours)}, another: {read(theirs)})"
+
+
 def with_seeds(plan: StepPlan) -> StepPlan:
     """Give every sampled new sequence without a seed one, so all ranks draw alike."""
     if all(ns.sampling.is_greedy or ns.sampling.seed is not None for ns in plan.new_sequences):
@@ -218,23 +238,10 @@ class LockstepRunner:
             bad = [f"rank {r}: {o.error}" for r, o in enumerate(outcomes) if o.error]
             if bad:
                 raise RuntimeError("; ".join(bad))
-        if message.command is Command.PREFIX and error is None:
-            differ = [o for o in outcomes if o != outcomes[0]]
-            if differ:
-                theirs = differ[0].error or f"{differ[0].prefix_length} virtual tokens"
-                raise invalid(
-                    f"the tensor-parallel ranks read prefix {message.prefix_id} differently "
-                    f"(rank 0: {outcomes[0].prefix_length} virtual tokens, another: {theirs})"
-                )
-        if message.command is Command.ADAPTER and error is None:
-            differ = [o for o in outcomes if o != outcomes[0]]
-            if differ:
-                theirs = differ[0].error or str(differ[0].adapter)
-                raise invalid(
-                    f"can't retrieve adapter with id '{message.adapter_id}': the "
-                    f"tensor-parallel ranks read it differently (rank 0: {outcomes[0].adapter}, "
-                    f"another: {theirs})"
-                )
+        if message.command in (Command.PREFIX, Command.ADAPTER) and error is None:
+            other = next((o for o in outcomes if o != outcomes[0]), None)
+            if other is not None:
+                raise invalid(lookup_disagreement(message, outcomes[0], other))
         if error is not None:
             raise error
         return output
