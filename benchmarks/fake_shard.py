@@ -9,6 +9,10 @@ Every sequence gets one token per step once its prompt is complete, exactly as t
 does, and the tokens cycle through whole-word vocabulary entries of the tokenizer (``Ġword``
 in byte-level BPE), so they detokenize to English-looking text and are never EOS or special.
 
+With ``--fail-steps`` it is a broken shard instead: Info and Health answer, but every Step
+fails (``INTERNAL``) until SIGUSR1 toggles the fault off (and on again); the fault tests
+(tests/e2e/test_faults_e2e.py) check the router's health reports against it.
+
 It exists so that ``benchmarks/router_only.py`` can measure the router's own ceiling: with the
 shard costing (almost) nothing, the tokens per second the router streams are bounded by its
 own scheduling, protobuf, detokenization, stop checks and streaming.
@@ -35,8 +39,15 @@ from pathlib import Path
 import grpc
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
-from tgis.shard_api.channel import StepChannelServer, step_channel_path
-from tgis.shard_api.messages import SampledToken, SequenceError, StepOutput, StepPlan, TokenDetail
+from tgis.shard_api.channel import StepChannelServer, StepFailed, step_channel_path
+from tgis.shard_api.messages import (
+    SampledToken,
+    SequenceError,
+    StepErrorCode,
+    StepOutput,
+    StepPlan,
+    TokenDetail,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_TOKENIZER = REPO_ROOT / "tgis" / "embedded_model" / "data" / "tokenizer.json"
@@ -104,6 +115,11 @@ class FakeShardConfig:
     num_blocks: int = 65536
     max_position_embeddings: int = 0
     step_delay_s: float = 0.0
+    fail_steps: bool = False
+    """Every Step fails with ``INJECTED_FAULT`` while this is set (SIGUSR1 toggles it)."""
+
+
+INJECTED_FAULT = "injected fault: this fake shard fails every step"
 
 
 class FakeShardServicer(shard_pb2_grpc.ShardServiceServicer):
@@ -156,6 +172,8 @@ class FakeShardServicer(shard_pb2_grpc.ShardServiceServicer):
         """One token per sequence whose known tokens are all computed now; no forward pass."""
         if self.config.step_delay_s > 0:
             time.sleep(self.config.step_delay_s)
+        if self.config.fail_steps:
+            raise StepFailed(StepErrorCode.INTERNAL, INJECTED_FAULT)
         with self._lock:
             sequences = self.sequences
             for request_id in plan.finished_request_ids:
@@ -185,6 +203,12 @@ class FakeShardServicer(shard_pb2_grpc.ShardServiceServicer):
         return StepOutput(plan.step_id, tuple(tokens), errors=tuple(errors))
 
 
+def toggle_fault(config: FakeShardConfig) -> None:
+    """SIGUSR1: steps start failing, or stop failing."""
+    config.fail_steps = not config.fail_steps
+    print(f"fake shard: fail_steps={config.fail_steps}", file=sys.stderr, flush=True)
+
+
 async def serve(config: FakeShardConfig, uds_path: str, ready_file: Path | None = None) -> None:
     """Serve on ``unix://uds_path`` until SIGTERM/SIGINT; touch ``ready_file`` once bound."""
     with contextlib.suppress(FileNotFoundError):
@@ -208,6 +232,7 @@ async def serve(config: FakeShardConfig, uds_path: str, ready_file: Path | None 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, toggle_fault, config)
     await stop.wait()
     await server.stop(1.0)
     channel.close()
@@ -230,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=65536, help="KV blocks in Info")
     parser.add_argument("--step-delay-ms", type=float, default=0.0, help="sleep per Step (0)")
     parser.add_argument("--ready-file", type=Path, help="written with the pid once serving")
+    parser.add_argument(
+        "--fail-steps", action="store_true", help="every Step fails until SIGUSR1 (toggles)"
+    )
     args = parser.parse_args(argv)
     eos, vocab_size = model_facts(args.tokenizer)
     config = FakeShardConfig(
@@ -238,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size=vocab_size,
         num_blocks=args.num_blocks,
         step_delay_s=args.step_delay_ms / 1000,
+        fail_steps=args.fail_steps,
     )
     asyncio.run(serve(config, args.uds, args.ready_file))
     return 0

@@ -7,18 +7,14 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from tests.e2e.certs import Pki, SecretMount, make_pki, server_files
+from tests.e2e.probes import greedy, health_status, long_stream, wait_until
 from tests.e2e.server import LauncherProcess, descendants, free_port, is_alive, start_launcher
 from tests.otlp_collector import OtlpCollector
 from tgis.pb import generation_pb2 as pb
@@ -29,13 +25,6 @@ pytestmark = pytest.mark.slow
 NEW_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # no connection shared across channels
 
 
-def greedy(tokens: int) -> pb.Parameters:
-    return pb.Parameters(
-        method=pb.GREEDY,
-        stopping=pb.StoppingCriteria(max_new_tokens=tokens, min_new_tokens=tokens),
-    )
-
-
 def generate_once(
     channel: grpc.Channel, metadata: tuple[tuple[str, str], ...] = ()
 ) -> pb.BatchedGenerationResponse:
@@ -44,62 +33,6 @@ def generate_once(
         metadata=metadata,
         timeout=30,
     )
-
-
-@dataclass
-class Stream:
-    """A GenerateStream consumed by a thread: its progress, end and error."""
-
-    tokens: int = 0
-    stop_reason: int = pb.NOT_FINISHED
-    error: BaseException | None = None
-    started: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-@contextmanager
-def long_stream(channel: grpc.Channel, tokens: int) -> Iterator[Stream]:
-    """Start a stream of ``tokens`` tokens; yields once it has produced some."""
-    stream = Stream()
-
-    def consume() -> None:
-        try:
-            request = pb.SingleGenerationRequest(
-                request=pb.GenerationRequest(text="Once upon a time"), params=greedy(tokens)
-            )
-            for message in pb_grpc.GenerationServiceStub(channel).GenerateStream(
-                request, timeout=120
-            ):
-                stream.tokens = max(stream.tokens, message.generated_token_count)
-                stream.stop_reason = message.stop_reason
-                if stream.tokens >= 5:
-                    stream.started.set()
-        except BaseException as err:
-            stream.error = err
-        finally:
-            stream.started.set()
-            stream.done.set()
-
-    thread = threading.Thread(target=consume, daemon=True)
-    thread.start()
-    assert stream.started.wait(60)
-    assert stream.error is None, stream.error
-    try:
-        yield stream
-    finally:
-        thread.join(120)
-
-
-def wait_until(condition: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
-def health_status(channel: grpc.Channel) -> int:
-    stub = health_pb2_grpc.HealthStub(channel)
-    return int(stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status)
 
 
 # ---- drain on SIGTERM -------------------------------------------------------------------------

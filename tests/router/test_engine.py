@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from tgis.embedded_model import MODEL_DIR
-from tgis.router.engine import Engine
+from tgis.router.engine import Engine, ShardHungError
 from tgis.router.errors import GenerationError
 from tgis.router.metrics import Metrics
 from tgis.router.request_state import RequestState, TokenEvent
@@ -65,6 +65,7 @@ class ScriptedShard:
         eos_at_step: int | None = None,
         failure: ShardFailure = ShardFailure.ERROR,
         oom_when: Callable[[StepPlan], bool] | None = None,
+        hang_at_step: int | None = None,
     ):
         self.plans: list[StepPlan] = []
         self.seqs: dict[int, list[int]] = {}  # request id -> [known tokens, computed]
@@ -72,6 +73,7 @@ class ScriptedShard:
         self.eos_at_step = eos_at_step
         self.failure = failure
         self.oom_when = oom_when
+        self.hang_at_step = hang_at_step  # this step and every later one never answer
         self.last_completed = 0
         self.stale: list[int] = []
         self._queue: asyncio.Queue[tuple[StepPlan, asyncio.Future[StepOutput]]] | None = None
@@ -93,6 +95,8 @@ class ScriptedShard:
             plan, future = await self._queue.get()
             await asyncio.sleep(0.001)
             if future.cancelled():
+                continue
+            if self.hang_at_step is not None and plan.step_id >= self.hang_at_step:
                 continue
             try:
                 future.set_result(self._run(plan))
@@ -155,6 +159,7 @@ def make_engine(
     info: ShardInfo = INFO,
     batch_size: int = 4,
     start: bool = True,
+    step_timeout: float = 600.0,
 ) -> Engine:
     engine = Engine(
         shard=shard,  # type: ignore[arg-type]
@@ -162,6 +167,7 @@ def make_engine(
         tokenizer=RouterTokenizer(str(MODEL_DIR / "tokenizer.json")),
         limits=SchedulerLimits(max_batch_size=batch_size, max_batch_prefill_tokens=batch_tokens),
         metrics=Metrics(max_sequence_length=1024, max_new_tokens=1023, max_batch_size=batch_size),
+        step_timeout=step_timeout,
     )
     if start:
         engine.start()
@@ -245,6 +251,38 @@ def test_eos_stops_and_shard_failure_fails_every_request_in_the_step() -> None:
         result = await final_event(engine.submit(request(10), time.monotonic()))
         await engine.stop()
         assert isinstance(result, GenerationError)
+
+    run(scenario())
+
+
+def test_a_step_unanswered_past_the_timeout_fails_every_request_and_ends_the_loop() -> None:
+    async def scenario() -> None:
+        engine = make_engine(
+            ScriptedShard(hang_at_step=4), batch_size=2, start=False, step_timeout=0.2
+        )
+        task = engine.start()
+        states = [engine.submit(request(50), time.monotonic()) for _ in range(3)]  # 1 queued
+        started = time.monotonic()
+        results = [await final_event(s) for s in states]
+        waited = time.monotonic() - started
+        with pytest.raises(ShardHungError) as hung:
+            await task
+        await engine.stop()
+        assert 0.2 <= waited < 5.0
+        message = "the shard did not answer step 4 within 0.2 s (TGIS_STEP_TIMEOUT): it is hung"
+        assert str(hung.value) == message
+        for result in results:  # running and queued alike
+            assert isinstance(result, GenerationError)
+            assert result.detail == message
+        assert engine.generation_healthy is False
+        metrics = metric_samples(engine)
+        assert metrics["tgi_batch_current_size"] == 0
+        assert metrics["tgi_queue_size"] == 0
+        assert metrics["tgi_kv_cache_used_blocks"] == 0
+        assert (
+            metrics['tgi_batch_inference_failure_total{method="next_token",reason="connection"}']
+            == 1
+        )
 
     run(scenario())
 

@@ -258,6 +258,7 @@ class Supervisor:
         running = [child for child in children if child.poll() is None]
         for child in running:
             child.signal_group(signal.SIGTERM)
+            child.signal_group(signal.SIGCONT)  # a stopped (SIGSTOP) child acts on it too
         if running:
             self.log.info("Waiting for %s to stop", what)
         deadline = time.monotonic() + timeout

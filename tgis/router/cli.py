@@ -12,6 +12,7 @@ from tgis.log import setup_logging
 from tgis.router.config import (
     DEFAULT_OTLP_SERVICE_NAME,
     DEFAULT_SHUTDOWN_GRACE_S,
+    DEFAULT_STEP_TIMEOUT_S,
     RouterConfig,
     TlsConfig,
     TracingConfig,
@@ -138,6 +139,14 @@ def _default_tokenization_workers() -> int:
     help="Steps in flight: 2 plans and sends the next step while one runs (overlap); 1 is "
     "the serial loop (a reference for debugging).",
 )
+@click.option(
+    "--step-timeout",
+    envvar="TGIS_STEP_TIMEOUT",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=DEFAULT_STEP_TIMEOUT_S,
+    help="Seconds the shard may take to answer one step; past them it is taken as hung: "
+    "requests fail, the router exits non-zero and the launcher stops.",
+)
 def main(
     max_concurrent_requests: int,
     max_sequence_length: int,
@@ -167,6 +176,7 @@ def main(
     shutdown_grace_period: float,
     shard_connect_timeout: float,
     pipeline_depth: int,
+    step_timeout: float,
 ) -> None:
     """Serve fmaas.GenerationService, /health and /metrics in front of a running shard."""
     setup_logging(json_output, "router")
@@ -210,6 +220,7 @@ def main(
             default_include_stop_seqs=default_include_stop_seqs,
             shard_connect_timeout=shard_connect_timeout,
             pipeline_depth=pipeline_depth,
+            step_timeout=step_timeout,
             tracing=(
                 TracingConfig(endpoint=otlp_endpoint, service_name=otlp_service_name)
                 if otlp_endpoint
@@ -219,6 +230,7 @@ def main(
         )
     except ValueError as err:
         fail_startup(str(err))
+    from tgis.router.engine import ShardHungError
     from tgis.router.server import Router, StartupError
     from tgis.router.shard_client import ShardError
 
@@ -228,6 +240,8 @@ def main(
         fail_startup(str(err))
     except ShardError as err:
         fail_startup(f"Could not connect to server: {err.detail}")
+    except ShardHungError as err:
+        fail_startup(str(err))
     except OSError as err:  # e.g. the HTTP port is taken
         log.debug("fatal error", exc_info=True)
         fail_startup(f"{type(err).__name__}: {err}")

@@ -21,6 +21,11 @@ DEFAULT_OTLP_SERVICE_NAME = "text-generation-inference.router"
 """TGIS's OpenTelemetry service.name for the router."""
 
 
+DEFAULT_STEP_TIMEOUT_S = 600.0
+"""How long one step may run before the shard is taken as hung: far above any real step
+(a full 4,096-token prefill of an 8B model takes about a minute even on a CPU)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TlsConfig:
     """PEM files for the gRPC port; client_ca_path set means client certificates are required."""
@@ -80,6 +85,8 @@ class RouterConfig:
     shard_connect_timeout: float = 60.0
     pipeline_depth: int = 2
     """Steps in flight: 2 overlaps the router's work with the shard's, 1 is the serial loop."""
+    step_timeout: float = DEFAULT_STEP_TIMEOUT_S
+    """Seconds the shard may take to answer one step before it is taken as hung."""
     tracing: TracingConfig | None = None
     shutdown_grace_period: float = DEFAULT_SHUTDOWN_GRACE_S
     """Seconds in-flight requests may run after SIGTERM (new ones are refused meanwhile)."""

@@ -20,6 +20,11 @@ runs out of memory on a step of several sequences, the younger half of them is p
 held; only if that retry runs out of memory too do its requests fail. The step sent on top
 of a failed one is refused by the shard (``base_step_id``) and simply undone. Either way
 the failure is logged and counted and the engine carries on.
+
+A shard that does not answer a step within ``step_timeout`` seconds of starting it (stopped,
+deadlocked, stuck in a driver call) is taken as hung: every live request fails with the
+reason, and the engine task ends with ``ShardHungError``, which the router turns into a
+fatal exit (the launcher then stops everything and exits non-zero).
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NoReturn
 
 from tgis.router.block_allocator import BlockAllocator
+from tgis.router.config import DEFAULT_STEP_TIMEOUT_S
 from tgis.router.detokenizer import IncrementalDetokenizer
 from tgis.router.errors import GenerationError
 from tgis.router.metrics import Metrics, step_method
@@ -58,6 +65,10 @@ PIPELINE_DEPTH = 2
 """Steps sent and not answered at most: the one running and the one planned on top of it."""
 
 
+class ShardHungError(Exception):
+    """The shard did not answer a step in time; the message says which and how long."""
+
+
 @dataclass(slots=True)
 class _InFlight:
     step: ScheduledStep
@@ -77,6 +88,7 @@ class Engine:
         metrics: Metrics,
         output_special_tokens: bool = False,
         pipeline_depth: int = PIPELINE_DEPTH,
+        step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
     ) -> None:
         self.shard = shard
         self.info = info
@@ -84,6 +96,7 @@ class Engine:
         self.metrics = metrics
         self.output_special_tokens = output_special_tokens
         self.pipeline_depth = pipeline_depth
+        self.step_timeout = step_timeout
         if info.is_seq2seq:  # the encoder-decoder engine cannot recompute generated tokens
             limits = replace(limits, preemption=False)
         num_blocks = kv_capacity_blocks(limits, info)
@@ -129,13 +142,15 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self) -> asyncio.Task[None]:
+        """Start the loop; the task ends only with ``ShardHungError`` (or when stopped)."""
         self._task = asyncio.create_task(self._run(), name="engine")
+        return self._task
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, ShardHungError):
                 await self._task
         for flight in self._in_flight:
             flight.result.cancel()
@@ -174,8 +189,14 @@ class Engine:
     async def _receive(self, flight: _InFlight) -> None:
         """Wait for the oldest step's output and apply it (or handle its failure)."""
         step = flight.step
+        # The step starts running when the one before it has been answered.
+        deadline = max(flight.sent_at, self._last_answer) + self.step_timeout
         try:
-            output = await self.shard.step_result(flight.result)
+            output = await asyncio.wait_for(
+                self.shard.step_result(flight.result), max(deadline - time.monotonic(), 0.0)
+            )
+        except TimeoutError:
+            self._shard_hung(flight)
         except ShardError as err:
             await self._step_failed(flight, err)
             return
@@ -245,6 +266,23 @@ class Engine:
             return
         self.scheduler.hold_admissions = False
         self._emit(self.scheduler.fail_step(step, err.detail))
+
+    def _shard_hung(self, flight: _InFlight) -> NoReturn:
+        """No answer in time: fail every live request with the reason and stop the loop."""
+        message = (
+            f"the shard did not answer step {flight.step.plan.step_id} within "
+            f"{self.step_timeout:g} s (TGIS_STEP_TIMEOUT): it is hung"
+        )
+        log.error("%s", message)
+        self.generation_healthy = False
+        self.metrics.step_failed(flight.method, ShardFailure.CONNECTION.value)
+        scheduler = self.scheduler
+        update = StepUpdate()
+        for state in [*scheduler.running, *scheduler.waiting]:
+            scheduler.fail(state, GenerationError(message), update)
+        self._emit(update)
+        self._update_gauges()
+        raise ShardHungError(message)
 
     # ---- events and metrics ---------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from tgis.router.block_allocator import blocks_for
 from tgis.router.concurrency import ConcurrencyLimiter
 from tgis.router.config import RouterConfig
 from tgis.router.drain import Drain
-from tgis.router.engine import Engine
+from tgis.router.engine import Engine, ShardHungError
 from tgis.router.generation_service import GenerationServicer
 from tgis.router.health import LIVENESS_TEXT, GenerationHealth
 from tgis.router.http_server import start_http_server
@@ -157,6 +157,7 @@ class Router:
             metrics=metrics,
             output_special_tokens=config.output_special_tokens,
             pipeline_depth=config.pipeline_depth,
+            step_timeout=config.step_timeout,
         )
         engine.on_token_generated = self._mark_serving
         servicer = GenerationServicer(
@@ -198,7 +199,7 @@ class Router:
             except TlsError as err:
                 raise StartupError(str(err)) from err
         _bind(server, config.grpc_port, credentials)
-        engine.start()
+        engine_task = engine.start()
         await server.start()
         log.info(
             "gRPC server started on port %d%s", config.grpc_port, " (TLS)" if config.tls else ""
@@ -210,9 +211,17 @@ class Router:
         log.info("HTTP server started on port %d", config.port)
         warmup = asyncio.create_task(health_check.generate_one_token())
         signals = _signal_event()
-        await signals.wait()
+        signalled = asyncio.ensure_future(signals.wait())
+        await asyncio.wait((signalled, engine_task), return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
         warmup.cancel()
-        await self._drain(signals)
+        hung = _hung_shard(engine_task)
+        if hung is None:
+            await self._drain(signals)
+        else:  # the requests have failed already: let their calls end, then exit non-zero
+            self.drain.start()
+            await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            await self.drain.wait_idle(STOP_GRACE_S)
         await server.stop(STOP_GRACE_S)
         await http.cleanup()
         await engine.stop()
@@ -220,6 +229,8 @@ class Router:
         self.tokenizer.close()
         if self.tracing is not None:
             self.tracing.shutdown(TRACING_FLUSH_S)
+        if hung is not None:
+            raise hung
         log.info("router stopped")
 
     async def _drain(self, signals: asyncio.Event) -> None:
@@ -260,6 +271,18 @@ class Router:
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
             await self.health_servicer.set(name, status)
+
+
+def _hung_shard(engine_task: asyncio.Task[None]) -> ShardHungError | None:
+    """Why the engine stopped, when it did: the shard hung (the only way it ends alone)."""
+    if not engine_task.done() or engine_task.cancelled():
+        return None
+    error = engine_task.exception()
+    if isinstance(error, ShardHungError):
+        return error
+    if error is not None:
+        raise error
+    return None
 
 
 def _signal_event() -> asyncio.Event:
