@@ -39,12 +39,11 @@ class Stream:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-@contextmanager
-def long_stream(
-    channel: grpc.Channel, tokens: int, text: str = "Once upon a time"
-) -> Iterator[Stream]:
-    """Start a stream of ``tokens`` tokens; yields once it has produced some (5), and
-    waits for its end when the block ends."""
+def start_stream(
+    channel: grpc.Channel, tokens: int, text: str = "Once upon a time", started_after: int = 5
+) -> tuple[Stream, threading.Thread]:
+    """A stream of exactly ``tokens`` greedy tokens consumed by a new thread; its
+    ``started`` event is set once it has produced ``started_after`` tokens (or ended)."""
     stream = Stream()
 
     def consume() -> None:
@@ -58,7 +57,7 @@ def long_stream(
                 stream.tokens = max(stream.tokens, message.generated_token_count)
                 stream.stop_reason = message.stop_reason
                 stream.text += message.text
-                if stream.tokens >= 5:
+                if stream.tokens >= started_after:
                     stream.started.set()
         except BaseException as err:
             stream.error = err
@@ -68,6 +67,16 @@ def long_stream(
 
     thread = threading.Thread(target=consume, daemon=True)
     thread.start()
+    return stream, thread
+
+
+@contextmanager
+def long_stream(
+    channel: grpc.Channel, tokens: int, text: str = "Once upon a time"
+) -> Iterator[Stream]:
+    """Start a stream of ``tokens`` tokens; yields once it has produced some (5), and
+    waits for its end when the block ends."""
+    stream, thread = start_stream(channel, tokens, text)
     assert stream.started.wait(60)
     assert stream.error is None, stream.error
     try:

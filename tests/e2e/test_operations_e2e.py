@@ -5,8 +5,10 @@ errors in the termination log."""
 from __future__ import annotations
 
 import json
+import random
 import signal
 import socket
+import time
 from pathlib import Path
 
 import grpc
@@ -14,7 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from tests.e2e.certs import Pki, SecretMount, make_pki, server_files
-from tests.e2e.probes import greedy, health_status, long_stream, wait_until
+from tests.e2e.models import save_tiny_llama
+from tests.e2e.probes import greedy, health_status, long_stream, start_stream, wait_until
 from tests.e2e.server import LauncherProcess, descendants, free_port, is_alive, start_launcher
 from tests.otlp_collector import OtlpCollector
 from tgis.pb import generation_pb2 as pb
@@ -70,6 +73,67 @@ def test_sigterm_drains_the_in_flight_stream_then_exits_0(tmp_path: Path) -> Non
         log = launcher.log_tail(20000)
         assert "1 in flight given up to 20 s" in log
         assert "in-flight requests finished" in log
+    finally:
+        launcher.stop()
+
+
+DRAIN_WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing"
+
+
+def test_sigterm_with_64_streams_in_flight_finishes_each_as_it_would_alone(tmp_path: Path) -> None:
+    """Issue 11 item 4: every stream in flight at SIGTERM completes within the grace period
+    with the text it has when it runs alone, while new requests are refused."""
+    tokens, streams_in_flight, grace = 120, 64, 60
+    model = tmp_path / "model"
+    save_tiny_llama(model)
+    args = ["--model-name", str(model), "--max-sequence-length", "256"]
+    args += ["--max-batch-size", str(streams_in_flight), "--shutdown-grace-period", str(grace)]
+    launcher = start_launcher(tmp_path, args)
+    rng = random.Random(11)
+    words = DRAIN_WORDS.split()
+    lengths = [1 + i % 30 for i in range(streams_in_flight)]  # words: up to ~60 tokens
+    prompts = [" ".join(rng.choice(words) for _ in range(n)) for n in lengths]
+    try:
+        launcher.wait_healthy()
+        children = descendants(launcher.proc.pid)
+        with grpc.insecure_channel(launcher.grpc_target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            alone = [
+                stub.Generate(
+                    pb.BatchedGenerationRequest(
+                        requests=[pb.GenerationRequest(text=prompt)], params=greedy(tokens)
+                    ),
+                    timeout=60,
+                )
+                .responses[0]
+                .text
+                for prompt in prompts
+            ]
+            started = [start_stream(channel, tokens, p, started_after=1) for p in prompts]
+            for stream, _ in started:
+                assert stream.started.wait(60)
+            signalled_at = time.monotonic()
+            launcher.proc.send_signal(signal.SIGTERM)
+            in_flight = sum(not stream.done.is_set() for stream, _ in started)
+            wait_until(lambda: health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING)
+            with pytest.raises(grpc.RpcError) as refused:
+                generate_once(channel)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            for _, thread in started:
+                thread.join(grace)
+            drained_in = time.monotonic() - signalled_at
+        assert in_flight == streams_in_flight, "streams ended before the signal"
+        for (stream, _), text in zip(started, alone, strict=True):
+            assert stream.error is None, stream.error
+            assert (stream.tokens, stream.stop_reason) == (tokens, pb.MAX_TOKENS)
+            assert stream.text == text
+        assert drained_in < grace
+        assert launcher.proc.wait(30) == 0, launcher.log_tail()
+        wait_until(lambda: not [p for p in children if is_alive(p)])
+        log = launcher.log_tail(200000)
+        assert f"{streams_in_flight} in flight given up to {grace} s" in log
+        assert "in-flight requests finished" in log
+        print(f"64 streams drained in {drained_in:.2f} s")
     finally:
         launcher.stop()
 
