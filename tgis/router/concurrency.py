@@ -17,6 +17,8 @@ class ConcurrencyLimiter:
         return True
 
     def release(self, count: int) -> None:
-        self.in_use -= count
-        if self.in_use < 0:
+        """Give back ``count`` permits; RuntimeError (nothing changed) if fewer are in use,
+        so a double release cannot leave the count negative and so raise the limit."""
+        if count > self.in_use:
             raise RuntimeError("more concurrency permits released than acquired")
+        self.in_use -= count
