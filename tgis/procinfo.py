@@ -68,3 +68,15 @@ def host_busy_seconds() -> float:
         return 0.0
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
     return (user + nice + system + irq + softirq + steal) / CLK_TCK
+
+
+def resident_kib(pid: int) -> int | None:
+    """Resident memory (VmRSS) of process ``pid`` in KiB; None if it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return None

@@ -13,6 +13,7 @@ from tgis.router.config import (
     DEFAULT_OTLP_SERVICE_NAME,
     DEFAULT_SHUTDOWN_GRACE_S,
     DEFAULT_STEP_TIMEOUT_S,
+    DEFAULT_STREAM_STALL_TIMEOUT_S,
     RouterConfig,
     TlsConfig,
     TracingConfig,
@@ -147,6 +148,14 @@ def _default_tokenization_workers() -> int:
     help="Seconds the shard may take to answer one step; past them it is taken as hung: "
     "requests fail, the router exits non-zero and the launcher stops.",
 )
+@click.option(
+    "--stream-stall-timeout",
+    envvar="TGIS_STREAM_STALL_TIMEOUT",
+    type=click.FloatRange(min=0.0, min_open=True),
+    default=DEFAULT_STREAM_STALL_TIMEOUT_S,
+    help="Seconds a streamed message may wait for a client that does not read; then the "
+    "stream is cancelled, freeing its request and permit.",
+)
 def main(
     max_concurrent_requests: int,
     max_sequence_length: int,
@@ -177,6 +186,7 @@ def main(
     shard_connect_timeout: float,
     pipeline_depth: int,
     step_timeout: float,
+    stream_stall_timeout: float,
 ) -> None:
     """Serve fmaas.GenerationService, /health and /metrics in front of a running shard."""
     setup_logging(json_output, "router")
@@ -221,6 +231,7 @@ def main(
             shard_connect_timeout=shard_connect_timeout,
             pipeline_depth=pipeline_depth,
             step_timeout=step_timeout,
+            stream_stall_timeout=stream_stall_timeout,
             tracing=(
                 TracingConfig(endpoint=otlp_endpoint, service_name=otlp_service_name)
                 if otlp_endpoint

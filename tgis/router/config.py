@@ -21,6 +21,8 @@ DEFAULT_OTLP_SERVICE_NAME = "text-generation-inference.router"
 """TGIS's OpenTelemetry service.name for the router."""
 
 
+DEFAULT_STREAM_STALL_TIMEOUT_S = 60.0
+"""How long one streamed message may wait for a client that does not read."""
 DEFAULT_STEP_TIMEOUT_S = 600.0
 """How long one step may run before the shard is taken as hung: far above any real step
 (a full 4,096-token prefill of an 8B model takes about a minute even on a CPU)."""
@@ -87,6 +89,9 @@ class RouterConfig:
     """Steps in flight: 2 overlaps the router's work with the shard's, 1 is the serial loop."""
     step_timeout: float = DEFAULT_STEP_TIMEOUT_S
     """Seconds the shard may take to answer one step before it is taken as hung."""
+    stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT_S
+    """Seconds a stream's message may wait for a client that does not read; then the
+    stream is cancelled."""
     tracing: TracingConfig | None = None
     shutdown_grace_period: float = DEFAULT_SHUTDOWN_GRACE_S
     """Seconds in-flight requests may run after SIGTERM (new ones are refused meanwhile)."""

@@ -15,12 +15,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextvars import Token
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from tgis.log import bind_log_fields, reset_log_fields
 from tgis.pb import generation_pb2, generation_pb2_grpc
@@ -45,6 +46,7 @@ from tgis.router.request_context import correlation_id
 from tgis.router.request_state import Event, InputTokensEvent, RequestState, TokenEvent
 from tgis.router.request_types import StopReason, ValidatedRequest
 from tgis.router.shard_client import AdapterLookupError, PrefixLookupError, ShardError
+from tgis.router.stalled_streams import StalledStreams
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.tracing import RequestSpan, Tracing
 from tgis.router.validation import (
@@ -54,6 +56,7 @@ from tgis.router.validation import (
     adapter_lookup_error,
     check_adapter_id,
     prefix_lookup_error,
+    undecodable_request_error,
     unsupported_adapter_error,
     validate_inputs,
     validate_params,
@@ -94,6 +97,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         adapters: AdapterKinds | None = None,
         drain: Drain | None = None,
         tracing: Tracing | None = None,
+        stalled_streams: StalledStreams | None = None,
     ) -> None:
         """``prefixes``: where prompt-prefix lengths come from (the shard, through a cache);
         None for a servicer without a shard, that finds no prefix. ``adapters``: where
@@ -102,6 +106,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.prefixes = prefixes if prefixes is not None else PrefixLengths(_no_prefixes, metrics)
         self.adapters = adapters
         self.drain = drain if drain is not None else Drain()
+        self.stalled_streams = stalled_streams if stalled_streams is not None else StalledStreams()
         self.tracing = tracing
         self.engine = engine
         self.tokenizer = tokenizer
@@ -130,6 +135,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def GenerateStream(
         self, request: pb.SingleGenerationRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerationResponse]:
+        if isinstance(request, _Undecodable):  # see add_generation_service
+            await _refuse_undecodable(request, context, self.metrics)
         arrival = time.monotonic()
         fields, trace = await self._enter("GenerateStream", context, arrival)
         error: BaseException | None = None
@@ -191,20 +198,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             trace.adapters(_optional(request, "prefix_id"), _optional(request, "adapter_id"))
         await self._acquire(1, context)
         state: RequestState | None = None
+        watched = self.stalled_streams.watch()
         try:
             if not request.HasField("request"):
                 await abort(context, ValidationError("missing request"))
             (validated,) = await self._validate(request, [request.request.text], arrival, context)
             state = self.engine.submit(validated, arrival)
+            watched.request_id = state.request_id
             if trace is not None:
                 trace.validated((state,), time.monotonic())
             async for message in self._stream(state, validated, arrival):
-                yield message
+                watched.sending_since = time.monotonic()
+                yield message  # back here once gRPC has sent it (flow control permitting)
+                watched.sending_since = None
         except GenerationError as err:
             self.metrics.request_failure("generate")
             log.error("Streaming response failed: %s", err)
             await abort(context, err)
         finally:
+            self.stalled_streams.forget(watched)
             if state is not None:
                 self.engine.abort(state)
             self.limiter.release(1)
@@ -545,4 +557,89 @@ async def _all_or_nothing(coros: list[Any]) -> list[Any]:
             task.cancel()
 
 
-__all__ = ["GenerationServicer", "RouterError"]
+# ---- registration: undecodable requests are the client's error -----------------------------
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """What the deserializer hands the handler in place of a request it could not parse."""
+
+    error: ValidationError
+
+
+def _lenient_deserializer(message_type: Any) -> Callable[[bytes], Any]:
+    """``message_type.FromString``, but a ``DecodeError`` (a string field that is not valid
+    UTF-8, a corrupt or truncated message) becomes an :class:`_Undecodable` for the handler
+    to refuse: raised in the deserializer, grpc.aio would answer ``UNKNOWN``."""
+    name = message_type.DESCRIPTOR.full_name
+
+    def deserialize(data: bytes) -> Message | _Undecodable:
+        try:
+            message: Message = message_type.FromString(data)
+        except DecodeError as err:
+            return _Undecodable(undecodable_request_error(name, err))
+        return message
+
+    return deserialize
+
+
+def _refusing_undecodable_unary(
+    method: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]], metrics: Metrics | None
+) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await _refuse_undecodable(request, context, metrics)
+        return await method(request, context)
+
+    return handle
+
+
+async def _refuse_undecodable(
+    request: _Undecodable, context: grpc.aio.ServicerContext, metrics: Metrics | None
+) -> None:
+    """INVALID_ARGUMENT with the decoder's reason; a generation call counts as a
+    validation failure (``tgi_request_failure{err="validation"}``)."""
+    log.info("Refused an undecodable request: %s", request.error)
+    if metrics is not None:
+        metrics.request_failure("validation")
+    await abort(context, request.error)
+
+
+def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` on ``server`` as ``fmaas.GenerationService``.
+
+    The same handlers as ``generation_pb2_grpc.add_GenerationServiceServicer_to_server``,
+    except that a request that does not parse gets ``INVALID_ARGUMENT`` (``request is not a
+    valid <type> message: <reason>``) instead of grpc's ``UNKNOWN`` ``Unexpected <class
+    'google.protobuf.message.DecodeError'>``.
+    """
+    metrics = servicer.metrics
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            _refusing_undecodable_unary(servicer.Generate, metrics),
+            request_deserializer=_lenient_deserializer(pb.BatchedGenerationRequest),
+            response_serializer=pb.BatchedGenerationResponse.SerializeToString,
+        ),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream,  # refuses an _Undecodable itself: no extra hop per message
+            request_deserializer=_lenient_deserializer(pb.SingleGenerationRequest),
+            response_serializer=pb.GenerationResponse.SerializeToString,
+        ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            _refusing_undecodable_unary(servicer.Tokenize, None),
+            request_deserializer=_lenient_deserializer(pb.BatchedTokenizeRequest),
+            response_serializer=pb.BatchedTokenizeResponse.SerializeToString,
+        ),
+        "ModelInfo": grpc.unary_unary_rpc_method_handler(
+            _refusing_undecodable_unary(servicer.ModelInfo, None),
+            request_deserializer=_lenient_deserializer(pb.ModelInfoRequest),
+            response_serializer=pb.ModelInfoResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+__all__ = ["GenerationServicer", "RouterError", "add_generation_service"]

@@ -10,14 +10,14 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tgis.pb import generation_pb2, generation_pb2_grpc
+from tgis.pb import generation_pb2
 from tgis.router.adapters import adapter_kinds
 from tgis.router.block_allocator import blocks_for
 from tgis.router.concurrency import ConcurrencyLimiter
 from tgis.router.config import RouterConfig
 from tgis.router.drain import Drain
 from tgis.router.engine import Engine, ShardHungError
-from tgis.router.generation_service import GenerationServicer
+from tgis.router.generation_service import GenerationServicer, add_generation_service
 from tgis.router.health import LIVENESS_TEXT, GenerationHealth
 from tgis.router.http_server import start_http_server
 from tgis.router.metrics import Metrics
@@ -25,6 +25,7 @@ from tgis.router.prefixes import PrefixLengths
 from tgis.router.reflection import enable_reflection
 from tgis.router.scheduler import SchedulerLimits, kv_capacity_blocks
 from tgis.router.shard_client import ShardClient
+from tgis.router.stalled_streams import StalledStreams
 from tgis.router.tls import CertificateReloader, TlsError
 from tgis.router.tokenization import RouterTokenizer
 from tgis.router.tracing import Tracing, setup_tracing
@@ -177,6 +178,7 @@ class Router:
             adapters=adapter_kinds(info, self.shard.adapter_info),
             drain=self.drain,
             tracing=self.tracing,
+            stalled_streams=StalledStreams(config.stream_stall_timeout),
         )
         server = grpc.aio.server(
             options=[
@@ -184,7 +186,7 @@ class Router:
                 ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
             ]
         )
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        add_generation_service(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health_servicer, server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         enable_reflection(

@@ -51,6 +51,7 @@ __all__ = [
     "check_adapter_id",
     "prefix_lookup_error",
     "tokenizer_validation_error",
+    "undecodable_request_error",
     "unsupported_adapter_error",
     "validate_input",
     "validate_inputs",
@@ -231,6 +232,24 @@ def unsupported_adapter_error(adapter_type: str) -> ValidationError:
 def tokenizer_validation_error(error: object) -> ValidationError:
     """Rule 13: the router tokenizer failed on an input."""
     return ValidationError(f"tokenizer error {error}")
+
+
+_DECODE_ERROR_PREFIX = "Error parsing message with type "
+
+
+def undecodable_request_error(message_type: str, error: object) -> ValidationError:
+    """A request whose bytes are not a valid ``message_type`` (rule 0, before everything
+    else; not in TGIS, whose tonic server answers ``INTERNAL``): a string field that is not
+    valid UTF-8 (proto3 requires it), a truncated or corrupt message.
+
+    ``error`` is protobuf's ``DecodeError``; its ``Error parsing message with type '..': ``
+    prefix is replaced by the message's own, e.g. ``request is not a valid
+    fmaas.BatchedGenerationRequest message: String field had bad UTF-8``.
+    """
+    detail = str(error)
+    if detail.startswith(_DECODE_ERROR_PREFIX) and ": " in detail:
+        detail = detail.split(": ", 1)[1]
+    return ValidationError(f"request is not a valid {message_type} message: {detail}")
 
 
 def _random_seed() -> int:
