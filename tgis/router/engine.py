@@ -192,9 +192,10 @@ class Engine:
         # The step starts running when the one before it has been answered.
         deadline = max(flight.sent_at, self._last_answer) + self.step_timeout
         try:
-            output = await asyncio.wait_for(
-                self.shard.step_result(flight.result), max(deadline - time.monotonic(), 0.0)
-            )
+            # timeout_at (the loop's clock is time.monotonic), not wait_for: no task per
+            # step, and a stop() that meets the answer is never lost (3.11's wait_for can).
+            async with asyncio.timeout_at(deadline):
+                output = await self.shard.step_result(flight.result)
         except TimeoutError:
             self._shard_hung(flight)
         except ShardError as err:
