@@ -139,7 +139,7 @@ def test_async_helpers(any_tokenizer: RouterTokenizer, sample_texts: list[str]) 
         return await asyncio.gather(
             any_tokenizer.encode_async("Hello world"),
             any_tokenizer.encode_batch_async(sample_texts),
-            any_tokenizer.tokenize_async(sample_texts, True, True, 2),
+            any_tokenizer.run_async(lambda: any_tokenizer.tokenize(sample_texts, True, True, 2)),
         )
 
     one, many, tokenized = asyncio.run(run())

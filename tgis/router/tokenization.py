@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from os import PathLike
@@ -206,17 +206,9 @@ class RouterTokenizer:
             return self.encode_batch(texts)
         return await self._run(functools.partial(self.encode_batch, texts))
 
-    async def tokenize_async(
-        self,
-        texts: Sequence[str],
-        return_tokens: bool = False,
-        return_offsets: bool = False,
-        truncate: int = 0,
-    ) -> list[TokenizeResult]:
-        """:meth:`tokenize` on the tokenizer thread pool."""
-        return await self._run(
-            functools.partial(self.tokenize, texts, return_tokens, return_offsets, truncate)
-        )
+    async def run_async(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` on the tokenizer thread pool: tokenizer work too big for the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
 
     def close(self) -> None:
         """Shut the thread pool down (pending work is finished first)."""
