@@ -66,6 +66,7 @@ class ScriptedShard:
         failure: ShardFailure = ShardFailure.ERROR,
         oom_when: Callable[[StepPlan], bool] | None = None,
         hang_at_step: int | None = None,
+        lost_at_step: int | None = None,
     ):
         self.plans: list[StepPlan] = []
         self.seqs: dict[int, list[int]] = {}  # request id -> [known tokens, computed]
@@ -74,11 +75,18 @@ class ScriptedShard:
         self.failure = failure
         self.oom_when = oom_when
         self.hang_at_step = hang_at_step  # this step and every later one never answer
+        self.lost_at_step = lost_at_step  # from this step on, every send fails at once
+        self.sent = 0
         self.last_completed = 0
         self.stale: list[int] = []
         self._queue: asyncio.Queue[tuple[StepPlan, asyncio.Future[StepOutput]]] | None = None
 
     def send_step(self, plan: StepPlan) -> asyncio.Future[StepOutput]:
+        self.sent += 1
+        if self.lost_at_step is not None and plan.step_id >= self.lost_at_step:
+            lost: asyncio.Future[StepOutput] = asyncio.get_running_loop().create_future()
+            lost.set_exception(ShardError(ShardFailure.CONNECTION, "step channel closed"))
+            return lost  # as the real channel's future once its connection is gone
         if self._queue is None:
             self._queue = asyncio.Queue()
             asyncio.get_running_loop().create_task(self._work())
@@ -283,6 +291,34 @@ def test_a_step_unanswered_past_the_timeout_fails_every_request_and_ends_the_loo
             metrics['tgi_batch_inference_failure_total{method="next_token",reason="connection"}']
             == 1
         )
+
+    run(scenario())
+
+
+def test_a_lost_shard_connection_is_retried_after_a_pause_not_in_a_spin() -> None:
+    async def scenario() -> None:
+        shard = ScriptedShard(lost_at_step=4)
+        engine = make_engine(shard, start=False)
+        engine.connection_retry_delay = 0.2
+        engine.start()
+        done = engine.submit(request(2), time.monotonic())
+        assert isinstance(await final_event(done), TokenEvent)  # finished: to be forgotten
+        failed = engine.submit(request(50), time.monotonic())
+        result = await final_event(failed)
+        assert isinstance(result, GenerationError)
+        assert "step channel closed" in str(result)
+        # The loop still yields: other tasks run while the shard is gone...
+        ticks = 0
+        for _ in range(10):
+            await asyncio.sleep(0.05)
+            ticks += 1
+        # ...and the steps that tell the shard what to forget are re-sent about every
+        # 0.2 s, not thousands of times.
+        sent = shard.sent
+        await asyncio.sleep(0.5)
+        await engine.stop()
+        assert ticks == 10
+        assert 1 <= shard.sent - sent <= 4, shard.sent - sent
 
     run(scenario())
 

@@ -65,6 +65,13 @@ PIPELINE_DEPTH = 2
 """Steps sent and not answered at most: the one running and the one planned on top of it."""
 
 
+CONNECTION_RETRY_DELAY_S = 0.5
+"""After a step fails for want of a connection to the shard: how long the engine waits
+before it sends another. A lost channel fails each step at once, and the step that only
+tells the shard what to forget is sent again each time: without a pause the loop would
+spin, never yielding to the event loop (health, drain, every RPC) and logging each try."""
+
+
 class ShardHungError(Exception):
     """The shard did not answer a step in time; the message says which and how long."""
 
@@ -89,6 +96,7 @@ class Engine:
         output_special_tokens: bool = False,
         pipeline_depth: int = PIPELINE_DEPTH,
         step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
+        connection_retry_delay: float = CONNECTION_RETRY_DELAY_S,
     ) -> None:
         self.shard = shard
         self.info = info
@@ -97,6 +105,7 @@ class Engine:
         self.output_special_tokens = output_special_tokens
         self.pipeline_depth = pipeline_depth
         self.step_timeout = step_timeout
+        self.connection_retry_delay = connection_retry_delay
         if info.is_seq2seq:  # the encoder-decoder engine cannot recompute generated tokens
             limits = replace(limits, preemption=False)
         num_blocks = kv_capacity_blocks(limits, info)
@@ -267,6 +276,8 @@ class Engine:
             return
         self.scheduler.hold_admissions = False
         self._emit(self.scheduler.fail_step(step, err.detail))
+        if err.failure is ShardFailure.CONNECTION:
+            await asyncio.sleep(self.connection_retry_delay)
 
     def _shard_hung(self, flight: _InFlight) -> NoReturn:
         """No answer in time: fail every live request with the reason and stop the loop."""
