@@ -22,7 +22,6 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 from tgis.shard.adapters.lora_layout import LoraSite, LoraWeights
 from tgis.shard.adapters.lora_store import WEIGHT_FILES, read_lora
 from tgis.shard.adapters.prefix_store import PrefixStore
+from tgis.shard.adapters.single_flight import SingleFlight
 from tgis.shard.adapters.store_paths import (
     BadIdError,
     ItemStore,
@@ -80,7 +80,7 @@ class AdapterCache:
         self._lock = threading.Lock()
         self._lora: OrderedDict[str, LoraWeights] = OrderedDict()  # oldest first
         self._prompt_ids: set[str] = set()  # prompt tuning seen (embeddings: prefix_store)
-        self._loading: dict[str, Future[_Loaded]] = {}
+        self._loading: SingleFlight[_Loaded] = SingleFlight(self._lock)
 
     def cached_ids(self) -> list[str]:
         """The LoRA adapters held in the cache, least recently used first."""
@@ -114,31 +114,16 @@ class AdapterCache:
                 self._lora.move_to_end(adapter_id)
                 return _Loaded(LORA, lora=weights)
             known_prompt = adapter_id in self._prompt_ids
-            pending = None if known_prompt else self._loading.get(adapter_id)
-            owner = not known_prompt and pending is None
-            if owner:
-                pending = self._loading[adapter_id] = Future()
-        if known_prompt:
-            try:
-                return self._prompt(adapter_id)
-            except StoreError:
-                with self._lock:  # gone or changed: the next lookup starts over
-                    self._prompt_ids.discard(adapter_id)
-                raise
-        assert pending is not None
-        if not owner:
-            return pending.result()
+            # A prompt-tuning adapter's embeddings are the prefix store's to load (once).
+            flight = None if known_prompt else self._loading.join(adapter_id)
+        if flight is not None:
+            return self._loading.land(flight, lambda: self._load(adapter_id))
         try:
-            loaded = self._load(adapter_id)
-        except BaseException as e:
-            pending.set_exception(e)
+            return self._prompt(adapter_id)
+        except StoreError:
+            with self._lock:  # gone or changed: the next lookup starts over
+                self._prompt_ids.discard(adapter_id)
             raise
-        else:
-            pending.set_result(loaded)
-            return loaded
-        finally:
-            with self._lock:
-                del self._loading[adapter_id]
 
     def _load(self, adapter_id: str) -> _Loaded:
         try:

@@ -20,7 +20,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from tgis.shard.adapters.single_flight import SingleFlight
 from tgis.shard.adapters.store_paths import ItemStore, StoreError, StoreErrorKind, invalid
 from tgis.shard.config import DEFAULT_PROMPT_CACHE_MB, default_max_prefix_length
 from tgis.shard.errors import StartupError
@@ -133,7 +133,7 @@ class PrefixStore:
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, PrefixEmbeddings] = OrderedDict()  # oldest first
         self._used = 0
-        self._loading: dict[str, Future[PrefixEmbeddings]] = {}
+        self._loading: SingleFlight[PrefixEmbeddings] = SingleFlight(self._lock)
 
     @property
     def used_bytes(self) -> int:
@@ -153,23 +153,8 @@ class PrefixStore:
             if hit is not None:
                 self._entries.move_to_end(prefix_id)
                 return hit
-            pending = self._loading.get(prefix_id)
-            owner = pending is None
-            if pending is None:
-                pending = self._loading[prefix_id] = Future()
-        if not owner:
-            return pending.result()
-        try:
-            prefix = self._load_and_insert(prefix_id)
-        except BaseException as e:
-            pending.set_exception(e)
-            raise
-        else:
-            pending.set_result(prefix)
-            return prefix
-        finally:
-            with self._lock:
-                del self._loading[prefix_id]
+            flight = self._loading.join(prefix_id)
+        return self._loading.land(flight, lambda: self._load_and_insert(prefix_id))
 
     def _load_and_insert(self, prefix_id: str) -> PrefixEmbeddings:
         start = time.perf_counter()
