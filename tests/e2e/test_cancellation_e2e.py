@@ -566,7 +566,9 @@ def test_connection_churn_leaves_the_server_healthy(server: LauncherProcess) -> 
     """200 connections opened and closed at once, many of them mid-call or malformed: the
     server keeps serving, closes every connection, and leaks no permit or block."""
     rng = random.Random(99)
-    kinds = ["idle"] * 60 + ["mid-stream"] * 30 + ["mid-unary"] * 30
+    # 32 calls, LIMIT at most: a refusal (a permit still held by the previous test's
+    # cancelled holders) stays rare, so most calls are closed mid-call.
+    kinds = ["idle"] * 88 + ["mid-stream"] * 16 + ["mid-unary"] * 16
     raw = ["garbage"] * 30 + ["half preface"] * 30 + ["half settings"] * 20
     pids = server.process_pids()
 
@@ -592,13 +594,13 @@ def test_connection_churn_leaves_the_server_healthy(server: LauncherProcess) -> 
     outcomes, baseline, left = asyncio.run(scenario())
     end = scrape(server)
     print(f"\nchurn outcomes {dict(outcomes)}; router connections {baseline} -> {left}")
-    assert outcomes["closed mid-stream"] >= 20 and outcomes["closed mid-unary"] >= 10, outcomes
+    assert outcomes["closed mid-stream"] >= 12 and outcomes["closed mid-unary"] >= 8, outcomes
     assert set(outcomes) <= {
         "idle",
         "closed mid-stream",
         "closed mid-unary",
         "unary done before the close",
-        "RESOURCE_EXHAUSTED",  # 60 calls at once, LIMIT 32: the excess is refused
+        "RESOURCE_EXHAUSTED",  # a permit the previous test's cancels had not yet released
         *raw,
     }, outcomes
     assert delta(end, start, GENERATE_FAILED) == 0
