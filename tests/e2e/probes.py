@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tgis.launcher.local_process import LauncherProcess
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -96,3 +97,13 @@ def health_status(channel: grpc.Channel, timeout: float = 5.0) -> int:
     """grpc.health.v1 Check of the whole server."""
     stub = health_pb2_grpc.HealthStub(channel)
     return int(stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout).status)
+
+
+def metric_sample(server: LauncherProcess, sample: str) -> float | None:
+    """The value of one unlabelled sample (or ``name{labels}`` as exposed) of the server's
+    /metrics; None when it is not exposed."""
+    _, body = server.http_get("/metrics")
+    for line in body.decode().splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return None

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from tests.e2e.probes import metric_sample
 from tests.e2e.server import BIN_DIR, LauncherProcess, healthy_launcher, start_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -159,11 +160,7 @@ def test_more_inputs_than_the_concurrency_limit_is_overloaded(
 
 
 def _metric(server: LauncherProcess, sample: str) -> float:
-    _, body = server.http_get("/metrics")
-    for line in body.decode().splitlines():
-        if line.startswith(sample + " "):
-            return float(line.split()[-1])
-    return 0.0
+    return metric_sample(server, sample) or 0.0
 
 
 def test_cancelled_stream_is_dropped_and_the_server_carries_on(

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from tests.e2e.probes import metric_sample
 from tests.e2e.server import LauncherProcess, healthy_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -131,14 +132,6 @@ def run_stream(stub: pb_grpc.GenerationServiceStub, stream: Stream, go: threadin
         stream.error = err
 
 
-def metric(server: LauncherProcess, sample: str) -> float | None:
-    _, body = server.http_get("/metrics")
-    for line in body.decode().splitlines():
-        if line.startswith(sample + " "):
-            return float(line.split()[-1])
-    return None
-
-
 def test_64_overlapped_streams_equal_their_serial_lone_runs(
     overlapped: LauncherProcess, serial: LauncherProcess
 ) -> None:
@@ -175,7 +168,7 @@ def test_64_overlapped_streams_equal_their_serial_lone_runs(
     deadline = time.monotonic() + 10
     gauges = ("tgi_batch_current_size", "tgi_queue_size", "tgi_kv_cache_used_blocks")
     while time.monotonic() < deadline:
-        values = [metric(overlapped, g) for g in gauges]
+        values = [metric_sample(overlapped, g) for g in gauges]
         if values == [0.0, 0.0, 0.0]:
             break
         time.sleep(0.1)

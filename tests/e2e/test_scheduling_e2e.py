@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from tests.e2e.probes import metric_sample
 from tests.e2e.server import LauncherProcess, healthy_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -114,14 +115,6 @@ def run_stream(stub: pb_grpc.GenerationServiceStub, stream: Stream, go: threadin
         stream.error = err
 
 
-def metric(server: LauncherProcess, sample: str) -> float | None:
-    _, body = server.http_get("/metrics")
-    for line in body.decode().splitlines():
-        if line.startswith(sample + " "):
-            return float(line.split()[-1])
-    return None
-
-
 def test_64_streams_under_kv_pressure_with_cancellations(
     server: LauncherProcess, stub: pb_grpc.GenerationServiceStub
 ) -> None:
@@ -143,7 +136,7 @@ def test_64_streams_under_kv_pressure_with_cancellations(
     assert len(cancelled) >= STREAMS // 4
     for s in finished:
         assert (s.count, s.reason) == (s.tokens, pb.MAX_TOKENS), s
-    preemptions = metric(server, "tgi_request_preemption_count_total")
+    preemptions = metric_sample(server, "tgi_request_preemption_count_total")
     assert preemptions is not None and preemptions > 0, "the cache was never short"
 
     # Each greedy request alone (batch of one, no pressure) gives the same text.
@@ -178,7 +171,7 @@ def test_64_streams_under_kv_pressure_with_cancellations(
     deadline = time.monotonic() + 10
     gauges = ("tgi_batch_current_size", "tgi_queue_size", "tgi_kv_cache_used_blocks")
     while time.monotonic() < deadline:
-        values = [metric(server, g) for g in gauges]
+        values = [metric_sample(server, g) for g in gauges]
         if values == [0.0, 0.0, 0.0]:
             break
         time.sleep(0.1)

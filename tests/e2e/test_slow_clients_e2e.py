@@ -18,7 +18,7 @@ from contextlib import ExitStack, closing
 import grpc
 import pytest
 
-from tests.e2e.probes import greedy, start_stream, wait_until
+from tests.e2e.probes import greedy, metric_sample, start_stream, wait_until
 from tests.e2e.server import LauncherProcess, healthy_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -79,10 +79,9 @@ def stalled_stream(port: int, request: pb.SingleGenerationRequest) -> socket.soc
 
 
 def metric(launcher: LauncherProcess, name: str) -> float:
-    for line in launcher.http_get("/metrics")[1].decode().splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"{name} not exposed")
+    value = metric_sample(launcher, name)
+    assert value is not None, f"{name} not exposed"
+    return value
 
 
 @pytest.fixture(scope="module")
