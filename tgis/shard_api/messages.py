@@ -12,7 +12,8 @@ Defaults are the "nothing asked" values of the wire (greedy, no penalty, no deta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import NamedTuple
 
@@ -52,23 +53,47 @@ class LengthPenalty:
     decay_factor: float
 
 
+SEED_BITS = 32
+"""Width of a drawn seed: TGIS draws a u32, so the seed a client is told stays short."""
+
+
+def random_seed() -> int:
+    """A fresh random seed (the one rule for sequences that sample without a client seed)."""
+    return secrets.randbits(SEED_BITS)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-sequence decoding parameters; the defaults mean greedy with no processing."""
+    """Per-sequence decoding parameters, the one sampling type of router and shard; the
+    defaults mean greedy with no processing. The router builds them once, at its edge, from
+    the client's request (TGIS's zero-means-unset rules applied there)."""
 
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = disabled
     top_p: float = 1.0  # 1.0 = disabled
-    typical_p: float = 1.0  # 1.0 or <= 0 = disabled
+    typical_p: float = 1.0  # applies only strictly between 0 and 1 (typical_p_active)
     seed: int | None = None  # the router sets one for every sampled sequence
     repetition_penalty: float = 1.0  # 1.0 = no penalty
-    min_new_tokens: int = 0  # EOS is masked until this many tokens were generated
+    min_new_tokens: int = 0  # EOS is masked (and stops ignored) until this many tokens
     length_penalty: LengthPenalty | None = None
 
     @property
     def is_greedy(self) -> bool:
         """Whether the sequence takes the argmax instead of sampling."""
         return self.temperature == 0.0
+
+    @property
+    def typical_p_active(self) -> bool:
+        """Whether typical-p filtering applies: for a mass strictly between 0 and 1 only;
+        1.0 (the default) and anything outside that range mean disabled."""
+        return 0.0 < self.typical_p < 1.0
+
+    def seeded(self) -> SamplingParams:
+        """These parameters with a :func:`random_seed` when they sample and have no seed
+        (unchanged otherwise): every seedless sampling sequence gets its seed here."""
+        if self.is_greedy or self.seed is not None:
+            return self
+        return replace(self, seed=random_seed())
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,6 @@ import torch
 from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes, PrefixUnavailable
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.step.sampling import random_seed
 from tgis.shard.step.sequence import Sequence
 from tgis.shard_api.messages import NewSequence, SamplingParams, SequenceError, StepPlan
 
@@ -167,9 +166,7 @@ def resolve_plan(
             lora=lora,
             sampling=ns.sampling,
             details=ns.details,
-            seed=0
-            if ns.sampling.is_greedy
-            else (random_seed() if ns.sampling.seed is None else ns.sampling.seed),
+            seed=_seed(ns.sampling),
         )
     work: list[WorkItem] = []
     seen: set[int] = set()
@@ -240,3 +237,12 @@ def check_sampling(p: SamplingParams) -> str | None:
     if p.length_penalty is not None and not p.length_penalty.decay_factor > 0:
         return f"invalid length penalty decay_factor {p.length_penalty.decay_factor}"
     return None
+
+
+def _seed(sampling: SamplingParams) -> int:
+    """The sequence's seed: 0 when greedy (unused), else the plan's or a fresh one."""
+    if sampling.is_greedy:
+        return 0
+    seed = sampling.seeded().seed
+    assert seed is not None
+    return seed

@@ -23,7 +23,6 @@ from them. Building the parameter tensors loops over rows; the processing does n
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -137,7 +136,7 @@ class SamplingBatch:
         temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
         top_k = tuple(p.top_k for p in params)
         top_p = [p.top_p if 0 < p.top_p < 1 else 1.0 for p in params]
-        typical_p = [p.typical_p if 0 < p.typical_p < 1 else 1.0 for p in params]
+        typical_p = [p.typical_p if p.typical_p_active else 1.0 for p in params]
 
         def column(values: list[float]) -> torch.Tensor | None:
             if all(v == 1.0 for v in values):
@@ -290,8 +289,3 @@ def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     bits = _mix_tensor(keys[:, None] ^ cached[None, :])
     uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
     return -torch.log(uniform)
-
-
-def random_seed() -> int:
-    """A seed for a sampled sequence that came without one."""
-    return random.getrandbits(63)

@@ -17,7 +17,6 @@ time (a lock) and each command's tensor collectives happen inside the same model
 from __future__ import annotations
 
 import logging
-import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -30,7 +29,7 @@ from tgis.shard.adapters.store_paths import invalid
 from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.native.parallel.distributed import broadcast_object, first_line, gather_objects
 from tgis.shard.native.parallel.group import TensorParallel
-from tgis.shard_api.messages import AdapterInfo, ShardInfo, StepOutput, StepPlan
+from tgis.shard_api.messages import AdapterInfo, NewSequence, ShardInfo, StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -143,15 +142,15 @@ def lookup_disagreement(message: Message, ours: Outcome, theirs: Outcome) -> str
 
 def with_seeds(plan: StepPlan) -> StepPlan:
     """Give every sampled new sequence without a seed one, so all ranks draw alike."""
-    if all(ns.sampling.is_greedy or ns.sampling.seed is not None for ns in plan.new_sequences):
+    seeded = tuple(_with_seed(ns) for ns in plan.new_sequences)
+    if all(a is b for a, b in zip(seeded, plan.new_sequences, strict=True)):
         return plan
-    seeded = tuple(
-        ns
-        if ns.sampling.is_greedy or ns.sampling.seed is not None
-        else replace(ns, sampling=replace(ns.sampling, seed=random.getrandbits(63)))
-        for ns in plan.new_sequences
-    )
     return replace(plan, new_sequences=seeded)
+
+
+def _with_seed(sequence: NewSequence) -> NewSequence:
+    sampling = sequence.sampling.seeded()
+    return sequence if sampling is sequence.sampling else replace(sequence, sampling=sampling)
 
 
 class LockstepRunner:
