@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tgis.launcher.config import model_max_sequence_length
-from tgis.router.tokenization import RouterTokenizer
+from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.shard.checkpoints.dummy_weights import DummyWeights, parameter_count
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.native.attention.backends import select_attention_backend

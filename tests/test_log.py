@@ -61,7 +61,7 @@ def test_json_lines_from_every_logger_warnings_and_request_fields(tmp_path: Path
             logging.getLogger("grpc._server").exception("handler failed")
         token = bind_log_fields(correlation_id="c-1")
         logging.getLogger("tgis.router.y").info("about the request")
-        logging.getLogger("tgis.router.engine").info("engine", extra=log_extra(request_id=7))
+        logging.getLogger("tgis.router.core.engine").info("engine", extra=log_extra(request_id=7))
         """,
         tmp_path,
     )
@@ -137,7 +137,7 @@ def test_plain_lines_carry_the_request_fields(tmp_path: Path) -> None:
         from tgis.termination import fail_startup
         setup_logging(json_output=False, component="router")
         bind_log_fields(correlation_id="abc")
-        logging.getLogger("tgis.router.generation_service").info("Request generated 2 tokens")
+        logging.getLogger("tgis.router.edge.servicer").info("Request generated 2 tokens")
         fail_startup("bad flag")
         """,
         tmp_path,
@@ -145,7 +145,6 @@ def test_plain_lines_carry_the_request_fields(tmp_path: Path) -> None:
     assert code == 1
     request, fatal = lines
     assert request.endswith(
-        " INFO router tgis.router.generation_service: [correlation_id=abc] "
-        "Request generated 2 tokens"
+        " INFO router tgis.router.edge.servicer: [correlation_id=abc] Request generated 2 tokens"
     )
     assert fatal == "error: bad flag"

@@ -1,7 +1,7 @@
 """TLS files that cannot serve fail the launcher at start, before any shard loads: one
 line naming the file and what is wrong with it, a non-zero exit, the same line in the
 termination log. The router checks the same things again at start and on every rotation
-(``tgis/router/tls.py: load_material``)."""
+(``tgis/router/edge/tls.py: load_material``)."""
 
 from __future__ import annotations
 

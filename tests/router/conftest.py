@@ -21,7 +21,7 @@ from tokenizers import (
     trainers,
 )
 
-from tgis.router.tokenization import RouterTokenizer
+from tgis.router.intake.tokenization import RouterTokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. I am so confused about the weather today.",

@@ -28,10 +28,10 @@ from tests.router.test_prompt_prefixes import (
 )
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import shard_pb2
-from tgis.router.adapters import AdapterKinds, adapter_kinds
+from tgis.router.core.shard_client import AdapterLookupError, ShardError, ShardFailure
 from tgis.router.errors import ValidationError
-from tgis.router.shard_client import AdapterLookupError, ShardError, ShardFailure
-from tgis.router.validation import check_adapter_id
+from tgis.router.intake.adapters import AdapterKinds, adapter_kinds
+from tgis.router.intake.validation import check_adapter_id
 from tgis.shard_api.codec import adapter_to_pb
 from tgis.shard_api.messages import (
     AdapterInfo,

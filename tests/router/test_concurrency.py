@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tgis.router.concurrency import ConcurrencyLimiter
+from tgis.router.intake.concurrency import ConcurrencyLimiter
 
 
 def test_permits_are_all_or_nothing_up_to_the_limit() -> None:

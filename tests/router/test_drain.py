@@ -13,13 +13,13 @@ from aiohttp.test_utils import TestClient, TestServer
 from tests.router.test_servicer_metrics import Aborted, FakeContext, FakeEngine
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
-from tgis.router.concurrency import ConcurrencyLimiter
-from tgis.router.drain import Drain
-from tgis.router.generation_service import GenerationServicer
-from tgis.router.http_server import build_app
-from tgis.router.metrics import Metrics
-from tgis.router.tokenization import RouterTokenizer
-from tgis.router.validation import ServerLimits
+from tgis.router.edge.http_server import build_app
+from tgis.router.edge.servicer import GenerationServicer
+from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.intake.validation import ServerLimits
+from tgis.router.ops.drain import Drain
+from tgis.router.ops.metrics import Metrics
 
 
 def test_drain_counts_calls_and_waits_for_the_last() -> None:

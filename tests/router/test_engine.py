@@ -14,10 +14,13 @@ from dataclasses import replace
 import pytest
 
 from tgis.embedded_model import MODEL_DIR
-from tgis.router.engine import Engine, ShardHungError
+from tgis.router.core.engine import Engine, ShardHungError
+from tgis.router.core.request_state import RequestState, TokenEvent
+from tgis.router.core.scheduler import SchedulerLimits
+from tgis.router.core.shard_client import ShardError, ShardFailure
 from tgis.router.errors import GenerationError
-from tgis.router.metrics import Metrics
-from tgis.router.request_state import RequestState, TokenEvent
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.ops.metrics import Metrics
 from tgis.router.request_types import (
     GenerationParams,
     ResponseOptions,
@@ -26,9 +29,6 @@ from tgis.router.request_types import (
     StopReason,
     ValidatedRequest,
 )
-from tgis.router.scheduler import SchedulerLimits
-from tgis.router.shard_client import ShardError, ShardFailure
-from tgis.router.tokenization import RouterTokenizer
 from tgis.shard_api.messages import (
     ModelKind,
     SampledToken,

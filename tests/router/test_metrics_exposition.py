@@ -12,7 +12,7 @@ import math
 import pytest
 
 from tests.prometheus_tools import Exposition, parse_exposition, promtool_check
-from tgis.router.metrics import Metrics, WindowedSummary, equal_steps, step_method
+from tgis.router.ops.metrics import Metrics, WindowedSummary, equal_steps, step_method
 
 MAX_SEQUENCE_LENGTH = 2048
 MAX_NEW_TOKENS = 1024

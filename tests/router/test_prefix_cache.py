@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from tests.prometheus_tools import Exposition, parse_exposition
-from tgis.router.metrics import Metrics
-from tgis.router.prefixes import CACHE_CAPACITY, CACHE_TTL_S, PrefixLengths
-from tgis.router.shard_client import PrefixLookupError, ShardError, ShardFailure
+from tgis.router.core.shard_client import PrefixLookupError, ShardError, ShardFailure
+from tgis.router.intake.prefixes import CACHE_CAPACITY, CACHE_TTL_S, PrefixLengths
+from tgis.router.ops.metrics import Metrics
 
 
 class FakeClock:

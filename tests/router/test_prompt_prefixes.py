@@ -27,16 +27,16 @@ from tests.prometheus_tools import parse_exposition
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc, shard_pb2, shard_pb2_grpc
-from tgis.router.adapters import adapter_kinds
-from tgis.router.concurrency import ConcurrencyLimiter
-from tgis.router.engine import Engine
-from tgis.router.generation_service import GenerationServicer
-from tgis.router.metrics import Metrics
-from tgis.router.prefixes import PrefixLengths
-from tgis.router.scheduler import SchedulerLimits
-from tgis.router.shard_client import PrefixLookupError, ShardClient, ShardError, ShardFailure
-from tgis.router.tokenization import RouterTokenizer
-from tgis.router.validation import ServerLimits
+from tgis.router.core.engine import Engine
+from tgis.router.core.scheduler import SchedulerLimits
+from tgis.router.core.shard_client import PrefixLookupError, ShardClient, ShardError, ShardFailure
+from tgis.router.edge.servicer import GenerationServicer
+from tgis.router.intake.adapters import adapter_kinds
+from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.prefixes import PrefixLengths
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.intake.validation import ServerLimits
+from tgis.router.ops.metrics import Metrics
 from tgis.shard_api.channel import StepChannelServer, step_channel_path
 from tgis.shard_api.messages import (
     InputTokenDetails,

@@ -1,4 +1,4 @@
-"""The reflected descriptors carry json_name (tgis/router/reflection.py)."""
+"""The reflected descriptors carry json_name (tgis/router/edge/reflection.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2
 
 from tgis.pb import generation_pb2
-from tgis.router.reflection import json_name, reflection_pool, with_json_names
+from tgis.router.edge.reflection import json_name, reflection_pool, with_json_names
 
 
 def test_json_name_rule() -> None:

@@ -23,13 +23,13 @@ from tgis.log import (
     reset_log_fields,
 )
 from tgis.pb import generation_pb2 as pb
-from tgis.router.concurrency import ConcurrencyLimiter
-from tgis.router.generation_service import GenerationServicer
-from tgis.router.metrics import Metrics
-from tgis.router.request_context import NO_CORRELATION_ID, correlation_id
-from tgis.router.shard_client import ShardFailure
-from tgis.router.tokenization import RouterTokenizer
-from tgis.router.validation import ServerLimits
+from tgis.router.core.shard_client import ShardFailure
+from tgis.router.edge.servicer import GenerationServicer
+from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.intake.validation import ServerLimits
+from tgis.router.ops.metrics import Metrics
+from tgis.router.ops.request_context import NO_CORRELATION_ID, correlation_id
 
 
 @pytest.fixture
@@ -139,14 +139,14 @@ def test_engine_lines_about_a_request_carry_its_correlation_id(json_lines: io.St
             (e["target"], e.get("correlation_id"), e["request_id"], e["message"]) for e in failures
         } == {
             (
-                "tgis.router.engine",
+                "tgis.router.core.engine",
                 "engine-3",
                 state.request_id,
                 f"request {state.request_id} failed: "
                 "Request failed during generation: GPU out of memory",
             ),
             (
-                "tgis.router.engine",
+                "tgis.router.core.engine",
                 None,
                 other.request_id,
                 f"request {other.request_id} failed: "

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from tgis.router.detokenizer import IncrementalDetokenizer
-from tgis.router.tokenization import RouterTokenizer
+from tgis.router.core.detokenizer import IncrementalDetokenizer
+from tgis.router.intake.tokenization import RouterTokenizer
 
 POOL = [
     "the", "quick", "fox", "confused", "é", "naïve", "señor", "日本語", "東京", "の", "😀",

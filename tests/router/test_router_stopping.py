@@ -6,15 +6,15 @@ from typing import Any
 
 import pytest
 
-from tgis.router.detokenizer import IncrementalDetokenizer
-from tgis.router.request_types import StoppingParams, StopReason
-from tgis.router.stopping import (
+from tgis.router.core.detokenizer import IncrementalDetokenizer
+from tgis.router.core.stopping import (
     StopChecker,
     StopDecision,
     find_stop_sequence,
     stream_hold_back_bytes,
 )
-from tgis.router.tokenization import RouterTokenizer
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.request_types import StoppingParams, StopReason
 
 EOS = 2
 OTHER_EOS = 3

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from tgis.router.tokenization import INLINE_ENCODE_CHARS, RouterTokenizer, TokenizeResult
+from tgis.router.intake.tokenization import INLINE_ENCODE_CHARS, RouterTokenizer, TokenizeResult
 
 
 def test_bos_detection(

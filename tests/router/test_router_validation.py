@@ -9,11 +9,10 @@ import grpc
 import pytest
 
 from tgis.pb import generation_pb2 as pb
+from tgis.router.edge.fmaas import convert_params
 from tgis.router.errors import ValidationError
-from tgis.router.public_api import convert_params
-from tgis.router.request_types import GenerationParams, LengthPenalty
-from tgis.router.tokenization import RouterTokenizer
-from tgis.router.validation import (
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.intake.validation import (
     ServerLimits,
     prefix_lookup_error,
     tokenizer_validation_error,
@@ -21,6 +20,7 @@ from tgis.router.validation import (
     validate_inputs,
     validate_params,
 )
+from tgis.router.request_types import GenerationParams, LengthPenalty
 
 LIMITS = ServerLimits(max_sequence_length=200, max_new_tokens=169)
 SS_MSG = "can specify at most 6 non-empty stop sequences, each not more than 240 UTF8 bytes"

@@ -14,10 +14,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from tgis.embedded_model import MODEL_DIR
-from tgis.router.block_allocator import BlockAllocator, blocks_for
-from tgis.router.detokenizer import IncrementalDetokenizer
+from tgis.router.core.block_allocator import BlockAllocator, blocks_for
+from tgis.router.core.detokenizer import IncrementalDetokenizer
+from tgis.router.core.request_state import RequestState, RequestStatus, TokenEvent
+from tgis.router.core.scheduler import ScheduledStep, Scheduler, SchedulerLimits
+from tgis.router.core.stopping import StopChecker
 from tgis.router.errors import GenerationError
-from tgis.router.request_state import RequestState, RequestStatus, TokenEvent
+from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.request_types import (
     GenerationParams,
     ResponseOptions,
@@ -26,9 +29,6 @@ from tgis.router.request_types import (
     StopReason,
     ValidatedRequest,
 )
-from tgis.router.scheduler import ScheduledStep, Scheduler, SchedulerLimits
-from tgis.router.stopping import StopChecker
-from tgis.router.tokenization import RouterTokenizer
 from tgis.shard_api.messages import (
     AdapterKind,
     SampledToken,

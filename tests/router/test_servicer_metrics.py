@@ -18,18 +18,18 @@ import pytest
 from tests.prometheus_tools import Exposition, parse_exposition
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
-from tgis.router.concurrency import ConcurrencyLimiter
-from tgis.router.detokenizer import IncrementalDetokenizer
+from tgis.router.core.detokenizer import IncrementalDetokenizer
+from tgis.router.core.request_state import RequestState, TokenEvent
+from tgis.router.core.shard_client import ShardError, ShardFailure
+from tgis.router.core.stopping import StopChecker
+from tgis.router.edge.servicer import GenerationServicer
 from tgis.router.errors import GenerationError
-from tgis.router.generation_service import GenerationServicer
-from tgis.router.metrics import Metrics
-from tgis.router.prefixes import PrefixLengths
-from tgis.router.request_state import RequestState, TokenEvent
+from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.prefixes import PrefixLengths
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.intake.validation import ServerLimits
+from tgis.router.ops.metrics import Metrics
 from tgis.router.request_types import StopReason, ValidatedRequest
-from tgis.router.shard_client import ShardError, ShardFailure
-from tgis.router.stopping import StopChecker
-from tgis.router.tokenization import RouterTokenizer
-from tgis.router.validation import ServerLimits
 
 MAX_SEQUENCE_LENGTH = 64
 MAX_NEW_TOKENS = 40

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tgis.router.stalled_streams import StalledStreams
+from tgis.router.ops.stalled_streams import StalledStreams
 
 
 def test_only_a_message_waiting_past_the_limit_cancels_its_call() -> None:

@@ -1,4 +1,4 @@
-"""TLS certificate reload (router/tls.py): the files are re-read only when they changed, a
+"""TLS certificate reload (router/edge/tls.py): the files are re-read only when they changed, a
 half-written rotation is not taken, and a real gRPC server hands new connections the new
 certificate and client CA (mTLS) without a restart. With the launcher and an in-flight
 stream: tests/e2e/test_operations_e2e.py."""
@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tests.e2e.certs import Pki, SecretMount, make_pki, server_files
 from tgis.router.config import TlsConfig
-from tgis.router.tls import CertificateReloader, TlsError
+from tgis.router.edge.tls import CertificateReloader, TlsError
 
 
 def tls_config(mount: SecretMount, client_ca: bool = False) -> TlsConfig:
@@ -57,7 +57,7 @@ def test_half_written_rotation_keeps_the_old_certificate(
     key.write_bytes(one.server_key.read_bytes())
     reloader = CertificateReloader(TlsConfig(cert_path=str(cert), key_path=str(key)))
     cert.write_bytes(two.server_cert.read_bytes())
-    with caplog.at_level(logging.WARNING, logger="tgis.router.tls"):
+    with caplog.at_level(logging.WARNING, logger="tgis.router.edge.tls"):
         assert reloader.reload_if_changed() is None
         assert reloader.reload_if_changed() is None
     assert len(caplog.records) == 1

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (router/tracing.py) in-process: the spans of Generate and
+"""OpenTelemetry tracing (router/ops/tracing.py) in-process: the spans of Generate and
 GenerateStream calls reach a stand-in OTLP collector with the right names, parents and
 status; tracing is off, with one warning, when the packages are missing. With the whole
 server: tests/e2e/test_operations_e2e.py."""
@@ -17,15 +17,15 @@ from tests.otlp_collector import ExportedSpan, OtlpCollector
 from tests.router.test_servicer_metrics import Aborted, FakeContext, FakeEngine
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
-from tgis.router.adapters import AdapterKinds
-from tgis.router.concurrency import ConcurrencyLimiter
 from tgis.router.config import TracingConfig
-from tgis.router.generation_service import GenerationServicer
-from tgis.router.metrics import Metrics
-from tgis.router.prefixes import PrefixLengths
-from tgis.router.tokenization import RouterTokenizer
-from tgis.router.tracing import MISSING_PACKAGES_WARNING, otlp_target, setup_tracing
-from tgis.router.validation import ServerLimits
+from tgis.router.edge.servicer import GenerationServicer
+from tgis.router.intake.adapters import AdapterKinds
+from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.prefixes import PrefixLengths
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.intake.validation import ServerLimits
+from tgis.router.ops.metrics import Metrics
+from tgis.router.ops.tracing import MISSING_PACKAGES_WARNING, otlp_target, setup_tracing
 from tgis.shard_api.messages import AdapterInfo, AdapterKind
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -58,14 +58,14 @@ def test_off_without_an_endpoint_or_without_the_packages(
 ) -> None:
     assert setup_tracing(None) is None
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
-    with caplog.at_level(logging.WARNING, logger="tgis.router.tracing"):
+    with caplog.at_level(logging.WARNING, logger="tgis.router.ops.tracing"):
         assert setup_tracing(TracingConfig(endpoint="http://127.0.0.1:1")) is None
     assert [r.getMessage() for r in caplog.records] == [MISSING_PACKAGES_WARNING]
 
 
 def test_the_router_imports_no_opentelemetry_until_tracing_is_on() -> None:
     code = (
-        "import sys, tgis.router.cli, tgis.router.server, tgis.router.generation_service\n"
+        "import sys, tgis.router.cli, tgis.router.server, tgis.router.edge.servicer\n"
         "assert not [m for m in sys.modules if m.startswith('opentelemetry')]\n"
         "assert 'torch' not in sys.modules\n"
     )

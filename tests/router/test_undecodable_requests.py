@@ -15,11 +15,11 @@ import pytest
 from tests.router.test_servicer_metrics import FakeEngine
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
-from tgis.router.concurrency import ConcurrencyLimiter
-from tgis.router.generation_service import GenerationServicer, add_generation_service
-from tgis.router.metrics import Metrics
-from tgis.router.tokenization import RouterTokenizer
-from tgis.router.validation import ServerLimits, undecodable_request_error
+from tgis.router.edge.servicer import GenerationServicer, add_generation_service
+from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.intake.validation import ServerLimits, undecodable_request_error
+from tgis.router.ops.metrics import Metrics
 
 PLACEHOLDER = "<<PLACEHOLDER>>"
 INVALID_UTF8 = b"<<\xff\xfe\xc0\x80\xed\xa0\x80LDER>>"  # same length as PLACEHOLDER

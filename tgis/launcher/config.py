@@ -22,7 +22,7 @@ from tgis.router.config import (
     TlsConfig,
     check_batching,
 )
-from tgis.router.tls import TlsError, load_material
+from tgis.router.edge.tls import TlsError, load_material
 from tgis.shard.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LOAD_FORMATS
 
 DEPLOYMENT_FRAMEWORKS = (

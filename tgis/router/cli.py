@@ -241,9 +241,9 @@ def main(
         )
     except ValueError as err:
         fail_startup(str(err))
-    from tgis.router.engine import ShardHungError
+    from tgis.router.core.engine import ShardHungError
+    from tgis.router.core.shard_client import ShardError
     from tgis.router.server import Router, StartupError
-    from tgis.router.shard_client import ShardError
 
     try:
         asyncio.run(Router(config).run())

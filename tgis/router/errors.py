@@ -78,7 +78,7 @@ class TokenizationError(RouterError):
 
     During generation validation the caller reports it as
     ``ValidationError(f"tokenizer error {err.message}")`` (rule 13), see
-    :func:`tgis.router.validation.tokenizer_validation_error`.
+    :func:`tgis.router.intake.validation.tokenizer_validation_error`.
     """
 
     code = grpc.StatusCode.UNKNOWN

@@ -11,25 +11,25 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tgis.pb import generation_pb2
-from tgis.router.adapters import adapter_kinds
-from tgis.router.block_allocator import blocks_for
-from tgis.router.concurrency import ConcurrencyLimiter
 from tgis.router.config import RouterConfig
-from tgis.router.drain import Drain
-from tgis.router.engine import Engine, ShardHungError
-from tgis.router.generation_service import GenerationServicer, add_generation_service
-from tgis.router.health import LIVENESS_TEXT, GenerationHealth
-from tgis.router.http_server import start_http_server
-from tgis.router.metrics import Metrics
-from tgis.router.prefixes import PrefixLengths
-from tgis.router.reflection import enable_reflection
-from tgis.router.scheduler import SchedulerLimits, kv_capacity_blocks
-from tgis.router.shard_client import ShardClient
-from tgis.router.stalled_streams import StalledStreams
-from tgis.router.tls import CertificateReloader, TlsError
-from tgis.router.tokenization import RouterTokenizer
-from tgis.router.tracing import Tracing, setup_tracing
-from tgis.router.validation import ServerLimits
+from tgis.router.core.block_allocator import blocks_for
+from tgis.router.core.engine import Engine, ShardHungError
+from tgis.router.core.scheduler import SchedulerLimits, kv_capacity_blocks
+from tgis.router.core.shard_client import ShardClient
+from tgis.router.edge.http_server import start_http_server
+from tgis.router.edge.reflection import enable_reflection
+from tgis.router.edge.servicer import GenerationServicer, add_generation_service
+from tgis.router.edge.tls import CertificateReloader, TlsError
+from tgis.router.intake.adapters import adapter_kinds
+from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.prefixes import PrefixLengths
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.intake.validation import ServerLimits
+from tgis.router.ops.drain import Drain
+from tgis.router.ops.health import LIVENESS_TEXT, GenerationHealth
+from tgis.router.ops.metrics import Metrics
+from tgis.router.ops.stalled_streams import StalledStreams
+from tgis.router.ops.tracing import Tracing, setup_tracing
 from tgis.shard_api.messages import ShardInfo
 
 log = logging.getLogger(__name__)

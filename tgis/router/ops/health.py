@@ -10,8 +10,9 @@ import asyncio
 import logging
 import time
 
-from tgis.router.engine import Engine
-from tgis.router.request_state import TokenEvent
+from tgis.router.core.engine import Engine
+from tgis.router.core.request_state import TokenEvent
+from tgis.router.core.shard_client import ShardClient, ShardError
 from tgis.router.request_types import (
     GenerationParams,
     ResponseOptions,
@@ -19,7 +20,6 @@ from tgis.router.request_types import (
     StoppingParams,
     ValidatedRequest,
 )
-from tgis.router.shard_client import ShardClient, ShardError
 
 log = logging.getLogger(__name__)
 

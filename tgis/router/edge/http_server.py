@@ -10,9 +10,9 @@ import logging
 
 from aiohttp import web
 
-from tgis.router.drain import Drain
-from tgis.router.health import GenerationHealth, HealthTimeoutError
-from tgis.router.metrics import Metrics
+from tgis.router.ops.drain import Drain
+from tgis.router.ops.health import GenerationHealth, HealthTimeoutError
+from tgis.router.ops.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

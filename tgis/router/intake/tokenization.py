@@ -257,7 +257,7 @@ class RouterTokenizer:
         * an incomplete final UTF-8 character is dropped (trailing U+FFFD trimmed); complete
           characters before it in the same byte-fallback run are kept.
 
-        This is the reference that :class:`~tgis.router.detokenizer.IncrementalDetokenizer`
+        This is the reference that :class:`~tgis.router.core.detokenizer.IncrementalDetokenizer`
         reproduces chunk by chunk.
         """
         seq = list(ids)

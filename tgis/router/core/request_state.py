@@ -11,9 +11,9 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
-from tgis.router.detokenizer import IncrementalDetokenizer
+from tgis.router.core.detokenizer import IncrementalDetokenizer
+from tgis.router.core.stopping import StopChecker, StopDecision
 from tgis.router.request_types import StopReason, ValidatedRequest
-from tgis.router.stopping import StopChecker, StopDecision
 from tgis.shard_api.messages import TokenDetail
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from tgis.router.tokenization import REPLACEMENT_CHAR, RouterTokenizer
+from tgis.router.intake.tokenization import REPLACEMENT_CHAR, RouterTokenizer
 
 __all__ = ["IncrementalDetokenizer"]
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from tgis.pb import generation_pb2
-from tgis.router.request_state import TokenEvent
+from tgis.router.core.request_state import TokenEvent
+from tgis.router.intake.tokenization import TokenizeResult
+from tgis.router.intake.validation import DEFAULT_MAX_NEW_TOKENS
 from tgis.router.request_types import (
     GenerationParams,
     LengthPenalty,
@@ -19,8 +21,6 @@ from tgis.router.request_types import (
     SamplingParams,
     StoppingParams,
 )
-from tgis.router.tokenization import TokenizeResult
-from tgis.router.validation import DEFAULT_MAX_NEW_TOKENS
 from tgis.shard_api.messages import TokenDetail
 
 pb = generation_pb2

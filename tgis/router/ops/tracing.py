@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tgis.router.config import TracingConfig
-from tgis.router.request_state import RequestState
+from tgis.router.core.request_state import RequestState
 from tgis.router.request_types import StopReason
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from typing import Protocol
 import grpc
 
 from tgis.router.errors import ValidationError, abort
-from tgis.router.validation import ServerLimits
+from tgis.router.intake.validation import ServerLimits
 
 
 class _FailureCounter(Protocol):

@@ -39,24 +39,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
-from tgis.router.block_allocator import BlockAllocator
 from tgis.router.config import DEFAULT_STEP_TIMEOUT_S
-from tgis.router.detokenizer import IncrementalDetokenizer
-from tgis.router.errors import GenerationError
-from tgis.router.metrics import Metrics, step_method
-from tgis.router.request_context import current_correlation_id, request_log_extra
-from tgis.router.request_state import RequestState
-from tgis.router.request_types import ValidatedRequest
-from tgis.router.scheduler import (
+from tgis.router.core.block_allocator import BlockAllocator
+from tgis.router.core.detokenizer import IncrementalDetokenizer
+from tgis.router.core.request_state import RequestState
+from tgis.router.core.scheduler import (
     ScheduledStep,
     Scheduler,
     SchedulerLimits,
     StepUpdate,
     kv_capacity_blocks,
 )
-from tgis.router.shard_client import ShardClient, ShardError, ShardFailure
-from tgis.router.stopping import StopChecker, stream_hold_back_bytes
-from tgis.router.tokenization import RouterTokenizer
+from tgis.router.core.shard_client import ShardClient, ShardError, ShardFailure
+from tgis.router.core.stopping import StopChecker, stream_hold_back_bytes
+from tgis.router.errors import GenerationError
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.ops.metrics import Metrics, step_method
+from tgis.router.ops.request_context import current_correlation_id, request_log_extra
+from tgis.router.request_types import ValidatedRequest
 from tgis.shard_api.messages import ShardInfo, StepOutput
 
 log = logging.getLogger(__name__)

@@ -25,11 +25,10 @@ from google.protobuf.message import DecodeError, Message
 
 from tgis.log import bind_log_fields, reset_log_fields
 from tgis.pb import generation_pb2, generation_pb2_grpc
-from tgis.router import public_api as api
-from tgis.router.adapters import AdapterKinds
-from tgis.router.concurrency import ConcurrencyLimiter
-from tgis.router.drain import SHUTTING_DOWN_MESSAGE, Drain
-from tgis.router.engine import Engine
+from tgis.router.core.engine import Engine
+from tgis.router.core.request_state import Event, InputTokensEvent, RequestState, TokenEvent
+from tgis.router.core.shard_client import AdapterLookupError, PrefixLookupError, ShardError
+from tgis.router.edge import fmaas as api
 from tgis.router.errors import (
     GenerationError,
     OverloadedError,
@@ -39,17 +38,12 @@ from tgis.router.errors import (
     ValidationError,
     abort,
 )
-from tgis.router.limits import enforce_client_batch_size
-from tgis.router.metrics import Metrics
-from tgis.router.prefixes import PrefixLengths
-from tgis.router.request_context import correlation_id
-from tgis.router.request_state import Event, InputTokensEvent, RequestState, TokenEvent
-from tgis.router.request_types import StopReason, ValidatedRequest
-from tgis.router.shard_client import AdapterLookupError, PrefixLookupError, ShardError
-from tgis.router.stalled_streams import StalledStreams
-from tgis.router.tokenization import RouterTokenizer
-from tgis.router.tracing import RequestSpan, Tracing
-from tgis.router.validation import (
+from tgis.router.intake.adapters import AdapterKinds
+from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.limits import enforce_client_batch_size
+from tgis.router.intake.prefixes import PrefixLengths
+from tgis.router.intake.tokenization import RouterTokenizer
+from tgis.router.intake.validation import (
     ADAPTERS_DISABLED_MESSAGE,
     PREFIX_WITH_PROMPT_TUNING_MESSAGE,
     ServerLimits,
@@ -61,6 +55,12 @@ from tgis.router.validation import (
     validate_inputs,
     validate_params,
 )
+from tgis.router.ops.drain import SHUTTING_DOWN_MESSAGE, Drain
+from tgis.router.ops.metrics import Metrics
+from tgis.router.ops.request_context import correlation_id
+from tgis.router.ops.stalled_streams import StalledStreams
+from tgis.router.ops.tracing import RequestSpan, Tracing
+from tgis.router.request_types import StopReason, ValidatedRequest
 from tgis.shard_api.messages import AdapterInfo, AdapterKind
 
 log = logging.getLogger(__name__)

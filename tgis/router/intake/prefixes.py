@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-from tgis.router.lookup_cache import CACHE_CAPACITY, CACHE_TTL_S, LookupCache
-from tgis.router.metrics import Metrics
+from tgis.router.intake.lookup_cache import CACHE_CAPACITY, CACHE_TTL_S, LookupCache
+from tgis.router.ops.metrics import Metrics
 
 __all__ = ["CACHE_CAPACITY", "CACHE_TTL_S", "PrefixLengths", "PrefixLookup"]
 

@@ -69,17 +69,17 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from tgis.router.block_allocator import BlockAllocator, blocks_for
-from tgis.router.errors import GenerationError
-from tgis.router.request_state import (
+from tgis.router.core.block_allocator import BlockAllocator, blocks_for
+from tgis.router.core.request_state import (
     Event,
     InputTokensEvent,
     RequestState,
     RequestStatus,
     TokenEvent,
 )
+from tgis.router.core.stopping import StopDecision
+from tgis.router.errors import GenerationError
 from tgis.router.request_types import StopReason
-from tgis.router.stopping import StopDecision
 from tgis.shard_api.messages import (
     DetailOptions,
     NewSequence,

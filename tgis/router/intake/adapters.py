@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-from tgis.router.lookup_cache import CACHE_CAPACITY, CACHE_TTL_S, LookupCache
+from tgis.router.intake.lookup_cache import CACHE_CAPACITY, CACHE_TTL_S, LookupCache
 from tgis.shard_api.messages import AdapterInfo, ShardInfo
 
 __all__ = ["AdapterKinds", "AdapterLookup", "adapter_kinds"]

@@ -1,0 +1,2 @@
+"""Intake: what happens to a call before its inputs are queued (permits, limits,
+parameter and input validation, tokenization, adapter and prompt-prefix resolution)."""
