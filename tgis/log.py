@@ -4,7 +4,8 @@ One handler on the root logger formats every record, so third-party loggers (grp
 aiohttp, asyncio, transformers) come out like ours; ``warnings.warn`` goes through the
 ``py.warnings`` logger; an uncaught exception is one record with its traceback inside
 (JSON: in the ``exception`` field of the same object, never extra lines), and in the main
-thread also one line in the termination log, since the process is about to die.
+thread also one line in the termination log (`tgis.termination_log`), since the process
+is about to die.
 
 Request fields: ``bind_log_fields(correlation_id=...)`` sets fields for the current asyncio
 task (a contextvar, copied into the tasks it creates) that every record logged there
@@ -28,6 +29,8 @@ from collections.abc import Mapping
 from contextvars import ContextVar, Token
 from types import MappingProxyType, TracebackType
 from typing import Any
+
+from tgis.termination_log import write_termination_log
 
 FIELDS_ATTR = "tgis_fields"
 """The LogRecord attribute holding a record's request fields."""
@@ -155,6 +158,7 @@ def fatal_line(message: str) -> str:
 
 
 def one_line(text: str) -> str:
+    """The non-blank lines of ``text``, stripped and joined by single spaces."""
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
@@ -168,8 +172,6 @@ def _excepthook(
     logging.getLogger("tgis.uncaught").critical(
         "uncaught exception: %s", summary, exc_info=(exc_type, exc, tb)
     )
-    from tgis.termination import write_termination_log
-
     write_termination_log(summary)
 
 

@@ -30,7 +30,8 @@ from tgis.launcher.output import OutputForwarder
 from tgis.launcher.supervisor import ChildSpec, Supervisor
 from tgis.launcher.tokenizer import TokenizerFile, prepare_tokenizer
 from tgis.shard_api.channel import step_channel_path
-from tgis.termination import fail_startup, termination_log_path, write_termination_log
+from tgis.termination import fail_startup
+from tgis.termination_log import termination_log_path, write_termination_log
 
 ROUTER_STOP_MARGIN_S = 5.0
 """After its grace period, how long the router may take to stop before it is killed."""

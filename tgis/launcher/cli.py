@@ -15,6 +15,7 @@ import click
 from click.core import ParameterSource
 
 from tgis.launcher.config import LauncherConfig, default_of
+from tgis.log import one_line
 from tgis.termination import fail_startup
 
 TRUE_WORDS = ("true", "1", "yes")
@@ -267,10 +268,6 @@ def command(dry_run: bool, **values: Any) -> tuple[LauncherConfig, bool]:
     return LauncherConfig(**values), dry_run
 
 
-def _one_line(text: str) -> str:
-    return " ".join(part.strip() for part in text.splitlines() if part.strip())
-
-
 def error_message(error: click.ClickException) -> str:
     """One line naming the flag, or the env var when the bad value came from the environment."""
     if isinstance(error, click.BadParameter) and error.ctx and error.param and error.param.name:
@@ -283,8 +280,8 @@ def error_message(error: click.ClickException) -> str:
                 detail = f"{os.environ.get(envvar, '')!r}: {_BOOL_HINT}"
         else:
             where = max(param.opts, key=len) if param.opts else param.name
-        return _one_line(f"invalid value for {where}: {detail}")
-    return _one_line(error.format_message())
+        return one_line(f"invalid value for {where}: {detail}")
+    return one_line(error.format_message())
 
 
 def _envvar_used(envvar: str | Sequence[str] | None) -> str | None:
