@@ -72,7 +72,7 @@ from serve import (
 
 from tgis.launcher.local_process import BIN_DIR
 from tgis.pb import generation_pb2_grpc as pb_grpc
-from tgis.procinfo import cpu_seconds, free_port, host_busy_seconds
+from tgis.procinfo import cpu_seconds, free_ports, host_busy_seconds
 
 FAKE_SHARD = Path(__file__).resolve().parent / "fake_shard.py"
 DEFAULT_PROMPT = "Return the number of items in the list."
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="tgis-ro-", dir="/tmp"))  # short socket path
     uds = work / "shard-0"
     ready = work / "ready"
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port = free_ports(2)
     shard_argv = [
         sys.executable,
         str(FAKE_SHARD),

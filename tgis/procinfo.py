@@ -7,6 +7,7 @@ parent.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -16,9 +17,21 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def free_port() -> int:
     """A TCP port on the loopback interface that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` different TCP ports on the loopback interface, free right now: each one's
+    socket stays bound until all are picked, so no port comes twice (two ``free_port()``
+    calls in a row can return the same one)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [
+            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            for _ in range(count)
+        ]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 def _stat_fields(pid: int | str) -> list[str] | None:

@@ -34,7 +34,7 @@ from tests.deploy.tools import (
 from tests.launcher.helpers import clean_env
 from tgis.embedded_model import MODEL_DIR
 from tgis.launcher.local_process import BIN_DIR, LauncherProcess
-from tgis.procinfo import free_port
+from tgis.procinfo import free_ports
 
 INSTRUCTIONS = parse_dockerfile(DOCKERFILE.read_text())
 RUNTIME = INSTRUCTIONS[-1].stage
@@ -264,13 +264,13 @@ def run_as() -> dict[str, object]:
 def test_entrypoint_serves_and_stops_on_sigterm(image_dirs: dict[str, Path], tmp_path: Path):
     """As in a pod: the image's env, MODEL_NAME at a model directory, ports from flags."""
     env = image_environment(image_dirs, str(MODEL_DIR) + "/")
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port, master_port = free_ports(3)
     args = [
         str(BIN_DIR / "text-generation-launcher"),
         f"--port={http_port}",
         f"--grpc-port={grpc_port}",
         f"--shard-uds-path={image_dirs['tmp']}/text-generation-server",
-        f"--master-port={free_port()}",
+        f"--master-port={master_port}",
     ]
     log_path = tmp_path / "launcher.log"
     with open(log_path, "wb") as log:

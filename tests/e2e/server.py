@@ -9,13 +9,14 @@ from pathlib import Path
 
 from tgis.launcher.local_process import BIN_DIR, LauncherProcess
 from tgis.launcher.local_process import start_launcher as _start
-from tgis.procinfo import descendants, free_port, is_alive
+from tgis.procinfo import descendants, free_port, free_ports, is_alive
 
 __all__ = [
     "BIN_DIR",
     "LauncherProcess",
     "descendants",
     "free_port",
+    "free_ports",
     "healthy_launcher",
     "is_alive",
     "start_launcher",

@@ -35,7 +35,7 @@ from tests.e2e.probes import (
     long_stream,
     wait_until,
 )
-from tests.e2e.server import BIN_DIR, LauncherProcess, descendants, free_port, is_alive
+from tests.e2e.server import BIN_DIR, LauncherProcess, descendants, free_port, free_ports, is_alive
 from tests.e2e.server import start_launcher as _start_launcher
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
@@ -214,7 +214,7 @@ def router_on_failing_shard(
     """The fake shard with ``--fail-steps`` and the real router in front of it; yields the
     two processes, the gRPC target and the /health URL."""
     uds = f"/tmp/tgis-fail-{free_port()}"
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port = free_ports(2)
     ready = tmp_path / "fake-shard-ready"
     with open(tmp_path / "fake-shard.log", "wb") as shard_log:
         shard = subprocess.Popen(

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tgis.procinfo import descendants, free_port
+from tgis.procinfo import descendants, free_ports
 
 BIN_DIR = Path(sys.executable).parent
 
@@ -115,7 +115,7 @@ def start_launcher(
     ``env`` is added to this process's environment; the variables in ``unset_env`` are
     removed unless ``env`` sets them (by default MODEL_NAME, so the embedded model serves).
     """
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port, master_port = free_ports(3)
     # Unix socket paths are limited to 108 bytes: keep them short.
     socket_dir = Path(tempfile.mkdtemp(prefix="tgis-", dir="/tmp"))
     args = [
@@ -127,7 +127,7 @@ def start_launcher(
         "--shard-uds-path",
         str(socket_dir / "shard"),
         "--master-port",
-        str(free_port()),
+        str(master_port),
         *(["--max-batch-size", str(max_batch_size)] if max_batch_size is not None else []),
         *extra_args,  # the launcher takes the last value of a repeated flag
     ]
