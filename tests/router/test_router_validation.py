@@ -53,7 +53,7 @@ def error_of(p: pb.Parameters | None, limits: ServerLimits = LIMITS) -> str | No
 def test_absent_params_are_the_defaults() -> None:
     gp = conv(None, default_include=True)
     assert gp.sampling.temperature == 0.0 and gp.sampling.is_greedy
-    assert (gp.sampling.top_k, gp.sampling.top_p, gp.sampling.typical_p) == (0, 1.0, 0.0)
+    assert (gp.sampling.top_k, gp.sampling.top_p, gp.sampling.typical_p) == (0, 1.0, 1.0)
     assert gp.sampling.seed is None and gp.sampling.repetition_penalty == 1.0
     assert gp.sampling.length_penalty is None
     assert gp.stopping.max_new_tokens == 20 and gp.stopping.min_new_tokens == 0
@@ -73,7 +73,7 @@ def test_zero_means_default() -> None:
         )
     )
     assert gp.sampling.temperature == 1.0  # SAMPLE + temperature 0 -> 1
-    assert gp.sampling.top_p == 1.0 and gp.sampling.typical_p == 0.0 and gp.sampling.top_k == 0
+    assert gp.sampling.top_p == 1.0 and gp.sampling.typical_p == 1.0 and gp.sampling.top_k == 0
     assert gp.sampling.repetition_penalty == 1.0
     assert gp.stopping.max_new_tokens == 20 and gp.stopping.deadline is None
 
@@ -105,7 +105,7 @@ def test_greedy_ignores_sampling_fields() -> None:
     )
     gp = conv(p)
     assert gp.sampling.temperature == 0.0 and gp.sampling.is_greedy
-    assert (gp.sampling.top_k, gp.sampling.top_p, gp.sampling.typical_p) == (0, 1.0, 0.0)
+    assert (gp.sampling.top_k, gp.sampling.top_p, gp.sampling.typical_p) == (0, 1.0, 1.0)
     assert gp.sampling.seed is None
     assert error_of(p) is None  # the same values fail in SAMPLE mode
     p.method = pb.SAMPLE
@@ -129,6 +129,7 @@ def test_stopping_and_response_are_copied() -> None:
         now=100.0,
     )
     assert gp.stopping.max_new_tokens == 5 and gp.stopping.min_new_tokens == 2
+    assert gp.sampling.min_new_tokens == 2  # the shard masks EOS until then
     assert gp.stopping.stop_sequences == ("a", "bc")
     assert gp.stopping.deadline == pytest.approx(101.5)
     assert gp.response.input_text and gp.response.generated_tokens and gp.response.token_logprobs

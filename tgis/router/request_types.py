@@ -1,7 +1,12 @@
-"""Plain types a request passes through inside the router (no protobuf, no torch).
+"""The router's request vocabulary: plain types a request passes through (no protobuf, no torch).
 
-Chain: pb GenerationRequest -> (validation) ValidatedRequest -> (engine) RequestState
--> TokenEvent -> pb GenerationResponse.
+Chain: pb GenerationRequest -> (edge/fmaas.py) GenerationParams -> (intake) ValidatedRequest
+-> (core) RequestState -> TokenEvent -> pb GenerationResponse.
+
+Sampling parameters are the shard contract's own :class:`SamplingParams` (one type on both
+sides), built once at the edge with TGIS's zero-means-unset rules applied; ``min_new_tokens``
+is both a stopping rule here and the sampler's EOS mask there, so the edge writes the
+client's value into both.
 """
 
 from __future__ import annotations
@@ -9,7 +14,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from tgis.shard_api.messages import AdapterKind, LengthPenalty
+from tgis.shard_api.messages import (
+    AdapterKind,
+    DetailOptions,
+    LengthPenalty,
+    NewSequence,
+    SamplingParams,
+)
 
 __all__ = [
     "GenerationParams",
@@ -33,26 +44,6 @@ class StopReason(enum.IntEnum):
     STOP_SEQUENCE = 5
     TOKEN_LIMIT = 6
     ERROR = 7
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Decoding parameters after TGIS's zero-means-default conversion (spec §1.3).
-
-    temperature == 0.0 means greedy.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    typical_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    length_penalty: LengthPenalty | None = None
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +88,7 @@ class ValidatedRequest:
     params: GenerationParams
     # Per-input stopping (max_new_tokens may have been reduced -> TOKEN_LIMIT).
     stopping: StoppingParams
-    # Per-input sampling (each sampled input of a batch gets its own random seed).
+    # Per-input sampling: each sampled input of a batch without a client seed gets its own.
     sampling: SamplingParams
     # The request's prompt-tuning prefix ("": none; shared by every input of a batch) and
     # its virtual tokens, which the model sees before ``input_ids``; with a prompt-tuning
@@ -125,3 +116,25 @@ class ValidatedRequest:
         """Prompt positions the shard computes and keeps in its KV cache: the prefix's
         virtual tokens and the input's."""
         return self.prefix_length + len(self.input_ids)
+
+    def new_sequence(self, request_id: int) -> NewSequence:
+        """How the shard first hears of this input as request ``request_id``: its prompt,
+        its prompt prefix or prompt-tuning adapter (whose virtual tokens come first in every
+        count of its steps, as in :attr:`prompt_length`), its adapter, its sampling and the
+        token details it asked for."""
+        response = self.params.response
+        return NewSequence(
+            request_id=request_id,
+            prompt_token_ids=self.input_ids,
+            prefix_id=self.prefix_id,
+            prefix_length=self.prefix_length,
+            adapter_id=self.adapter_id,
+            sampling=self.sampling,
+            details=DetailOptions(
+                logprobs=response.token_logprobs,
+                ranks=response.token_ranks,
+                top_n=response.top_n_tokens,
+                input_tokens=response.input_tokens,
+                generated_tokens=response.generated_tokens,
+            ),
+        )

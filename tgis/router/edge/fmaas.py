@@ -9,6 +9,7 @@ Validation (``validation.py``) and the engine see plain Python types only.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 
 from tgis.pb import generation_pb2
 from tgis.router.core.request_state import TokenEvent
@@ -42,12 +43,15 @@ def convert_params(
     ``time_limit_millis`` becomes the absolute deadline ``now + ms / 1000``.
 
     Zero means "unset" for ``max_new_tokens`` (-> 20), ``repetition_penalty`` (-> 1.0),
-    ``top_p`` / ``typical_p`` (-> disabled) and SAMPLE-mode ``temperature`` (-> 1.0). In GREEDY
-    mode every ``sampling`` field, including the seed, is ignored. ``top_k`` is cast to i32
-    like TGIS, so values above 2^31-1 become negative and fail rule 4.
+    ``top_p`` / ``typical_p`` (-> 1.0, disabled) and SAMPLE-mode ``temperature`` (-> 1.0). In
+    GREEDY mode every ``sampling`` field, including the seed, is ignored. ``top_k`` is cast to
+    i32 like TGIS, so values above 2^31-1 become negative and fail rule 4.
 
     ``length_penalty``: copied whenever present, so a ``decay_factor`` outside [1.0, 10.0]
     (0.0 when the field is present but unset) fails rule 8, as in TGIS.
+
+    ``min_new_tokens`` goes into the stopping criteria and the sampling parameters alike
+    (the shard masks EOS until it is reached).
     """
     if params is None:
         return GenerationParams(
@@ -55,19 +59,51 @@ def convert_params(
             stopping=StoppingParams(include_stop_sequence=default_include_stop_seqs),
             response=ResponseOptions(),
         )
+    stopping = _stopping(params, default_include_stop_seqs, now)
+    return GenerationParams(
+        sampling=_sampling(params, stopping.min_new_tokens),
+        stopping=stopping,
+        response=_response(params),
+        truncate_input_tokens=params.truncate_input_tokens,
+    )
 
-    response = ResponseOptions()
-    if params.HasField("response"):
-        r = params.response
-        response = ResponseOptions(
-            input_text=r.input_text,
-            generated_tokens=r.generated_tokens,
-            input_tokens=r.input_tokens,
-            token_logprobs=r.token_logprobs,
-            token_ranks=r.token_ranks,
-            top_n_tokens=r.top_n_tokens,
-        )
 
+def _response(params: generation_pb2.Parameters) -> ResponseOptions:
+    if not params.HasField("response"):
+        return ResponseOptions()
+    r = params.response
+    return ResponseOptions(
+        input_text=r.input_text,
+        generated_tokens=r.generated_tokens,
+        input_tokens=r.input_tokens,
+        token_logprobs=r.token_logprobs,
+        token_ranks=r.token_ranks,
+        top_n_tokens=r.top_n_tokens,
+    )
+
+
+def _stopping(
+    params: generation_pb2.Parameters, default_include_stop_seqs: bool, now: float
+) -> StoppingParams:
+    if not params.HasField("stopping"):
+        return StoppingParams(include_stop_sequence=default_include_stop_seqs)
+    s = params.stopping
+    return StoppingParams(
+        max_new_tokens=s.max_new_tokens if s.max_new_tokens != 0 else DEFAULT_MAX_NEW_TOKENS,
+        min_new_tokens=s.min_new_tokens,
+        stop_sequences=tuple(s.stop_sequences),
+        include_stop_sequence=(
+            s.include_stop_sequence
+            if s.HasField("include_stop_sequence")
+            else default_include_stop_seqs
+        ),
+        deadline=now + s.time_limit_millis / 1000.0 if s.time_limit_millis > 0 else None,
+    )
+
+
+def _sampling(params: generation_pb2.Parameters, min_new_tokens: int) -> SamplingParams:
+    """The decoding and (SAMPLE mode only) sampling fields; GREEDY, or any other method
+    value, ignores the sampling fields silently."""
     repetition_penalty = 1.0
     length_penalty: LengthPenalty | None = None
     if params.HasField("decoding"):
@@ -75,60 +111,28 @@ def convert_params(
         if d.repetition_penalty != 0.0:
             repetition_penalty = d.repetition_penalty
         if d.HasField("length_penalty"):
-            lp = LengthPenalty(
+            length_penalty = LengthPenalty(
                 start_index=d.length_penalty.start_index,
                 decay_factor=d.length_penalty.decay_factor,
             )
-            length_penalty = lp
-
-    stopping = StoppingParams(include_stop_sequence=default_include_stop_seqs)
-    if params.HasField("stopping"):
-        s = params.stopping
-        stopping = StoppingParams(
-            max_new_tokens=s.max_new_tokens if s.max_new_tokens != 0 else DEFAULT_MAX_NEW_TOKENS,
-            min_new_tokens=s.min_new_tokens,
-            stop_sequences=tuple(s.stop_sequences),
-            include_stop_sequence=(
-                s.include_stop_sequence
-                if s.HasField("include_stop_sequence")
-                else default_include_stop_seqs
-            ),
-            deadline=now + s.time_limit_millis / 1000.0 if s.time_limit_millis > 0 else None,
-        )
-
-    temperature = 0.0
-    top_k = 0
-    top_p = 1.0
-    typical_p = 0.0
-    seed: int | None = None
-    if params.method == pb.SAMPLE:
-        if params.HasField("sampling"):
-            sp = params.sampling
-            temperature = sp.temperature
-            top_k = sp.top_k if sp.top_k <= _I32_MAX else sp.top_k - (1 << 32)
-            if sp.top_p != 0.0:
-                top_p = sp.top_p
-            if sp.typical_p != 0.0:
-                typical_p = sp.typical_p
-            seed = sp.seed if sp.HasField("seed") else None
-        if temperature == 0.0:
-            temperature = 1.0  # sampling with temperature 0 means plain sampling at 1.0
-    # GREEDY (or any other method value): sampling fields are silently ignored.
-
-    sampling = SamplingParams(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        typical_p=typical_p,
-        seed=seed,
+    greedy = SamplingParams(
         repetition_penalty=repetition_penalty,
+        min_new_tokens=min_new_tokens,
         length_penalty=length_penalty,
     )
-    return GenerationParams(
-        sampling=sampling,
-        stopping=stopping,
-        response=response,
-        truncate_input_tokens=params.truncate_input_tokens,
+    if params.method != pb.SAMPLE:
+        return greedy
+    if not params.HasField("sampling"):
+        return replace(greedy, temperature=1.0)
+    sp = params.sampling
+    return replace(
+        greedy,
+        # sampling with temperature 0 means plain sampling at 1.0
+        temperature=sp.temperature if sp.temperature != 0.0 else 1.0,
+        top_k=sp.top_k if sp.top_k <= _I32_MAX else sp.top_k - (1 << 32),
+        top_p=sp.top_p if sp.top_p != 0.0 else 1.0,
+        typical_p=sp.typical_p if sp.typical_p != 0.0 else 1.0,
+        seed=sp.seed if sp.HasField("seed") else None,
     )
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import re
-import secrets
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -252,11 +251,6 @@ def undecodable_request_error(message_type: str, error: object) -> ValidationErr
     return ValidationError(f"request is not a valid {message_type} message: {detail}")
 
 
-def _random_seed() -> int:
-    """A random 32-bit seed (TGIS draws a u32 so the returned value stays short)."""
-    return secrets.randbits(32)
-
-
 def validate_input(
     text: str,
     input_ids_full: Sequence[int],
@@ -325,9 +319,7 @@ def validate_input(
             f"plus min_new_tokens ({stopping.min_new_tokens}) must be <= {max_len}"
         )
 
-    sampling = params.sampling
-    if not sampling.is_greedy and sampling.seed is None:
-        sampling = replace(sampling, seed=_random_seed())
+    sampling = params.sampling.seeded()
 
     if effective_length + stopping.max_new_tokens > max_len:
         stopping = replace(
