@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from tgis.embedded_model import MODEL_DIR
+from tgis.router.core.batching import new_scheduler
 from tgis.router.core.engine import Engine, ShardHungError
 from tgis.router.core.request_state import RequestState, TokenEvent
 from tgis.router.core.scheduler import SchedulerLimits
@@ -173,7 +174,9 @@ def make_engine(
         shard=shard,  # type: ignore[arg-type]
         info=info,
         tokenizer=RouterTokenizer(str(MODEL_DIR / "tokenizer.json")),
-        limits=SchedulerLimits(max_batch_size=batch_size, max_batch_prefill_tokens=batch_tokens),
+        scheduler=new_scheduler(
+            SchedulerLimits(max_batch_size=batch_size, max_batch_prefill_tokens=batch_tokens), info
+        ),
         metrics=Metrics(max_sequence_length=1024, max_new_tokens=1023, max_batch_size=batch_size),
         step_timeout=step_timeout,
     )

@@ -27,6 +27,7 @@ from tests.prometheus_tools import parse_exposition
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc, shard_pb2, shard_pb2_grpc
+from tgis.router.core.batching import new_scheduler
 from tgis.router.core.engine import Engine
 from tgis.router.core.scheduler import SchedulerLimits
 from tgis.router.core.shard_client import PrefixLookupError, ShardClient, ShardError, ShardFailure
@@ -193,10 +194,13 @@ async def router_stack(
         shard=client,
         info=info,
         tokenizer=tokenizer,
-        limits=SchedulerLimits(
-            max_batch_size=8,
-            max_batch_prefill_tokens=prefill_budget,
-            max_loras=info.max_loras or None,
+        scheduler=new_scheduler(
+            SchedulerLimits(
+                max_batch_size=8,
+                max_batch_prefill_tokens=prefill_budget,
+                max_loras=info.max_loras or None,
+            ),
+            info,
         ),
         metrics=metrics,
     )

@@ -14,13 +14,12 @@ from click.testing import CliRunner
 
 from tgis.router import cli
 from tgis.router.config import RouterConfig
-from tgis.router.core.scheduler import kv_capacity_blocks
+from tgis.router.core.batching import kv_capacity_blocks, scheduler_limits
 from tgis.router.errors import ValidationError
 from tgis.router.intake.limits import client_batch_size_error, enforce_client_batch_size
 from tgis.router.intake.validation import ServerLimits, validate_input
 from tgis.router.request_types import GenerationParams, ResponseOptions, SamplingParams
 from tgis.router.request_types import StoppingParams as Stopping
-from tgis.router.server import scheduler_limits
 from tgis.shard_api.messages import ModelKind, ShardInfo
 
 INFO = ShardInfo(

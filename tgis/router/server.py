@@ -12,9 +12,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tgis.pb import generation_pb2
 from tgis.router.config import RouterConfig
+from tgis.router.core.batching import new_scheduler, scheduler_limits
 from tgis.router.core.block_allocator import blocks_for
 from tgis.router.core.engine import Engine, ShardHungError
-from tgis.router.core.scheduler import SchedulerLimits, kv_capacity_blocks
 from tgis.router.core.shard_client import ShardClient
 from tgis.router.edge.http_server import start_http_server
 from tgis.router.edge.reflection import enable_reflection
@@ -30,7 +30,6 @@ from tgis.router.ops.health import LIVENESS_TEXT, GenerationHealth
 from tgis.router.ops.metrics import Metrics
 from tgis.router.ops.stalled_streams import StalledStreams
 from tgis.router.ops.tracing import Tracing, setup_tracing
-from tgis.shard_api.messages import ShardInfo
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +60,6 @@ def _bind(server: grpc.aio.Server, port: int, credentials: grpc.ServerCredential
         if bound:
             return
     raise StartupError(f"gRPC server could not bind port {port}")
-
-
-def scheduler_limits(config: RouterConfig, info: ShardInfo) -> SchedulerLimits:
-    """The scheduler's budgets from the flags (capacity comes from the shard)."""
-    max_waiting_tokens, waiting_served_ratio = config.joining_rule
-    return SchedulerLimits(
-        max_batch_size=config.effective_max_batch_size,
-        max_batch_prefill_tokens=config.prefill_budget(on_cpu=info.device == "cpu"),
-        max_batch_total_tokens=config.max_batch_total_tokens,
-        max_waiting_tokens=max_waiting_tokens,
-        waiting_served_ratio=waiting_served_ratio,
-        preemption=not info.is_seq2seq,
-        # 0: adapters disabled or no LoRA (such requests are refused in validation)
-        max_loras=info.max_loras or None,
-    )
 
 
 class Router:
@@ -114,7 +98,8 @@ class Router:
         if info.adapters_enabled:
             log.info("adapters: enabled, up to %d LoRA adapters per step", info.max_loras)
         limits = scheduler_limits(config, info)
-        capacity = kv_capacity_blocks(limits, info)
+        scheduler = new_scheduler(limits, info)
+        capacity = scheduler.allocator.num_blocks
         needed = blocks_for(config.max_sequence_length, info.block_size)
         if needed > capacity:
             raise StartupError(
@@ -154,7 +139,7 @@ class Router:
             shard=self.shard,
             info=info,
             tokenizer=self.tokenizer,
-            limits=limits,
+            scheduler=scheduler,
             metrics=metrics,
             output_special_tokens=config.output_special_tokens,
             pipeline_depth=config.pipeline_depth,

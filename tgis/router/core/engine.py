@@ -36,20 +36,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NoReturn
 
 from tgis.router.config import DEFAULT_STEP_TIMEOUT_S
-from tgis.router.core.block_allocator import BlockAllocator
 from tgis.router.core.detokenizer import IncrementalDetokenizer
 from tgis.router.core.request_state import RequestState
-from tgis.router.core.scheduler import (
-    ScheduledStep,
-    Scheduler,
-    SchedulerLimits,
-    StepUpdate,
-    kv_capacity_blocks,
-)
+from tgis.router.core.scheduler import ScheduledStep, Scheduler, StepUpdate
 from tgis.router.core.shard_client import ShardClient, ShardError, ShardFailure
 from tgis.router.core.stopping import StopChecker, stream_hold_back_bytes
 from tgis.router.errors import GenerationError
@@ -91,7 +84,7 @@ class Engine:
         shard: ShardClient,
         info: ShardInfo,
         tokenizer: RouterTokenizer,
-        limits: SchedulerLimits,
+        scheduler: Scheduler,
         metrics: Metrics,
         output_special_tokens: bool = False,
         pipeline_depth: int = PIPELINE_DEPTH,
@@ -106,10 +99,7 @@ class Engine:
         self.pipeline_depth = pipeline_depth
         self.step_timeout = step_timeout
         self.connection_retry_delay = connection_retry_delay
-        if info.is_seq2seq:  # the encoder-decoder engine cannot recompute generated tokens
-            limits = replace(limits, preemption=False)
-        num_blocks = kv_capacity_blocks(limits, info)
-        self.scheduler = Scheduler(BlockAllocator(num_blocks, info.block_size), limits)
+        self.scheduler = scheduler
         self.generation_healthy = False
         self.on_token_generated: Callable[[], None] | None = None
         self._wakeup = asyncio.Event()

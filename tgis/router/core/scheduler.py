@@ -69,7 +69,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from tgis.router.core.block_allocator import BlockAllocator, blocks_for
+from tgis.router.core.block_allocator import BlockAllocator
 from tgis.router.core.request_state import (
     Event,
     InputTokensEvent,
@@ -81,11 +81,8 @@ from tgis.router.core.stopping import StopDecision
 from tgis.router.errors import GenerationError
 from tgis.router.request_types import StopReason
 from tgis.shard_api.messages import (
-    DetailOptions,
     NewSequence,
-    SamplingParams,
     ScheduledSequence,
-    ShardInfo,
     StepOutput,
     StepPlan,
 )
@@ -108,47 +105,6 @@ class SchedulerLimits:
     max_loras: int | None = None
     """Most different LoRA adapters in the running batch (the shard's ``max_loras``); None:
     no limit."""
-
-
-def kv_capacity_blocks(limits: SchedulerLimits, info: ShardInfo) -> int:
-    """KV blocks the router allocates: the shard's, capped by max_batch_total_tokens
-    (rounded up to whole blocks, so a total of max_sequence_length holds one request)."""
-    if limits.max_batch_total_tokens is None:
-        return info.num_blocks
-    return min(info.num_blocks, blocks_for(limits.max_batch_total_tokens, info.block_size))
-
-
-def new_sequence(state: RequestState) -> NewSequence:
-    """How the shard first hears of a request (with its prompt prefix or prompt-tuning
-    adapter, whose virtual tokens come first in every count of its steps, as in
-    ``RequestState.prompt_length``, and its adapter)."""
-    req = state.request
-    resp = req.params.response
-    sampling = req.sampling
-    return NewSequence(
-        request_id=state.request_id,
-        prompt_token_ids=req.input_ids,
-        prefix_id=req.prefix_id,
-        prefix_length=req.prefix_length,
-        adapter_id=req.adapter_id,
-        sampling=SamplingParams(
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            typical_p=sampling.typical_p if sampling.typical_p > 0 else 1.0,
-            seed=sampling.seed,
-            repetition_penalty=sampling.repetition_penalty,
-            min_new_tokens=req.stopping.min_new_tokens,
-            length_penalty=sampling.length_penalty,
-        ),
-        details=DetailOptions(
-            logprobs=resp.token_logprobs,
-            ranks=resp.token_ranks,
-            top_n=resp.top_n_tokens,
-            input_tokens=resp.input_tokens,
-            generated_tokens=resp.generated_tokens,
-        ),
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -521,7 +477,7 @@ class Scheduler:
         samples: set[int],
     ) -> ScheduledSequence:
         if not state.known_to_shard:
-            new_sequences.append(new_sequence(state))
+            new_sequences.append(state.request.new_sequence(state.request_id))
             state.known_to_shard = True
         self.allocator.grow(state.block_ids, state.num_computed + num_tokens)
         new_blocks = tuple(state.block_ids[state.blocks_sent :])
