@@ -1,6 +1,6 @@
 """Engine-level micro-benchmark of the shard's attention backends, in one process.
 
-Compares ``TorchPagedAttention`` (``tgis.shard.native.attention.backends``, the reference:
+Compares ``TorchPagedAttention`` (``tgis.shard.native.attention.torch_paged``, the reference:
 decodes in one padded SDPA call, prefill sequences one SDPA call each) with
 ``SdpaVarlenAttention`` (``tgis.shard.native.attention.varlen``: every sequence in one padded
 SDPA call with a bottom-right causal mask) on the same paged batches: random, non-contiguous block
@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from tgis.shard.native.attention.backends import AttentionBackend, BatchLayout, TorchPagedAttention
+from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
+from tgis.shard.native.attention.torch_paged import TorchPagedAttention
 from tgis.shard.native.attention.varlen import SdpaVarlenAttention
 from tgis.shard.native.kv_cache import BLOCK_SIZE
 

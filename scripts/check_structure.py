@@ -28,11 +28,11 @@ MAX_FILE_LINES = 400
 
 KERNEL_EXEMPTIONS: dict[str, str] = {
     # "path relative to tgis/::function": why it may be longer
-    "shard/native/attention/triton_paged.py::_prefill_kernel": (
+    "shard/native/attention/triton_kernels.py::prefill_kernel": (
         "one Triton program: its loads, masks and online softmax share registers, so a helper "
         "split would not change what the GPU runs and would hide the data flow"
     ),
-    "shard/native/attention/triton_paged.py::_decode_kernel": (
+    "shard/native/attention/triton_kernels.py::decode_kernel": (
         "one Triton program (split-K flash decoding), kept whole for the same reason"
     ),
 }

@@ -14,14 +14,10 @@ from conftest import Router, TinyModel
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
-from tgis.shard.native.attention.backends import (
-    AttentionBackend,
-    BatchLayout,
-    TorchPagedAttention,
-    select_attention_backend,
-    start_attention_backend,
-)
 from tgis.shard.native.attention.cpu_paged import CpuPagedAttention, load_kernel
+from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
+from tgis.shard.native.attention.selection import select_attention_backend, start_attention_backend
+from tgis.shard.native.attention.torch_paged import TorchPagedAttention
 from tgis.shard.native.attention.varlen import (
     FlashVarlenAttention,
     SdpaVarlenAttention,

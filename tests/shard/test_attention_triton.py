@@ -20,12 +20,9 @@ from conftest import Router, TinyModel
 
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.native.attention.backends import (
-    AttentionBackend,
-    BatchLayout,
-    TorchPagedAttention,
-    select_attention_backend,
-)
+from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
+from tgis.shard.native.attention.selection import select_attention_backend
+from tgis.shard.native.attention.torch_paged import TorchPagedAttention
 
 pytest.importorskip("triton")
 
@@ -218,7 +215,7 @@ def test_cuda_default(monkeypatch: pytest.MonkeyPatch) -> None:
     expected = "flash_varlen" if has_flash else "triton_paged"
     assert select_attention_backend(cuda, 16).name == expected
     monkeypatch.delenv("FLASH_ATTENTION")
-    monkeypatch.setattr("tgis.shard.native.attention.backends._has_triton", lambda: False)
+    monkeypatch.setattr("tgis.shard.native.attention.selection._has_triton", lambda: False)
     assert select_attention_backend(cuda, 16).name in ("flash_varlen", "torch_paged")
 
 

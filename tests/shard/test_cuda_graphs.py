@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tgis.shard.native.attention.backends import BatchLayout
+from tgis.shard.native.attention.interface import BatchLayout
 from tgis.shard.native.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
 from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
 

@@ -26,7 +26,7 @@ from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
-from tgis.shard.native.attention.backends import select_attention_backend
+from tgis.shard.native.attention.selection import select_attention_backend
 from tgis.shard.native.kv_cache import BLOCK_SIZE
 from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.native.models import model_class

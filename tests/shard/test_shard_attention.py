@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tgis.shard.native.attention.backends import BatchLayout, TorchPagedAttention
+from tgis.shard.native.attention.interface import BatchLayout
+from tgis.shard.native.attention.torch_paged import TorchPagedAttention
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 4, 2, 8

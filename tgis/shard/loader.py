@@ -22,7 +22,8 @@ from tgis.shard.config import ShardConfig
 from tgis.shard.device import dtype_name, select_device, select_dtype
 from tgis.shard.engines import ENGINE_ENV, select_engine
 from tgis.shard.errors import StartupError
-from tgis.shard.native.attention.backends import AttentionBackend, start_attention_backend
+from tgis.shard.native.attention.interface import AttentionBackend
+from tgis.shard.native.attention.selection import start_attention_backend
 from tgis.shard.native.capacity import (
     blocks_for,
     check_fits,

@@ -14,7 +14,7 @@ from collections.abc import Sequence as SequenceOf
 
 import numpy as np
 
-from tgis.shard.native.attention.backends import BatchLayout
+from tgis.shard.native.attention.interface import BatchLayout
 from tgis.shard.step.plan import WorkItem
 
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tgis.shard.errors import StartupError
-from tgis.shard.native.attention.backends import AttentionBackend
+from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.native.model_runner import ForwardFn, ModelRunner
 from tgis.shard.native.models import CausalLM

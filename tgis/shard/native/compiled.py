@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from tgis.shard.config import env_mode
-from tgis.shard.native.attention.backends import AttentionBackend
+from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.kv_cache import KVCache
 from tgis.shard.native.models.layers import DecoderLM
 

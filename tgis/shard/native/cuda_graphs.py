@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from tgis.shard.config import env_mode
-from tgis.shard.native.attention.backends import BatchLayout
+from tgis.shard.native.attention.interface import BatchLayout
 from tgis.shard.native.kv_cache import KVCache
 from tgis.shard.native.model_runner import ForwardFn
 

@@ -22,7 +22,7 @@ import torch
 from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
 from tgis.shard.device import cpu_threads
-from tgis.shard.native.attention.backends import AttentionBackend, BatchLayout
+from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
 from tgis.shard.native.block_tables import BlockTables, flatten
 from tgis.shard.native.kv_cache import KVCache
 from tgis.shard.native.lora_rows import LoraRows, lora_kernel, lora_rows

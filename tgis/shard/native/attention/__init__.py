@@ -1,3 +1,4 @@
-"""Paged attention backends: the interface and reference (``backends``), the C-accelerated
-CPU default (``cpu_paged``), Triton kernels for CUDA (``triton_paged``) and the varlen
-backends (``varlen``)."""
+"""Paged attention backends: what they share (``interface``), the pure-torch reference
+(``torch_paged``), the C-accelerated CPU default (``cpu_paged``), Triton kernels for CUDA
+(``triton_paged`` over ``triton_kernels``), the varlen backends (``varlen``), and the choice
+made once at start-up (``selection``)."""

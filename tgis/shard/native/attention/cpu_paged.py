@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from tgis.shard.native.attention.backends import TorchPagedAttention, TorchPagedMetadata
+from tgis.shard.native.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 
 
 def load_kernel() -> ModuleType | None:

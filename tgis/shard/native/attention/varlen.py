@@ -1,7 +1,7 @@
 """Varlen attention backends: every sequence of the step in one kernel call.
 
 Both backends write the step's new K/V into the paged cache exactly as the reference
-(`attention.TorchPagedAttention`) does, then gather each sequence's whole context out of
+(`torch_paged.TorchPagedAttention`) does, then gather each sequence's whole context out of
 the cache into one packed (or padded) batch, so any block size works:
 
 - `FlashVarlenAttention` calls flash-attn's `flash_attn_varlen_func` on the packed batch
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tgis.shard.native.attention.backends import BatchLayout
+from tgis.shard.native.attention.interface import BatchLayout
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from tgis.shard.adapters.lora_layout import LoraSite
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
-from tgis.shard.native.attention.backends import AttentionBackend
+from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.native.lora_rows import LoraRows
 from tgis.shard.native.models.falcon import FalconForCausalLM

@@ -18,7 +18,7 @@ import torch
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
-from tgis.shard.native.attention.backends import AttentionBackend
+from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.models.layers import (
     MLP,
     Activation,

@@ -22,7 +22,7 @@ from tgis.shard.adapters.lora_layout import LoraPart, LoraSite
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
-from tgis.shard.native.attention.backends import AttentionBackend
+from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.models.layers import (
     Attention,
     DecoderLM,
