@@ -27,7 +27,7 @@ from tgis.shard.native.attention.selection import select_attention_backend
 from tgis.shard.native.kv_cache import BLOCK_SIZE
 from tgis.shard.native.models import check_config, model_class
 from tgis.shard.native.models.llama import LlamaArgs
-from tgis.shard.native.parallel.group import TensorParallel
+from tgis.shard.parallel.group import TensorParallel
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS = REPO_ROOT / "benchmarks" / "models"

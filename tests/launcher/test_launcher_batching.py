@@ -10,7 +10,8 @@ import pytest
 
 from tgis.launcher.cli import parse_args
 from tgis.launcher.commands import router_argv, shard_argv
-from tgis.launcher.config import LauncherConfig, resolve
+from tgis.launcher.config import LauncherConfig
+from tgis.launcher.resolution import resolve
 
 from .helpers import LAUNCHER_ENV_VARS, RunLauncher
 

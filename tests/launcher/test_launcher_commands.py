@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tgis.launcher.commands import router_argv, shard_argv, shard_env
-from tgis.launcher.config import LauncherConfig, ResolvedConfig, resolve
+from tgis.launcher.config import LauncherConfig, ResolvedConfig
+from tgis.launcher.resolution import resolve
 
 from .helpers import RunLauncher
 

@@ -8,18 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tgis.launcher.config import (
-    ConfigError,
-    LauncherConfig,
-    normalize_deployment_framework,
-    read_model_config,
-    resolve,
-    resolve_dtype,
-    resolve_hf_hub_cache,
-    resolve_max_sequence_length,
-    resolve_num_shard,
-)
+from tgis.launcher.config import ConfigError, LauncherConfig
+from tgis.launcher.environment import resolve_hf_hub_cache, resolve_num_shard
+from tgis.launcher.model_config import read_model_config, resolve_max_sequence_length
+from tgis.launcher.resolution import resolve
 from tgis.launcher.tokenizer import prepare_tokenizer
+from tgis.launcher.validation import normalize_deployment_framework, resolve_dtype
 
 from .helpers import write_model
 

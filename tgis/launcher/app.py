@@ -17,16 +17,12 @@ from tgis.launcher.commands import (
     shard_env,
     shard_socket_path,
 )
-from tgis.launcher.config import (
-    ConfigError,
-    LauncherConfig,
-    log_ignored_env,
-    resolve,
-    shutdown_grace_period,
-)
+from tgis.launcher.config import ConfigError, LauncherConfig, shutdown_grace_period
+from tgis.launcher.environment import log_ignored_env
 from tgis.launcher.health import shard_is_ready
 from tgis.launcher.logs import setup_logging
 from tgis.launcher.output import OutputForwarder
+from tgis.launcher.resolution import resolve
 from tgis.launcher.supervisor import ChildSpec, Supervisor
 from tgis.launcher.tokenizer import TokenizerFile, prepare_tokenizer
 from tgis.shard_api.channel import step_channel_path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from tgis.launcher.config import ConfigError, ResolvedConfig, effective_max_batch_prefill_tokens
@@ -27,6 +27,17 @@ def find_program(name: str) -> str:
     return found
 
 
+def option_words(options: Iterable[tuple[str, object]]) -> list[str]:
+    """The command-line words of options given only when set: `flag value`, or the bare flag
+    when the value is True; nothing when it is None, False or ""."""
+    words: list[str] = []
+    for flag, value in options:
+        if value is None or value is False or value == "":
+            continue
+        words += [flag] if value is True else [flag, str(value)]
+    return words
+
+
 def shard_socket_path(prefix: str, rank: int) -> str:
     """Where shard `rank` listens: `<shard_uds_path>-<rank>`."""
     return f"{prefix}-{rank}"
@@ -35,7 +46,8 @@ def shard_socket_path(prefix: str, rank: int) -> str:
 def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
     """`text-generation-server serve ...`; the same for every rank (the rank is in the env)."""
     flags = cfg.flags
-    argv = [
+    adapters = bool(flags.adapter_cache)
+    return [
         program,
         "serve",
         str(cfg.model_dir),
@@ -50,28 +62,22 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
         flags.shard_uds_path,
         "--cuda-process-memory-fraction",
         str(flags.cuda_process_memory_fraction),
+        *option_words(
+            [
+                ("--max-batch-size", flags.max_batch_size),
+                ("--max-batch-prefill-tokens", effective_max_batch_prefill_tokens(flags)),
+                ("--max-batch-total-tokens", flags.max_batch_total_tokens),
+                ("--dtype", cfg.dtype),
+                ("--quantize", flags.quantize),
+                ("--sharded", cfg.num_shard > 1),
+                ("--revision", flags.revision),
+                ("--load-format", None if cfg.load_format == "auto" else cfg.load_format),
+                ("--adapter-cache", flags.adapter_cache),
+                ("--max-loras", flags.max_loras if adapters else None),
+                ("--max-lora-rank", flags.max_lora_rank if adapters else None),
+            ]
+        ),
     ]
-    if flags.max_batch_size is not None:
-        argv += ["--max-batch-size", str(flags.max_batch_size)]
-    prefill = effective_max_batch_prefill_tokens(flags)
-    if prefill is not None:
-        argv += ["--max-batch-prefill-tokens", str(prefill)]
-    if flags.max_batch_total_tokens is not None:
-        argv += ["--max-batch-total-tokens", str(flags.max_batch_total_tokens)]
-    if cfg.dtype:
-        argv += ["--dtype", cfg.dtype]
-    if flags.quantize:
-        argv += ["--quantize", flags.quantize]
-    if cfg.num_shard > 1:
-        argv.append("--sharded")
-    if flags.revision:
-        argv += ["--revision", flags.revision]
-    if cfg.load_format != "auto":
-        argv += ["--load-format", cfg.load_format]
-    if flags.adapter_cache:
-        argv += ["--adapter-cache", flags.adapter_cache]
-        argv += ["--max-loras", str(flags.max_loras), "--max-lora-rank", str(flags.max_lora_rank)]
-    return argv
 
 
 def shard_env(cfg: ResolvedConfig, rank: int, base: Mapping[str, str]) -> dict[str, str]:
@@ -105,9 +111,13 @@ def shard_env(cfg: ResolvedConfig, rank: int, base: Mapping[str, str]) -> dict[s
 
 
 def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list[str]:
-    """`text-generation-router ...` pointing at shard 0's socket and the tokenizer.json."""
+    """`text-generation-router ...` pointing at shard 0's socket and the tokenizer.json.
+
+    Optional flags are passed only when set, so the router's own defaults apply (batching:
+    by capacity, joining at the next step)."""
     flags = cfg.flags
-    argv = [
+    tls = bool(flags.tls_cert_path and flags.tls_key_path)
+    return [
         program,
         "--max-concurrent-requests",
         str(flags.max_concurrent_requests),
@@ -127,34 +137,24 @@ def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list
         str(tokenizer_path),
         "--model-name",
         cfg.served_model_name,
+        *option_words(
+            [
+                ("--max-batch-size", flags.max_batch_size),
+                ("--max-waiting-tokens", flags.max_waiting_tokens),
+                ("--max-batch-prefill-tokens", flags.max_batch_prefill_tokens),
+                ("--max-batch-total-tokens", flags.max_batch_total_tokens),
+                ("--waiting-served-ratio", flags.waiting_served_ratio),
+                ("--max-client-batch-size", flags.max_client_batch_size),
+                ("--max-input-tokens", flags.max_input_tokens),
+                ("--tls-cert-path", flags.tls_cert_path if tls else None),
+                ("--tls-key-path", flags.tls_key_path if tls else None),
+                ("--tls-client-ca-cert-path", flags.tls_client_ca_cert_path),
+                ("--json-output", flags.json_output),
+                ("--output-special-tokens", flags.output_special_tokens),
+                ("--default-include-stop-seqs", flags.default_include_stop_seqs),
+                ("--shutdown-grace-period", flags.shutdown_grace_period),
+                ("--otlp-endpoint", flags.otlp_endpoint),
+                ("--otlp-service-name", flags.otlp_service_name if flags.otlp_endpoint else None),
+            ]
+        ),
     ]
-    # Batching flags: passed only when set, so the router's defaults apply (by capacity,
-    # joining at the next step).
-    for flag, value in (
-        ("--max-batch-size", flags.max_batch_size),
-        ("--max-waiting-tokens", flags.max_waiting_tokens),
-        ("--max-batch-prefill-tokens", flags.max_batch_prefill_tokens),
-        ("--max-batch-total-tokens", flags.max_batch_total_tokens),
-        ("--waiting-served-ratio", flags.waiting_served_ratio),
-        ("--max-client-batch-size", flags.max_client_batch_size),
-        ("--max-input-tokens", flags.max_input_tokens),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
-    if flags.tls_cert_path and flags.tls_key_path:
-        argv += ["--tls-cert-path", flags.tls_cert_path, "--tls-key-path", flags.tls_key_path]
-    if flags.tls_client_ca_cert_path:
-        argv += ["--tls-client-ca-cert-path", flags.tls_client_ca_cert_path]
-    if flags.json_output:
-        argv.append("--json-output")
-    if flags.output_special_tokens:
-        argv.append("--output-special-tokens")
-    if flags.default_include_stop_seqs:
-        argv.append("--default-include-stop-seqs")
-    if flags.shutdown_grace_period is not None:
-        argv += ["--shutdown-grace-period", str(flags.shutdown_grace_period)]
-    if flags.otlp_endpoint:
-        argv += ["--otlp-endpoint", flags.otlp_endpoint]
-        if flags.otlp_service_name:
-            argv += ["--otlp-service-name", flags.otlp_service_name]
-    return argv

@@ -1,0 +1,81 @@
+"""The model as the launcher sees it: its directory, and what its config.json says about the
+context length (max_sequence_length)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tgis.launcher.config import ConfigError
+from tgis.model_files import ModelNotFoundError, resolve_model_dir
+
+# config.json keys holding the model's context length, in the order TGIS tries them.
+MAX_SEQUENCE_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+DEFAULT_MAX_SEQUENCE_LENGTH = 2048
+
+
+def find_model_dir(model_name: str | None, revision: str | None) -> Path:
+    """The directory holding the model's config.json (`tgis.model_files`); None or "" is the
+    embedded model, which must be there."""
+    try:
+        model_dir = resolve_model_dir(model_name, revision)
+    except ModelNotFoundError as e:
+        raise ConfigError(str(e)) from None
+    if not model_name and not (model_dir / "config.json").is_file():
+        raise ConfigError(f"the embedded model is missing from {model_dir} (no config.json)")
+    return model_dir
+
+
+def read_model_config(model_dir: Path) -> dict[str, Any]:
+    """Parse `<model_dir>/config.json`."""
+    path = model_dir / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"model config not found: {path}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read model config {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model config {path} is not a JSON object")
+    return data
+
+
+def model_max_sequence_length(model_config: Mapping[str, Any]) -> int | None:
+    """The first integer among the known context-length keys of a config.json, if any."""
+    for key in MAX_SEQUENCE_LENGTH_KEYS:
+        value = model_config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+def resolve_max_sequence_length(
+    user_value: int | None, model_config: Mapping[str, Any], log: logging.Logger
+) -> int:
+    """User value, else the model's (config.json), else 2048; logged with its source."""
+    model_value = model_max_sequence_length(model_config)
+    if user_value is not None:
+        if model_value is not None and user_value > model_value:
+            log.warning(
+                "max_sequence_length (%d) is larger than the model's (%d)", user_value, model_value
+            )
+        source, value = "user-defined", user_value
+    elif model_value is not None:
+        source, value = "model", model_value
+    else:
+        source, value = "default", DEFAULT_MAX_SEQUENCE_LENGTH
+    log.info("Using %s max_sequence_length: %d", source, value)
+    if value < 2:
+        raise ConfigError(f"max_sequence_length ({value}) must be at least 2 (1 input + 1 output)")
+    return value
