@@ -30,7 +30,7 @@ from tgis.shard.native.attention.selection import select_attention_backend
 from tgis.shard.native.kv_cache import BLOCK_SIZE
 from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.native.models import model_class
-from tgis.shard.native.parallel.group import TensorParallel
+from tgis.shard.parallel.group import TensorParallel
 
 MAX_SEQUENCE_LENGTH = 128
 _COMMON: dict[str, Any] = dict(vocab_size=256, bos_token_id=1, eos_token_id=2)

@@ -208,7 +208,7 @@ def test_nccl_joins_a_group_of_one(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
     from tgis.procinfo import free_port
-    from tgis.shard.native.parallel.distributed import backend_for, destroy, join_group
+    from tgis.shard.parallel.distributed import backend_for, destroy, join_group
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

@@ -23,7 +23,7 @@ from tp_utils import (
 
 from tests.lora_oracle import save_random_lora
 from tgis.shard.cli import main
-from tgis.shard.native.parallel.lockstep import with_seeds
+from tgis.shard.native.lockstep import with_seeds
 from tgis.shard_api.messages import DetailOptions, SamplingParams, ScheduledSequence, StepPlan
 
 PROMPT = (9, 30, 31, 200, 17, 4, 99, 100, 101, 5, 6, 7, 8, 250, 3, 3, 40, 41, 42, 43)

@@ -338,9 +338,9 @@ def count_reads() -> Iterator[dict[str, int]]:
 
 
 def _run_rank(spec: dict[str, Any], rank: int, world_size: int) -> RankReport:
-    from tgis.shard.native.parallel.distributed import destroy, init_distributed
-    from tgis.shard.native.parallel.lockstep import LockstepRunner, run_worker
-    from tgis.shard.native.parallel.serving import native_runner
+    from tgis.shard.native.lockstep import LockstepRunner, run_worker
+    from tgis.shard.parallel.distributed import destroy, init_distributed
+    from tgis.shard.serving.tensor_parallel import native_runner
 
     tp = init_distributed(rank, world_size)
     config = ShardConfig(

@@ -126,9 +126,9 @@ def serve(
     from tgis.model_files import ModelNotFoundError
     from tgis.shard.errors import StartupError
     from tgis.shard.loader import load_runner
-    from tgis.shard.native.parallel.distributed import init_distributed
-    from tgis.shard.native.parallel.serving import native_runner, serve_rank
+    from tgis.shard.parallel.distributed import init_distributed
     from tgis.shard.serving.server import ShardServer
+    from tgis.shard.serving.tensor_parallel import native_runner, serve_rank
 
     try:
         from tgis.shard.adapters.prefix_store import max_prefix_length, prompt_cache_bytes

@@ -32,11 +32,11 @@ from tgis.shard.native.capacity import (
 )
 from tgis.shard.native.compiled import CompiledForward, compile_mode, should_compile
 from tgis.shard.native.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
-from tgis.shard.native.model_runner import ForwardFn, ModelRunner
-from tgis.shard.native.models import CausalLM, ModelFactory, check_config, model_class
+from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.models import CausalLM, ForwardFn, ModelFactory, check_config, model_class
 from tgis.shard.native.models.layers import DecoderLM
-from tgis.shard.native.parallel.distributed import min_over_ranks
-from tgis.shard.native.parallel.group import SINGLE, TensorParallel
+from tgis.shard.parallel.distributed import min_over_ranks
+from tgis.shard.parallel.group import SINGLE, TensorParallel
 from tgis.shard.step.runner import Runner
 from tgis.shard_api.messages import DEFAULT_MAX_BATCH_SIZE, ModelKind, ShardInfo
 

@@ -24,7 +24,7 @@ import torch
 
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
-from tgis.shard.native.parallel.group import SINGLE, TensorParallel
+from tgis.shard.parallel.group import SINGLE, TensorParallel
 
 Shapes = Mapping[str, tuple[int, ...]]
 

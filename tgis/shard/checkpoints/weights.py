@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from tgis.shard.errors import StartupError
-from tgis.shard.native.parallel.group import SINGLE, TensorParallel
+from tgis.shard.parallel.group import SINGLE, TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -37,8 +37,8 @@ import torch
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
-from tgis.shard.native.model_runner import ForwardFn, ModelRunner
-from tgis.shard.native.models import CausalLM
+from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.models import CausalLM, ForwardFn
 from tgis.shard_api.messages import (
     DetailOptions,
     NewSequence,

@@ -35,7 +35,7 @@ import torch
 from tgis.shard.config import env_mode
 from tgis.shard.native.attention.interface import BatchLayout
 from tgis.shard.native.kv_cache import KVCache
-from tgis.shard.native.model_runner import ForwardFn
+from tgis.shard.native.models import ForwardFn
 
 if TYPE_CHECKING:  # imports Triton: only once graphs are captured
     from tgis.shard.native.attention.triton_paged import TritonPagedMetadata

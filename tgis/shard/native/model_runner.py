@@ -12,10 +12,9 @@ the forgetting of finished sequences and the preemptions (applied first).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,7 +25,7 @@ from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
 from tgis.shard.native.block_tables import BlockTables, flatten
 from tgis.shard.native.kv_cache import KVCache
 from tgis.shard.native.lora_rows import LoraRows, lora_kernel, lora_rows
-from tgis.shard.native.models import CausalLM
+from tgis.shard.native.models import CausalLM, ForwardFn
 from tgis.shard.native.models.layers import EmbeddingRows
 from tgis.shard.native.prefix_rows import embedding_rows
 from tgis.shard.step.plan import PlanLimits, ResolvedStep, WorkItem
@@ -45,9 +44,6 @@ from tgis.shard_api.messages import (
 
 if TYPE_CHECKING:
     from tgis.shard.native.cuda_graphs import DecodeGraphs
-
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, KVCache, Any], torch.Tensor]
-"""``forward(input_ids, positions, kv_cache, attention metadata)`` → final hidden states."""
 
 # Prompt positions whose logits are materialised at once for input-token details.
 INPUT_DETAIL_ROWS = 256

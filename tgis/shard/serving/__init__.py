@@ -1,2 +1,3 @@
 """The shard's servers: the ``ShardService`` gRPC handlers and the step channel, both in
-front of one ``StepExecutor``."""
+front of one ``StepExecutor``; with tensor parallelism, what each rank serves
+(``tensor_parallel``)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -49,6 +50,11 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] of selected hidden rows."""
         ...
+
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, KVCache, Any], torch.Tensor]
+"""``forward(input_ids, positions, kv_cache, attention metadata)`` → final hidden states: a
+model's eager ``forward``, or ``compiled.CompiledForward``."""
 
 
 class ModelFactory(Protocol):

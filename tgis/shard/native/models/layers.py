@@ -25,7 +25,6 @@ from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.native.lora_rows import LoraRows
 from tgis.shard.native.models.rotary import RotaryEmbedding, apply_rotary
-from tgis.shard.native.parallel.group import TensorParallel
 from tgis.shard.native.parallel.layers import (
     ColumnLinear,
     LMHead,
@@ -36,6 +35,7 @@ from tgis.shard.native.parallel.layers import (
     lora_part,
     row_linear,
 )
+from tgis.shard.parallel.group import TensorParallel
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 

@@ -1,5 +1,2 @@
-"""Tensor parallelism: the rank's place in the group and the sharded layers built on it."""
-
-from tgis.shard.native.parallel.group import SINGLE, TensorParallel
-
-__all__ = ["SINGLE", "TensorParallel"]
+"""Tensor-parallel layers: linears, embeddings and the LM head split over the ranks
+(``layers``), on the group of ``tgis.shard.parallel``."""

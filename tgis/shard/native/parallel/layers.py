@@ -18,7 +18,7 @@ from tgis.shard.adapters.lora_layout import LoraPart, LoraSite
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.lora_rows import LoraRows
-from tgis.shard.native.parallel.group import TensorParallel
+from tgis.shard.parallel.group import TensorParallel
 
 
 class ColumnLinear:

@@ -27,8 +27,8 @@ import torch
 
 from tgis.shard.adapters.store_paths import invalid
 from tgis.shard.native.model_runner import ModelRunner
-from tgis.shard.native.parallel.distributed import broadcast_object, first_line, gather_objects
-from tgis.shard.native.parallel.group import TensorParallel
+from tgis.shard.parallel.distributed import broadcast_object, first_line, gather_objects
+from tgis.shard.parallel.group import TensorParallel
 from tgis.shard_api.messages import AdapterInfo, NewSequence, ShardInfo, StepOutput, StepPlan
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from tgis.shard.config import env_int
 from tgis.shard.errors import StartupError
-from tgis.shard.native.parallel.group import SINGLE, TensorParallel
+from tgis.shard.parallel.group import SINGLE, TensorParallel
 
 log = logging.getLogger(__name__)
 

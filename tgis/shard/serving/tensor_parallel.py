@@ -22,10 +22,10 @@ import signal
 import threading
 
 from tgis.shard.errors import InvalidStepError, StartupError
+from tgis.shard.native.lockstep import LockstepRunner, run_worker
 from tgis.shard.native.model_runner import ModelRunner
-from tgis.shard.native.parallel.distributed import destroy, first_line
-from tgis.shard.native.parallel.group import TensorParallel
-from tgis.shard.native.parallel.lockstep import LockstepRunner, run_worker
+from tgis.shard.parallel.distributed import destroy, first_line
+from tgis.shard.parallel.group import TensorParallel
 from tgis.shard.serving.server import ShardServer
 from tgis.shard.step.runner import Runner
 from tgis.shard_api.messages import AdapterInfo, ShardInfo, StepOutput, StepPlan
