@@ -8,15 +8,13 @@ import pytest
 import torch
 from conftest import TinyModel
 
+from tgis.shard.capacity import CPU_KV_CACHE_BYTES, available_memory, configured_blocks
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
-from tgis.shard.native import capacity
-from tgis.shard.native.capacity import (
-    CPU_KV_CACHE_BYTES,
+from tgis.shard.native import cuda_capacity as capacity
+from tgis.shard.native.cuda_capacity import (
     MemoryReading,
-    available_memory,
-    configured_blocks,
     kv_budget_bytes,
     measure_cuda_blocks,
     warm_up,

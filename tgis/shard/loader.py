@@ -15,6 +15,7 @@ from tgis.shard.adapters.lora_layout import LoraSite
 from tgis.shard.adapters.prefix_store import PrefixLoad, PrefixStore
 from tgis.shard.adapters.prefixes import Prefixes
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
+from tgis.shard.capacity import blocks_for, check_fits, configured_blocks
 from tgis.shard.checkpoints.dummy_weights import DummyWeights, parameter_count
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
@@ -24,13 +25,8 @@ from tgis.shard.engines import ENGINE_ENV, select_engine
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.attention.selection import start_attention_backend
-from tgis.shard.native.capacity import (
-    blocks_for,
-    check_fits,
-    configured_blocks,
-    measure_cuda_blocks,
-)
 from tgis.shard.native.compiled import CompiledForward, compile_mode, should_compile
+from tgis.shard.native.cuda_capacity import measure_cuda_blocks
 from tgis.shard.native.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.native.models import CausalLM, ForwardFn, ModelFactory, check_config, model_class

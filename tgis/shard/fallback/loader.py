@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from tgis.shard.capacity import configured_blocks
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import ShardConfig
 from tgis.shard.device import dtype_name, select_device, select_dtype
@@ -31,7 +32,6 @@ from tgis.shard.fallback.engine import HfEngine
 from tgis.shard.fallback.kv import CrossKV, KVBatch, cache_tensors, empty_rows
 from tgis.shard.fallback.runner import HfRunner
 from tgis.shard.fallback.seq2seq import RELATIVE_POSITION_DECODERS, HfSeq2SeqEngine, Seq2SeqSpec
-from tgis.shard.native.capacity import configured_blocks
 from tgis.shard_api.messages import ModelKind, ShardInfo
 
 log = logging.getLogger(__name__)

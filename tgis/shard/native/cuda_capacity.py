@@ -1,39 +1,31 @@
-"""How many KV-cache blocks a shard gets: the capacity it reports in ``Info.num_blocks``.
+"""How many KV-cache blocks fit on a GPU: the native engine's measured capacity.
 
-The router admits work by this capacity (and ``--max-batch-total-tokens`` if it is smaller),
-so it is measured once at start-up:
-
-* **CPU** — a configured budget: ``--max-batch-total-tokens`` if given, else
-  ``TGIS_KV_CACHE_BLOCKS``, else ``--max-batch-size`` sequences of ``max_sequence_length``
-  when that flag is set, else (by capacity) ``CPU_KV_CACHE_BYTES`` of memory (1 GiB, or a
-  quarter of the memory available if that is less), and always at least one sequence of
-  ``max_sequence_length``.
-* **GPU** — ``TGIS_KV_CACHE_BLOCKS`` if set (tests, benchmarks); otherwise measured:
-  ``warm_up`` runs the steps of ``warmup_plans`` with a temporary cache, recording the peak
-  memory of their activations: a prefill of ``--max-batch-prefill-tokens`` tokens whose
-  every position asks for input-token details (logits of the whole chunk), then the largest
-  mixed step the router can send: ``--max-batch-size`` sequences producing a token (the
-  prefilled ones decoding over their long contexts, the rest one-token prompts) next to
-  another full prefill chunk, every sequence sampled with top-k, top-p, typical-p, a
-  repetition penalty and top-n details (the sampler's largest buffers). Then
-  ``kv_budget_bytes`` takes the memory this process may still use (the device's free
-  memory, and at most ``--cuda-process-memory-fraction`` of its total, already set as
-  torch's per-process limit), holds back ``--batch-safety-margin`` percent of it, subtracts
-  the activation peak, and divides by the bytes of one block. The result is capped by
-  ``--max-batch-total-tokens`` when given. With tensor parallelism every rank
-  measures and the smallest count wins (``loader``).
-
-Either way one sequence of ``max_sequence_length`` tokens must fit, else start-up fails.
+Unless ``TGIS_KV_CACHE_BLOCKS`` fixes it (``tgis.shard.capacity``, which also holds the
+configured budget of the CPU and the rule that one sequence must fit), the capacity is
+measured once at start-up: ``warm_up`` runs the steps of ``warmup_plans`` with a temporary
+cache, recording the peak memory of their activations: a prefill of
+``--max-batch-prefill-tokens`` tokens whose every position asks for input-token details
+(logits of the whole chunk), then the largest mixed step the router can send:
+``--max-batch-size`` sequences producing a token (the prefilled ones decoding over their
+long contexts, the rest one-token prompts) next to another full prefill chunk, every
+sequence sampled with top-k, top-p, typical-p, a repetition penalty and top-n details (the
+sampler's largest buffers). Then ``kv_budget_bytes`` takes the memory this process may
+still use (the device's free memory, and at most ``--cuda-process-memory-fraction`` of its
+total, already set as torch's per-process limit), holds back ``--batch-safety-margin``
+percent of it, subtracts the activation peak, and divides by the bytes of one block. The
+result is capped by ``--max-batch-total-tokens`` when given. With tensor parallelism every
+rank measures and the smallest count wins (``loader``).
 """
 
 from __future__ import annotations
 
 import gc
-import math
 from dataclasses import dataclass, replace
+from typing import TypedDict, Unpack
 
 import torch
 
+from tgis.shard.capacity import blocks_for
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
@@ -48,48 +40,6 @@ from tgis.shard_api.messages import (
     StepOutput,
     StepPlan,
 )
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks needed to hold ``num_tokens`` KV entries."""
-    return -(-num_tokens // block_size)
-
-
-CPU_KV_CACHE_BYTES = 1 << 30
-"""The CPU cache by capacity (no --max-batch-size, --max-batch-total-tokens or override)."""
-
-
-def configured_blocks(
-    block_size: int,
-    *,
-    max_batch_size: int | None,
-    max_sequence_length: int,
-    max_batch_total_tokens: int | None,
-    override: int | None,
-    bytes_per_block: int,
-) -> int:
-    """The CPU budget (see the module docstring)."""
-    if max_batch_total_tokens is not None:
-        return blocks_for(max_batch_total_tokens, block_size)
-    if override is not None:
-        return override
-    per_sequence = math.ceil(max_sequence_length / block_size)
-    if max_batch_size is not None:
-        return max_batch_size * per_sequence
-    budget = min(CPU_KV_CACHE_BYTES, available_memory() // 4)
-    return max(budget // bytes_per_block, per_sequence)
-
-
-def available_memory() -> int:
-    """MemAvailable from /proc/meminfo in bytes (CPU_KV_CACHE_BYTES × 4 if unreadable)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 4 * CPU_KV_CACHE_BYTES
 
 
 @dataclass(frozen=True)
@@ -226,6 +176,16 @@ def warm_up(
     return outputs
 
 
+class MeasureSettings(TypedDict):
+    """The flags the GPU measurement follows (``measure_cuda_blocks``'s keywords)."""
+
+    max_prefill_tokens: int  # --max-batch-prefill-tokens: each warm-up prefill chunk
+    max_sequence_length: int  # the longest warm-up prompt is one token shorter
+    max_batch_size: int  # sequences of the warm-up's mixed step
+    memory_fraction: float  # --cuda-process-memory-fraction
+    safety_margin: int  # --batch-safety-margin, percent
+
+
 def measure_cuda_blocks(
     model: CausalLM,
     spec: KVCacheSpec,
@@ -233,18 +193,19 @@ def measure_cuda_blocks(
     info: ShardInfo,
     device: torch.device,
     *,
-    max_prefill_tokens: int,
-    max_sequence_length: int,
-    max_batch_size: int,
-    memory_fraction: float,
-    safety_margin: int,
     forward: ForwardFn | None = None,
     held_back: int = 0,
+    **settings: Unpack[MeasureSettings],
 ) -> int:
     """The GPU measurement (see the module docstring); ``held_back`` bytes are left for the
     prompt-prefix cache."""
+    max_prefill_tokens, max_batch_size = settings["max_prefill_tokens"], settings["max_batch_size"]
     plan = warmup_plans(
-        max_prefill_tokens, max_sequence_length, max_batch_size, spec.block_size, info.vocab_size
+        max_prefill_tokens,
+        settings["max_sequence_length"],
+        max_batch_size,
+        spec.block_size,
+        info.vocab_size,
     )
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -270,15 +231,7 @@ def measure_cuda_blocks(
         peak=peak,
         warmup_cache=plan.num_blocks * spec.bytes_per_block,
     )
-    budget = kv_budget_bytes(reading, memory_fraction, safety_margin, held_back)
+    budget = kv_budget_bytes(
+        reading, settings["memory_fraction"], settings["safety_margin"], held_back
+    )
     return budget // spec.bytes_per_block
-
-
-def check_fits(num_blocks: int, block_size: int, max_sequence_length: int, where: str) -> None:
-    """StartupError unless one sequence of ``max_sequence_length`` tokens fits."""
-    needed = blocks_for(max_sequence_length, block_size)
-    if num_blocks < needed:
-        raise StartupError(
-            f"not enough KV cache ({where}): {num_blocks} blocks of {block_size} tokens, one "
-            f"sequence of --max-sequence-length {max_sequence_length} needs {needed}"
-        )
