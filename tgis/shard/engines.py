@@ -85,3 +85,17 @@ def has_native(model_config: ModelConfig, max_sequence_length: int) -> bool:
         log.info("native engine cannot run this model (%s)", e)
         return False
     return True
+
+
+def dummy_needs_native(model_config: ModelConfig, max_sequence_length: int) -> str:
+    """Why ``--load-format dummy`` cannot serve a model the transformers fallback would."""
+    try:
+        check_config(model_config, max_sequence_length)
+        reason = f"{ENGINE_ENV}=hf"  # a native model, but the fallback was asked for
+    except StartupError as e:
+        reason = str(e)
+    name = model_config.architecture or model_config.model_type
+    return (
+        f"--load-format dummy needs the native engine, but {name} is served by the "
+        f"transformers fallback: {reason}"
+    )

@@ -22,6 +22,13 @@ from typing import Any
 
 import torch
 
+from tgis.shard.adapters.prefixes import Prefixes
+from tgis.shard.adapters.startup import (
+    build_adapters,
+    build_prefix_store,
+    placeholder_token_id,
+    with_adapters,
+)
 from tgis.shard.capacity import configured_blocks
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import ShardConfig
@@ -92,7 +99,35 @@ def load_hf_runner(config: ShardConfig, model_dir: Path, model_config: ModelConf
         getattr(model.config, "_attn_implementation", "default"),
         "encoder-decoder" if kind is ModelKind.SEQ2SEQ_LM else "decoder-only",
     )
-    return HfRunner(engine, info, device)
+    return _with_stores(HfRunner(engine, info, device), config, model_config)
+
+
+def _with_stores(runner: HfRunner, config: ShardConfig, model_config: ModelConfig) -> HfRunner:
+    """``runner`` with the prompt-prefix store of ``PREFIX_STORE_PATH`` (rows as wide as the
+    model's input embeddings) and, when ``ADAPTER_CACHE`` is set, an adapter cache that
+    refuses every adapter (this engine runs none)."""
+    if config.prefix_store_path:
+        embeddings = runner.engine.model.get_input_embeddings().weight
+        runner.prefixes = Prefixes(
+            store=build_prefix_store(
+                config,
+                "PREFIX_STORE_PATH",
+                config.prefix_store_path,
+                embedding_dim=int(embeddings.shape[1]),
+                device=runner.device,
+                dtype=embeddings.dtype,
+                is_encoder_decoder=runner.info.model_kind is ModelKind.SEQ2SEQ_LM,
+            ),
+            placeholder_id=placeholder_token_id(model_config),
+        )
+    if config.adapter_cache:
+        log.warning(
+            "ADAPTER_CACHE is set but the transformers engine runs no adapters: every "
+            "adapter_id will be refused as not supported for this model"
+        )
+        runner.adapters = build_adapters(config, [], None, runner.device, torch.float32)
+        runner.info = with_adapters(runner.info, runner.adapters)
+    return runner
 
 
 def model_kind(model_dir: Path) -> tuple[ModelKind, Any]:

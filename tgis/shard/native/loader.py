@@ -1,0 +1,295 @@
+"""Load the native engine's runner: this rank's weights, the KV cache sized for the device,
+the request stores, and the forward compiled and captured in CUDA graphs where that applies.
+
+``load_native_runner`` is what ``tgis.shard.loader.load_runner`` delegates to when the
+native engine serves the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tgis.shard.adapters.prefixes import Prefixes
+from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
+from tgis.shard.adapters.startup import (
+    build_adapters,
+    build_prefix_store,
+    placeholder_token_id,
+    with_adapters,
+)
+from tgis.shard.capacity import blocks_for, check_fits, configured_blocks
+from tgis.shard.checkpoints.dummy_weights import DummyWeights, parameter_count
+from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.checkpoints.weights import Weights
+from tgis.shard.config import ShardConfig
+from tgis.shard.device import dtype_name, select_device, select_dtype
+from tgis.shard.errors import StartupError
+from tgis.shard.native.attention.interface import AttentionBackend
+from tgis.shard.native.attention.selection import start_attention_backend
+from tgis.shard.native.compiled import CompiledForward, compile_mode, should_compile
+from tgis.shard.native.cuda_capacity import measure_cuda_blocks
+from tgis.shard.native.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
+from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.models import CausalLM, ForwardFn, ModelFactory, model_class
+from tgis.shard.native.models.layers import DecoderLM
+from tgis.shard.parallel.distributed import min_over_ranks
+from tgis.shard.parallel.group import TensorParallel
+from tgis.shard_api.messages import DEFAULT_MAX_BATCH_SIZE, ModelKind, ShardInfo
+
+log = logging.getLogger(__name__)
+
+
+def load_native_runner(
+    config: ShardConfig, model_dir: Path, model_config: ModelConfig, tp: TensorParallel
+) -> ModelRunner:
+    """Load ``model_config``'s model onto this rank's device and size its KV cache.
+
+    With tensor parallelism this rank reads only its slice of each tensor and every rank
+    gets the same number of KV blocks (the smallest that fits on all of them).
+    """
+    factory = model_class(model_config)  # fail on the architecture before touching devices
+    device = select_device(config.rank, config.world_size, config.cuda_process_memory_fraction)
+    dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
+    attention = start_attention_backend(device, BLOCK_SIZE, dtype)
+    if tp.world_size != config.world_size:
+        raise StartupError(f"{tp.world_size} ranks joined but WORLD_SIZE={config.world_size}")
+    model = _build_model(config, factory, model_config, attention, device, dtype, tp)
+    spec = model.kv_cache_spec
+    info = _info(config, model_config, spec, attention, device, dtype)
+    forward = _forward(model, tp, device)
+    num_blocks = min_over_ranks(
+        tp, _kv_cache_blocks(config, model, spec, attention, info, device, forward)
+    )
+    kv_cache = KVCache(spec, num_blocks, device)
+    info = replace(info, num_blocks=num_blocks)
+    log.info(
+        "Loaded %s (%s) from %s%s: %s on %s, %d KV blocks of %d tokens",
+        model_config.architecture,
+        model_config.model_type,
+        model_dir,
+        " with dummy weights" if config.load_format == "dummy" else "",
+        info.dtype,
+        info.device,
+        num_blocks,
+        spec.block_size,
+    )
+    prefixes, adapters = _stores(config, model_config, model, device, dtype)
+    if config.adapter_cache:
+        info = with_adapters(info, adapters)
+    runner = ModelRunner(model, kv_cache, attention, info, device, forward, prefixes, adapters)
+    if isinstance(forward, CompiledForward):
+        _compile(runner, model)
+    _capture_decode_graphs(runner, config, tp)
+    return runner
+
+
+def _info(
+    config: ShardConfig,
+    model_config: ModelConfig,
+    spec: KVCacheSpec,
+    attention: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> ShardInfo:
+    """The runner's facts, its number of KV blocks still to be measured (0)."""
+    return ShardInfo(
+        model_kind=ModelKind.CAUSAL_LM,
+        eos_token_ids=model_config.eos_token_ids,
+        vocab_size=model_config.vocab_size,
+        block_size=spec.block_size,
+        num_blocks=0,  # measured next
+        world_size=config.world_size,
+        max_position_embeddings=model_config.max_position_embeddings,
+        model_type=model_config.model_type,
+        dtype=dtype_name(dtype),
+        device=str(device),
+        attention_backend=attention.name,
+    )
+
+
+def _stores(
+    config: ShardConfig,
+    model_config: ModelConfig,
+    model: CausalLM,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[Prefixes, Adapters]:
+    """The prompt-prefix store of ``PREFIX_STORE_PATH`` and the adapters of
+    ``ADAPTER_CACHE``, each empty when its setting is unset."""
+    prefix_store = None
+    if config.prefix_store_path:
+        prefix_store = build_prefix_store(
+            config,
+            "PREFIX_STORE_PATH",
+            config.prefix_store_path,
+            _embedding_dim(model),
+            device,
+            dtype,
+        )
+    prefixes = Prefixes(store=prefix_store, placeholder_id=placeholder_token_id(model_config))
+    adapters = NO_ADAPTERS
+    if config.adapter_cache:
+        prompt_tuning = build_prefix_store(
+            config, "ADAPTER_CACHE", config.adapter_cache, _embedding_dim(model), device, dtype
+        )
+        adapters = build_adapters(config, model.lora_sites(), prompt_tuning, device, dtype)
+    return prefixes, adapters
+
+
+def _compile(runner: ModelRunner, model: CausalLM) -> None:
+    """Compile the runner's step now (``ModelRunner.warm_up``); on failure run it eagerly,
+    unless ``TGIS_COMPILE=1`` made compiling a requirement."""
+    started = time.monotonic()
+    try:
+        runner.warm_up()
+    except Exception as e:
+        if compile_mode() == "on":
+            raise StartupError(f"compiling the step failed (TGIS_COMPILE=1): {e}") from e
+        log.warning("Compiling the step failed, running it eagerly: %s", e)
+        runner.forward = model.forward
+    else:
+        log.info("Compiled the step in %.1f s", time.monotonic() - started)
+
+
+def _embedding_dim(model: CausalLM) -> int:
+    """The width of a native model's input embeddings (a prefix row's width)."""
+    if not isinstance(model, DecoderLM):
+        raise StartupError("prompt prefixes need a native decoder model")
+    return int(model.embed.weight.shape[1])
+
+
+def _build_model(
+    config: ShardConfig,
+    factory: ModelFactory,
+    model_config: ModelConfig,
+    attention: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel,
+) -> CausalLM:
+    """The model with this rank's weights: read from the safetensors files, or with
+    ``--load-format dummy`` created at random on the device (nothing read but config.json)."""
+    if config.load_format != "dummy":
+        weights = Weights(model_config.model_dir, device, dtype, tp=tp)
+        model = factory(model_config, weights, attention, config.max_sequence_length)
+        weights.close()
+        return model
+    started = time.monotonic()
+    shapes = factory.checkpoint_shapes(model_config, config.max_sequence_length)
+    dummy = DummyWeights(shapes, device, dtype, tp=tp)
+    model = factory(model_config, dummy, attention, config.max_sequence_length)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    log.info(
+        "Dummy weights (--load-format dummy): %s random parameters on %s (rank %d of %d; "
+        "%s in the model) in %.2f s",
+        f"{dummy.created:,}",
+        device,
+        tp.rank,
+        tp.world_size,
+        f"{parameter_count(shapes):,}",
+        time.monotonic() - started,
+    )
+    return model
+
+
+def _forward(model: CausalLM, tp: TensorParallel, device: torch.device) -> ForwardFn:
+    """The compiled forward (``compiled.py``: on CUDA, or with ``TGIS_COMPILE=1``), else the
+    eager one; tensor parallelism always runs eagerly (its collectives are outside graphs)."""
+    try:
+        compiled = should_compile(device)
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+    if compiled and isinstance(model, DecoderLM) and not tp.is_parallel:
+        return CompiledForward(model)
+    log.info("The step runs eagerly (TGIS_COMPILE=%s)", compile_mode())
+    return model.forward
+
+
+def _kv_cache_blocks(
+    config: ShardConfig,
+    model: CausalLM,
+    spec: KVCacheSpec,
+    attention: AttentionBackend,
+    info: ShardInfo,
+    device: torch.device,
+    forward: ForwardFn,
+) -> int:
+    """This rank's KV capacity in blocks (``tgis.shard.capacity`` and ``cuda_capacity``
+    explain the rules)."""
+    block_size = spec.block_size
+    if device.type != "cuda" or config.kv_cache_blocks is not None:
+        return configured_blocks(
+            block_size,
+            max_batch_size=config.max_batch_size,
+            max_sequence_length=config.max_sequence_length,
+            max_batch_total_tokens=config.max_batch_total_tokens if device.type != "cuda" else None,
+            override=config.kv_cache_blocks,
+            bytes_per_block=spec.bytes_per_block,
+        )
+    measured = measure_cuda_blocks(
+        model,
+        spec,
+        attention,
+        info,
+        device,
+        forward=forward,
+        max_prefill_tokens=config.max_batch_prefill_tokens,
+        max_sequence_length=config.max_sequence_length,
+        max_batch_size=config.max_batch_size or DEFAULT_MAX_BATCH_SIZE,
+        memory_fraction=config.cuda_process_memory_fraction,
+        safety_margin=config.batch_safety_margin,
+        held_back=config.prompt_cache_bytes if config.prefix_store_path else 0,
+    )
+    check_fits(measured, block_size, config.max_sequence_length, "GPU memory after the warm-up")
+    if config.max_batch_total_tokens is not None:
+        measured = min(measured, blocks_for(config.max_batch_total_tokens, block_size))
+    log.info("KV cache: %d blocks of %d tokens fit after the warm-up", measured, block_size)
+    return measured
+
+
+def _capture_decode_graphs(runner: ModelRunner, config: ShardConfig, tp: TensorParallel) -> None:
+    """CUDA graphs of the decode steps (``cuda_graphs.py``) where they apply: CUDA,
+    ``triton_paged``, one rank, ``TGIS_CUDA_GRAPHS`` not 0."""
+    from tgis.shard.native.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
+
+    mode = graphs_mode()
+    applies = (
+        runner.device.type == "cuda"
+        and runner.attention.name == "triton_paged"
+        and not tp.is_parallel
+    )
+    if mode == "off" or not applies:
+        if mode == "on" and not applies:
+            log.warning("TGIS_CUDA_GRAPHS=1 ignored: graphs need CUDA, triton_paged, one rank")
+        return
+    max_batch = min(config.max_batch_size or DEFAULT_MAX_BATCH_SIZE, runner.info.num_blocks)
+    graphs = DecodeGraphs(
+        runner.forward,
+        runner.kv_cache,
+        runner.device,
+        graph_buckets(max_batch),
+        config.max_sequence_length,
+        runner.info.vocab_size,
+    )
+    try:
+        seconds = graphs.capture()
+        graphs.verify()
+    except Exception as e:
+        reason = " ".join(str(e).split())[:300]
+        if mode == "on":
+            raise StartupError(f"capturing the decode CUDA graphs failed: {reason}") from None
+        log.warning("Capturing the decode CUDA graphs failed, running without: %s", reason)
+        return
+    runner.graphs = graphs
+    log.info(
+        "Captured decode CUDA graphs for %d batch sizes (1 to %d) in %.1f s",
+        len(graphs.buckets),
+        graphs.max_batch,
+        seconds,
+    )
