@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import click
 
@@ -98,30 +101,41 @@ def main() -> None:
     show_default=True,
 )
 @click.option("--uds-path", default=DEFAULT_UDS_PATH, show_default=True)
-def serve(
-    model_name: str,
-    deployment_framework: str | None,
-    dtype: str | None,
-    max_sequence_length: int,
-    max_new_tokens: int,
-    max_batch_size: int | None,
-    batch_safety_margin: int,
-    revision: str | None,
-    quantize: str | None,
-    sharded: bool,
-    cuda_process_memory_fraction: float,
-    max_batch_prefill_tokens: int,
-    max_batch_total_tokens: int | None,
-    load_format: str,
-    adapter_cache: str | None,
-    max_loras: int,
-    max_lora_rank: int,
-    uds_path: str,
-) -> None:
+def serve(**options: Any) -> None:
     """Load MODEL_NAME ("" = the embedded model) and serve it on ``{uds-path}-{rank}``."""
+    _serve(ServeOptions(**options))
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """``serve``'s argument and options, as click parsed them."""
+
+    model_name: str
+    deployment_framework: str | None
+    dtype: str | None
+    max_sequence_length: int
+    max_new_tokens: int
+    max_batch_size: int | None
+    batch_safety_margin: int
+    revision: str | None
+    quantize: str | None
+    sharded: bool
+    cuda_process_memory_fraction: float
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int | None
+    load_format: str
+    adapter_cache: str | None
+    max_loras: int
+    max_lora_rank: int
+    uds_path: str
+
+
+def _serve(options: ServeOptions) -> None:
+    """Load the model, then serve this rank until SIGTERM (rank 0 of a tensor-parallel
+    group also drives the others); a start-up failure exits with one line."""
     setup_logging(json_output=False, component="shard")
-    if quantize:
-        fail_startup(f"quantize={quantize} is not supported yet; serve unquantized weights")
+    if options.quantize:
+        fail_startup(f"quantize={options.quantize} is not supported yet; serve unquantized weights")
     # Imported here so `--help` does not pay for torch.
     from tgis.model_files import ModelNotFoundError
     from tgis.shard.errors import StartupError
@@ -131,33 +145,7 @@ def serve(
     from tgis.shard.serving.tensor_parallel import native_runner, serve_rank
 
     try:
-        from tgis.shard.adapters.prefix_store import max_prefix_length, prompt_cache_bytes
-
-        config = ShardConfig(
-            model_name=model_name,
-            revision=revision,
-            deployment_framework=deployment_framework,
-            dtype=canonical_dtype(dtype),
-            max_sequence_length=max_sequence_length,
-            max_new_tokens=max_new_tokens,
-            max_batch_size=max_batch_size,
-            batch_safety_margin=batch_safety_margin,
-            sharded=sharded,
-            cuda_process_memory_fraction=cuda_process_memory_fraction,
-            uds_path=uds_path,
-            rank=env_int("RANK", 0),
-            world_size=env_int("WORLD_SIZE", 1),
-            kv_cache_blocks=env_optional_int("TGIS_KV_CACHE_BLOCKS"),
-            max_batch_prefill_tokens=max_batch_prefill_tokens,
-            max_batch_total_tokens=max_batch_total_tokens,
-            load_format=load_format,
-            prefix_store_path=os.environ.get("PREFIX_STORE_PATH") or None,
-            prompt_cache_bytes=prompt_cache_bytes(os.environ),
-            max_prefix_length=max_prefix_length(os.environ, max_sequence_length),
-            adapter_cache=adapter_cache or None,
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-        )
+        config = _shard_config(options)
         config.validate()
         tp = init_distributed(config.rank, config.world_size)
         runner = load_runner(config, tp)
@@ -165,10 +153,44 @@ def serve(
     except (StartupError, ModelNotFoundError) as e:
         fail_startup(_one_line(str(e)))
     except Exception as e:
-        fail_startup(_one_line(f"failed to load model '{model_name}': {type(e).__name__}: {e}"))
+        fail_startup(
+            _one_line(f"failed to load model '{options.model_name}': {type(e).__name__}: {e}")
+        )
     if ranked is not None:  # tensor parallelism: rank 0 serves and drives the others
         sys.exit(asyncio.run(serve_rank(ranked, tp, config.socket_path)))
     asyncio.run(ShardServer(runner, config.socket_path, config.rank).serve_until_signal())
+
+
+def _shard_config(options: ServeOptions) -> ShardConfig:
+    """The shard's configuration: ``serve``'s options and the environment (rank, world
+    size, KV blocks, prompt prefixes)."""
+    from tgis.shard.adapters.prefix_store import max_prefix_length, prompt_cache_bytes
+
+    return ShardConfig(
+        model_name=options.model_name,
+        revision=options.revision,
+        deployment_framework=options.deployment_framework,
+        dtype=canonical_dtype(options.dtype),
+        max_sequence_length=options.max_sequence_length,
+        max_new_tokens=options.max_new_tokens,
+        max_batch_size=options.max_batch_size,
+        batch_safety_margin=options.batch_safety_margin,
+        sharded=options.sharded,
+        cuda_process_memory_fraction=options.cuda_process_memory_fraction,
+        uds_path=options.uds_path,
+        rank=env_int("RANK", 0),
+        world_size=env_int("WORLD_SIZE", 1),
+        kv_cache_blocks=env_optional_int("TGIS_KV_CACHE_BLOCKS"),
+        max_batch_prefill_tokens=options.max_batch_prefill_tokens,
+        max_batch_total_tokens=options.max_batch_total_tokens,
+        load_format=options.load_format,
+        prefix_store_path=os.environ.get("PREFIX_STORE_PATH") or None,
+        prompt_cache_bytes=prompt_cache_bytes(os.environ),
+        max_prefix_length=max_prefix_length(os.environ, options.max_sequence_length),
+        adapter_cache=options.adapter_cache or None,
+        max_loras=options.max_loras,
+        max_lora_rank=options.max_lora_rank,
+    )
 
 
 @main.command("download-weights")
@@ -195,11 +217,11 @@ def download_weights(
     Weights already in the cache are used as they are; otherwise they are downloaded from
     the Hugging Face Hub (never when HF_HUB_OFFLINE=1).
     """
-    from tgis.shard.checkpoints.hub import WeightsError
     from tgis.shard.checkpoints.hub import download_weights as download
+    from tgis.shard.checkpoints.weight_files import WeightsError
 
     try:
-        download(
+        fetched = download(
             model_name,
             revision=revision,
             extension=extension,
@@ -207,10 +229,24 @@ def download_weights(
             token=token,
             report=click.echo,
         )
+        if fetched.unconverted_in is not None:
+            _convert_fetched(fetched.directory, fetched.unconverted_in)
+        if fetched.downloaded is not None:
+            click.echo(f"Weights of {fetched.downloaded} are in {fetched.directory}")
     except WeightsError as e:
         fail_startup(_one_line(str(e)))
     except Exception as e:
         fail_startup(_one_line(f"download-weights '{model_name}' failed: {type(e).__name__}: {e}"))
+
+
+def _convert_fetched(directory: Path, found_in: str) -> None:
+    """download-weights' second step: .safetensors were asked for and only .bin weights were
+    found (in ``found_in``), so convert them next to themselves."""
+    from tgis.shard.checkpoints.convert import convert_directory
+
+    click.echo(f".safetensors weights not found in {found_in}, converting the .bin weights...")
+    converted = convert_directory(directory, report=click.echo)
+    click.echo(f"Converted {len(converted)} .bin file(s) to safetensors in {directory}")
 
 
 @main.command("convert-to-safetensors")
@@ -222,12 +258,8 @@ def convert_to_safetensors(model_name: str, revision: str | None) -> None:
     MODEL_NAME is a local directory or a model id in the local HF cache; nothing is
     downloaded. Tensors are verified to read back equal; tied duplicates are dropped.
     """
-    from tgis.shard.checkpoints.hub import (
-        AlreadyConverted,
-        WeightsError,
-        bin_sources,
-        resolve_existing_model_dir,
-    )
+    from tgis.shard.checkpoints.hub import resolve_existing_model_dir
+    from tgis.shard.checkpoints.weight_files import AlreadyConverted, WeightsError, bin_sources
 
     try:
         model_dir = resolve_existing_model_dir(model_name, revision)

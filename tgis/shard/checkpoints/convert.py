@@ -38,7 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from tgis.shard.checkpoints.hub import (
+from tgis.shard.checkpoints.weight_files import (
     PYTORCH,
     SAFETENSORS,
     AlreadyConverted,
@@ -69,6 +69,17 @@ class ConvertedFile:
     dropped: dict[str, str] = field(default_factory=dict)  # tied name → the name kept
     copied: list[str] = field(default_factory=list)  # names given their own storage
     nbytes: int = 0
+
+    def summary(self) -> str:
+        """One report line: the file, its tensors, the tied names dropped and the copies."""
+        details = [f"{len(self.tensors)} tensors"]
+        if self.dropped:
+            details.append(
+                "dropped tied " + ", ".join(f"{k} (= {v})" for k, v in self.dropped.items())
+            )
+        if self.copied:
+            details.append(f"copied {len(self.copied)} shared tensor(s)")
+        return f"{self.source.name} → {self.target.name}: {'; '.join(details)}"
 
 
 def safetensors_name(bin_name: str) -> str:
@@ -120,14 +131,7 @@ def convert_directory(
             path.unlink(missing_ok=True)
         raise
     for file in converted:
-        details = [f"{len(file.tensors)} tensors"]
-        if file.dropped:
-            details.append(
-                "dropped tied " + ", ".join(f"{k} (= {v})" for k, v in file.dropped.items())
-            )
-        if file.copied:
-            details.append(f"copied {len(file.copied)} shared tensor(s)")
-        report(f"{file.source.name} → {file.target.name}: {'; '.join(details)}")
+        report(file.summary())
     return converted
 
 

@@ -2,45 +2,42 @@
 
 Backs ``text-generation-server download-weights`` and finds the directory that
 ``convert-to-safetensors`` works on. Downloads go through ``huggingface_hub`` into the same
-cache the shard later reads offline (``tgis.model_files.hf_hub_cache``). Torch is imported
-only when ``.bin`` weights have to be converted (``tgis.shard.checkpoints.convert``).
+cache the shard later reads offline (``tgis.model_files.hf_hub_cache``). Nothing here
+converts or imports torch: ``download_weights`` says when ``.bin`` weights are left to
+convert, and the ``download-weights`` command converts them (``convert.py``).
 
-The file selection follows TGIS: the weight files with the requested extension(s) at the top
-level of the repository (names containing ``arguments``, ``args`` or ``training`` are not
-weights), plus the configuration, tokenizer and generation files (``.json .py .model .md``,
-``merges.txt``, ``vocab.txt``) and the weight index. When ``.safetensors`` are wanted but
-the model only has PyTorch ``.bin`` pickles, those are fetched and, with auto-convert,
-converted to safetensors next to them.
+The file selection follows TGIS (``weight_files.py``): the weight files with the requested
+extension(s) at the top level of the repository, plus the configuration, tokenizer and
+generation files (``.json .py .model .md``, ``merges.txt``, ``vocab.txt``) and the weight
+index. When ``.safetensors`` are wanted but the model only has PyTorch ``.bin`` pickles,
+those are fetched and, with auto-convert, left to convert to safetensors next to them.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tgis.model_files import hf_hub_cache
+from tgis.shard.checkpoints.weight_files import (
+    META_EXTENSIONS,
+    PYTORCH,
+    SAFETENSORS,
+    WeightsError,
+    complete_weight_files,
+    index_file_name,
+    is_meta_file,
+    is_weight_file,
+    local_weight_files,
+    missing_indexed_files,
+)
 
-SAFETENSORS = ".safetensors"
-PYTORCH = ".bin"
-META_EXTENSIONS = (".json", ".py", ".model", ".md")
-# Tokenizer files whose extension is not one of META_EXTENSIONS (BPE merges, WordPiece vocab).
-TOKENIZER_FILES = ("merges.txt", "vocab.txt")
-# TGIS's filter: files with these words in their name are training artefacts, not weights.
-NON_INFERENCE_WORDS = ("arguments", "args", "training", "optimizer", "scheduler")
 _TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
 
 Report = Callable[[str], None]
-
-
-class WeightsError(Exception):
-    """A one-line, user-facing reason why the weights cannot be prepared."""
-
-
-class AlreadyConverted(WeightsError):
-    """convert-to-safetensors: the directory already holds safetensors weights."""
 
 
 def hub_offline() -> bool:
@@ -61,89 +58,6 @@ def parse_extensions(extension: str) -> list[str]:
     if not extensions:
         raise WeightsError("--extension must name at least one file extension, e.g. .safetensors")
     return extensions
-
-
-def is_inference_file(name: str) -> bool:
-    """False for training artefacts (``training_args.bin``, ``optimizer.bin`` ...)."""
-    return not any(word in name for word in NON_INFERENCE_WORDS)
-
-
-def is_weight_file(name: str, extension: str) -> bool:
-    """A top-level weight file name with this extension (not an index, not training state)."""
-    return (
-        "/" not in name
-        and name.endswith(extension)
-        and not name.endswith(".index.json")
-        and is_inference_file(name)
-    )
-
-
-def index_file_name(name: str, extension: str) -> bool:
-    """A top-level index of weight files with this extension (``*.safetensors.index.json``)."""
-    return "/" not in name and name.endswith(f"{extension}.index.json") and is_inference_file(name)
-
-
-def is_meta_file(name: str) -> bool:
-    """Configuration, tokenizer and generation files fetched along with the weights."""
-    return (
-        "/" not in name
-        and is_inference_file(name)
-        and (name.endswith(META_EXTENSIONS) or name in TOKENIZER_FILES)
-    )
-
-
-def local_weight_files(directory: Path, extension: str) -> list[Path]:
-    """The weight files with ``extension`` directly inside ``directory`` (sorted)."""
-    if not directory.is_dir():
-        return []
-    return sorted(
-        p for p in directory.iterdir() if is_weight_file(p.name, extension) and p.is_file()
-    )
-
-
-def missing_indexed_files(directory: Path, extension: str) -> list[str]:
-    """Files an index of ``extension`` weights names that are not in ``directory``."""
-    missing: set[str] = set()
-    for index in directory.glob(f"*{extension}.index.json"):
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        except (OSError, ValueError, AttributeError):
-            missing.add(index.name)  # unreadable index: treat the set as incomplete
-            continue
-        missing.update(f for f in set(weight_map.values()) if not (directory / f).is_file())
-    return sorted(missing)
-
-
-def complete_weight_files(directory: Path, extension: str) -> list[Path]:
-    """The ``extension`` weight files of ``directory``; [] when none or the set is incomplete."""
-    files = local_weight_files(directory, extension)
-    if not files or missing_indexed_files(directory, extension):
-        return []
-    return files
-
-
-def bin_sources(model_dir: Path) -> list[Path]:
-    """The .bin weight files convert-to-safetensors would convert (checked without torch).
-
-    Raises AlreadyConverted when safetensors weights exist (remove them to re-convert) and
-    WeightsError when there is nothing (complete) to convert.
-    """
-    existing = local_weight_files(model_dir, SAFETENSORS)
-    if existing:
-        names = ", ".join(p.name for p in existing[:3]) + (" ..." if len(existing) > 3 else "")
-        raise AlreadyConverted(
-            f"{model_dir} already has .safetensors weights ({names}); remove them first to "
-            "re-convert"
-        )
-    sources = local_weight_files(model_dir, PYTORCH)
-    if not sources:
-        raise WeightsError(f"no PyTorch .bin weight files to convert in {model_dir}")
-    missing = missing_indexed_files(model_dir, PYTORCH)
-    if missing:
-        raise WeightsError(
-            f"the .bin index of {model_dir} names missing files: {', '.join(missing)}"
-        )
-    return sources
 
 
 def cached_snapshot(repo_id: str, revision: str | None, cache: Path) -> Path | None:
@@ -208,13 +122,6 @@ def _cached_weights(directory: Path, weight_exts: list[str]) -> dict[str, list[P
     return found if all(found.values()) else None
 
 
-def _convert(directory: Path, report: Report) -> None:
-    from tgis.shard.checkpoints.convert import convert_directory
-
-    converted = convert_directory(directory, report=report)
-    report(f"Converted {len(converted)} .bin file(s) to safetensors in {directory}")
-
-
 def _present(directory: Path, weight_exts: list[str], where: str, report: Report) -> bool:
     """Report and return True when every requested weight extension is complete here."""
     found = _cached_weights(directory, weight_exts)
@@ -249,14 +156,47 @@ def _not_found_reason(directory: Path, weight_exts: list[str]) -> str:
     return f"no {' or '.join(weight_exts)} weights found in {directory}"
 
 
-def _convert_local(directory: Path, auto_convert: bool, where: str, report: Report) -> None:
-    if not auto_convert:
+@dataclass(frozen=True)
+class FetchedWeights:
+    """Where ``download_weights`` left a model's weights, and what its caller still does."""
+
+    directory: Path
+    # Where only PyTorch .bin weights were found ("the directory", "the local cache", "the
+    # Hub") when .safetensors were asked for with auto-convert: the caller converts
+    # ``directory`` (``convert.convert_directory``). None: nothing to convert.
+    unconverted_in: str | None = None
+    # The model, described, when it was downloaded from the Hub: the caller reports where
+    # its weights are once they are ready.
+    downloaded: str | None = None
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    """What ``download_weights`` was asked for."""
+
+    model_name: str
+    revision: str | None
+    token: str | None
+    weight_exts: list[str]
+    auto_convert: bool
+    report: Report
+
+    @property
+    def described(self) -> str:
+        return _describe(self.model_name, self.revision)
+
+
+def _to_convert(
+    directory: Path, wanted: _Wanted, where: str, downloaded: str | None = None
+) -> FetchedWeights:
+    """``directory``'s .bin weights left for the caller to convert; WeightsError without
+    auto-convert."""
+    if not wanted.auto_convert:
         raise WeightsError(
             f"{directory} has only PyTorch .bin weights, no .safetensors: rerun with "
             "--auto-convert (the default) or run convert-to-safetensors"
         )
-    report(f".safetensors weights not found in {where}, converting the .bin weights...")
-    _convert(directory, report)
+    return FetchedWeights(directory, unconverted_in=where, downloaded=downloaded)
 
 
 def download_weights(
@@ -267,79 +207,92 @@ def download_weights(
     auto_convert: bool = True,
     token: str | None = None,
     report: Report = print,
-) -> Path:
-    """Make the model's weights available locally; return the directory holding them.
+) -> FetchedWeights:
+    """Make the model's weights available locally: the directory holding them, and whether
+    its .bin weights still need converting (the caller's step, with auto-convert).
 
-    A local directory is used (and converted) in place. A model id is looked up in the
-    local HF cache first; when its weights are missing there it is downloaded, unless
-    ``HF_HUB_OFFLINE`` is set. Raises WeightsError with a one-line reason.
+    A local directory is used in place. A model id is looked up in the local HF cache
+    first; when its weights are missing there it is downloaded, unless ``HF_HUB_OFFLINE``
+    is set. Raises WeightsError with a one-line reason.
     """
     if not model_name:
         raise WeightsError("a model name or directory is required")
     extensions = parse_extensions(extension)
     weight_exts = [e for e in extensions if e not in META_EXTENSIONS]
+    wanted = _Wanted(model_name, revision, token, weight_exts, auto_convert, report)
     as_path = Path(model_name).expanduser()
     if as_path.is_dir():
-        directory = as_path.resolve()
-        if _present(directory, weight_exts, "the directory", report):
-            return directory
-        if _convertible(directory, weight_exts):
-            _convert_local(directory, auto_convert, "the directory", report)
-            return directory
-        raise WeightsError(_not_found_reason(directory, weight_exts))
-
+        return _local_directory(as_path.resolve(), wanted)
     _check_repo_id(model_name)
     cache = hf_hub_cache()
-    described = _describe(model_name, revision)
     snapshot = cached_snapshot(model_name, revision, cache)
     if snapshot is not None and _present(snapshot, weight_exts, "the local cache", report):
-        return snapshot
-    cached_bins = snapshot is not None and _convertible(snapshot, weight_exts)
+        return FetchedWeights(snapshot)
+    cached_bins = snapshot if snapshot is not None and _convertible(snapshot, weight_exts) else None
     if hub_offline():
-        if snapshot is not None and cached_bins:
-            _convert_local(snapshot, auto_convert, "the local cache", report)
-            return snapshot
-        if snapshot is None:
-            raise WeightsError(
-                f"{described} is not in the local Hugging Face cache ({cache}) and "
-                "HF_HUB_OFFLINE is set, so it cannot be downloaded"
-            )
-        raise WeightsError(
-            f"{described} in the local Hugging Face cache: "
-            f"{_not_found_reason(snapshot, weight_exts)}, and HF_HUB_OFFLINE is set, so they "
-            "cannot be downloaded"
-        )
+        return _offline(wanted, snapshot, cached_bins, cache)
+    return _from_hub(wanted, cached_bins, cache)
 
+
+def _local_directory(directory: Path, wanted: _Wanted) -> FetchedWeights:
+    """A local directory's weights: present, or .bin weights to convert in place."""
+    if _present(directory, wanted.weight_exts, "the directory", wanted.report):
+        return FetchedWeights(directory)
+    if _convertible(directory, wanted.weight_exts):
+        return _to_convert(directory, wanted, "the directory")
+    raise WeightsError(_not_found_reason(directory, wanted.weight_exts))
+
+
+def _offline(
+    wanted: _Wanted, snapshot: Path | None, cached_bins: Path | None, cache: Path
+) -> FetchedWeights:
+    """With ``HF_HUB_OFFLINE``: the cached .bin weights to convert, else WeightsError."""
+    if cached_bins is not None:
+        return _to_convert(cached_bins, wanted, "the local cache")
+    if snapshot is None:
+        raise WeightsError(
+            f"{wanted.described} is not in the local Hugging Face cache ({cache}) and "
+            "HF_HUB_OFFLINE is set, so it cannot be downloaded"
+        )
+    raise WeightsError(
+        f"{wanted.described} in the local Hugging Face cache: "
+        f"{_not_found_reason(snapshot, wanted.weight_exts)}, and HF_HUB_OFFLINE is set, so "
+        "they cannot be downloaded"
+    )
+
+
+def _from_hub(wanted: _Wanted, cached_bins: Path | None, cache: Path) -> FetchedWeights:
+    """Download the model's files from the Hub into ``cache``; when the Hub cannot list
+    them, the cached .bin weights (with auto-convert) rather than nothing."""
+    name, revision, described = wanted.model_name, wanted.revision, wanted.described
     try:
-        repo_files = _list_repo_files(model_name, revision, token)
+        repo_files = _list_repo_files(name, revision, wanted.token)
     except Exception as e:
-        error = _hub_error(e, model_name, revision)
-        if snapshot is not None and cached_bins and auto_convert:
-            report(f"warning: {error}; using the cached .bin weights")
-            _convert_local(snapshot, auto_convert, "the local cache", report)
-            return snapshot
+        error = _hub_error(e, name, revision)
+        if cached_bins is not None and wanted.auto_convert:
+            wanted.report(f"warning: {error}; using the cached .bin weights")
+            return _to_convert(cached_bins, wanted, "the local cache")
         raise error from None
-    files, convert = _select_files(repo_files, weight_exts, auto_convert, described)
-    report(f"Downloading {len(files)} files of {described} into {cache}")
+    files, convert = _select_files(repo_files, wanted.weight_exts, wanted.auto_convert, described)
+    wanted.report(f"Downloading {len(files)} files of {described} into {cache}")
     try:
-        directory = Path(_snapshot_download(model_name, revision, token, files, cache))
+        directory = Path(_snapshot_download(name, revision, wanted.token, files, cache))
     except Exception as e:
-        raise _hub_error(e, model_name, revision) from None
-    downloaded = [*weight_exts, PYTORCH] if convert else weight_exts
+        raise _hub_error(e, name, revision) from None
+    downloaded = [*wanted.weight_exts, PYTORCH] if convert else wanted.weight_exts
     incomplete = [e for e in downloaded if missing_indexed_files(directory, e)]
     if incomplete:
         raise WeightsError(
             f"{described} downloaded incompletely: {_not_found_reason(directory, incomplete)}"
         )
-    if convert:
-        if local_weight_files(directory, SAFETENSORS):
-            raise WeightsError(
-                f"{directory} already has some .safetensors files but not a complete set; "
-                "remove them and run download-weights again to re-convert"
-            )
-        _convert_local(directory, auto_convert, "the Hub", report)
-    report(f"Weights of {described} are in {directory}")
-    return directory
+    if not convert:
+        return FetchedWeights(directory, downloaded=described)
+    if local_weight_files(directory, SAFETENSORS):
+        raise WeightsError(
+            f"{directory} already has some .safetensors files but not a complete set; "
+            "remove them and run download-weights again to re-convert"
+        )
+    return _to_convert(directory, wanted, "the Hub", downloaded=described)
 
 
 def _select_files(
