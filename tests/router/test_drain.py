@@ -10,11 +10,11 @@ import grpc
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from tests.router.servicers import make_servicer
 from tests.router.test_servicer_metrics import Aborted, FakeContext, FakeEngine
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.router.edge.http_server import build_app
-from tgis.router.edge.servicer import GenerationServicer
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
@@ -42,8 +42,8 @@ def test_drain_counts_calls_and_waits_for_the_last() -> None:
 def test_new_generation_calls_are_refused_while_draining() -> None:
     tokenizer = RouterTokenizer(str(MODEL_DIR / "tokenizer.json"))
     drain = Drain()
-    servicer = GenerationServicer(
-        engine=FakeEngine(tokenizer),  # type: ignore[arg-type]
+    servicer = make_servicer(
+        engine=FakeEngine(tokenizer),
         tokenizer=tokenizer,
         limits=ServerLimits.from_args(64, 40),
         limiter=ConcurrencyLimiter(4),
@@ -72,7 +72,7 @@ def test_new_generation_calls_are_refused_while_draining() -> None:
         assert first.input_token_count > 0
         assert rest[-1].stop_reason == pb.EOS_TOKEN
         assert drain.active == 0
-        assert servicer.limiter.in_use == 0
+        assert servicer.admission.limiter.in_use == 0
         info = await servicer.ModelInfo(pb.ModelInfoRequest(), FakeContext())  # type: ignore[arg-type]
         assert info.max_new_tokens == 40  # the cheap RPCs are still answered
 

@@ -24,6 +24,7 @@ import grpc
 import pytest
 
 from tests.prometheus_tools import parse_exposition
+from tests.router.servicers import make_servicer
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc, shard_pb2, shard_pb2_grpc
@@ -31,7 +32,6 @@ from tgis.router.core.batching import new_scheduler
 from tgis.router.core.engine import Engine
 from tgis.router.core.scheduler import SchedulerLimits
 from tgis.router.core.shard_client import PrefixLookupError, ShardClient, ShardError, ShardFailure
-from tgis.router.edge.servicer import GenerationServicer
 from tgis.router.intake.adapters import adapter_kinds
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.prefixes import PrefixLengths
@@ -204,7 +204,7 @@ async def router_stack(
         ),
         metrics=metrics,
     )
-    servicer = GenerationServicer(
+    servicer = make_servicer(
         engine=engine,
         tokenizer=tokenizer,
         limits=ServerLimits.from_args(MAX_SEQUENCE_LENGTH, MAX_NEW_TOKENS),

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.router.servicers import make_servicer
 from tests.router.test_engine import ScriptedShard, make_engine, request
 from tests.router.test_servicer_metrics import Aborted, FakeContext, FakeEngine, params
 from tgis.embedded_model import MODEL_DIR
@@ -41,8 +42,8 @@ def engine() -> Iterator[FakeEngine]:
 
 @pytest.fixture
 def servicer(engine: FakeEngine) -> GenerationServicer:
-    return GenerationServicer(
-        engine=engine,  # type: ignore[arg-type]
+    return make_servicer(
+        engine=engine,
         tokenizer=engine.tokenizer,
         limits=ServerLimits.from_args(64, 40),
         limiter=ConcurrencyLimiter(4),

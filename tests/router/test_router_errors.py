@@ -1,5 +1,5 @@
 """Router errors carry the gRPC status code and the exact client-visible message (§1.11), and
-`abort` is the one place they become a status."""
+`edge/status.py: abort` is the one place they become a status."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import grpc
 import pytest
 
+from tgis.router.edge.status import abort, status_code
 from tgis.router.errors import (
     GenerationError,
     OverloadedError,
@@ -15,7 +16,6 @@ from tgis.router.errors import (
     TokenizationError,
     UnavailableError,
     ValidationError,
-    abort,
 )
 
 
@@ -33,7 +33,7 @@ def test_codes_and_messages() -> None:
          "Server is shutting down"),
     ]  # fmt: skip
     for err, code, message in cases:
-        assert err.code == code
+        assert status_code(err) == code
         assert err.message == message == str(err)
         assert isinstance(err, RouterError) and isinstance(err, Exception)
 

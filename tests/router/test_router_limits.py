@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import replace
 from typing import Any
 
@@ -12,12 +11,18 @@ import grpc
 import pytest
 from click.testing import CliRunner
 
+from tgis.embedded_model import MODEL_DIR
 from tgis.router import cli
 from tgis.router.config import RouterConfig
 from tgis.router.core.batching import kv_capacity_blocks, scheduler_limits
+from tgis.router.edge.status import status_code
 from tgis.router.errors import ValidationError
-from tgis.router.intake.limits import client_batch_size_error, enforce_client_batch_size
+from tgis.router.intake.admission import Admission
+from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.limits import client_batch_size_error
+from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits, validate_input
+from tgis.router.ops.metrics import Metrics
 from tgis.router.request_types import GenerationParams, ResponseOptions, SamplingParams
 from tgis.router.request_types import StoppingParams as Stopping
 from tgis.shard_api.messages import ModelKind, ShardInfo
@@ -141,24 +146,15 @@ def test_max_input_tokens_rejects_longer_inputs_only_when_set() -> None:
     )
 
 
-class _Aborted(Exception):
-    pass
+class _Metrics(Metrics):
+    """Metrics that also list the failures recorded, in order."""
 
-
-class _Context:
     def __init__(self) -> None:
-        self.aborted: tuple[grpc.StatusCode, str] | None = None
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.aborted = (code, details)
-        raise _Aborted
-
-
-class _Metrics:
-    def __init__(self) -> None:
+        super().__init__(max_sequence_length=200, max_new_tokens=100, max_batch_size=4)
         self.failures: list[str] = []
 
     def request_failure(self, err: str) -> None:
+        super().request_failure(err)
         self.failures.append(err)
 
 
@@ -169,16 +165,22 @@ def test_max_client_batch_size() -> None:
         "batch size 5 exceeds the limit of 4 inputs per request (max_client_batch_size)"
     )
 
-    async def call(count: int, limit: int | None) -> tuple[_Context, _Metrics]:
-        context, metrics = _Context(), _Metrics()
-        limits = ServerLimits.from_args(200, 100, max_client_batch_size=limit)
-        with contextlib.suppress(_Aborted):
-            await enforce_client_batch_size(count, limits, context, metrics)  # type: ignore[arg-type]
-        return context, metrics
+    def call(count: int, limit: int | None) -> tuple[grpc.StatusCode | None, _Metrics]:
+        metrics = _Metrics()
+        admission = Admission(
+            tokenizer=RouterTokenizer(str(MODEL_DIR / "tokenizer.json")),
+            limits=ServerLimits.from_args(200, 100, max_client_batch_size=limit),
+            limiter=ConcurrencyLimiter(4),
+            metrics=metrics,
+        )
+        try:
+            admission.check_batch_size(count)
+        except ValidationError as err:
+            return status_code(err), metrics
+        return None, metrics
 
-    context, metrics = asyncio.run(call(5, 4))
-    assert context.aborted is not None
-    assert context.aborted[0] == grpc.StatusCode.INVALID_ARGUMENT
+    code, metrics = call(5, 4)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert metrics.failures == ["validation"]
-    context, metrics = asyncio.run(call(5, None))
-    assert context.aborted is None and not metrics.failures
+    code, metrics = call(5, None)
+    assert code is None and not metrics.failures

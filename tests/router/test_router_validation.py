@@ -10,6 +10,7 @@ import pytest
 
 from tgis.pb import generation_pb2 as pb
 from tgis.router.edge.fmaas import convert_params
+from tgis.router.edge.status import status_code
 from tgis.router.errors import ValidationError
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import (
@@ -41,7 +42,7 @@ def error_of(p: pb.Parameters | None, limits: ServerLimits = LIMITS) -> str | No
     try:
         validate_params(conv(p), limits)
     except ValidationError as err:
-        assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert status_code(err) == grpc.StatusCode.INVALID_ARGUMENT
         return err.message
     return None
 
@@ -313,7 +314,7 @@ def test_prefix_and_tokenizer_messages() -> None:
         'prefix id "invalid_prefix_id" not found'
     )
     assert tokenizer_validation_error("boom").message == "tokenizer error boom"
-    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_code(err) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 # ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from tests.prometheus_tools import Exposition, parse_exposition
+from tests.router.servicers import make_servicer
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.router.core.detokenizer import IncrementalDetokenizer
@@ -273,8 +274,8 @@ def prefixed_servicer(
     engine: FakeEngine, tokenizer: RouterTokenizer, metrics: Metrics, lookup: Any
 ) -> GenerationServicer:
     """The servicer under test; ``lookup`` answers prefix lookups (None: no prefixes)."""
-    return GenerationServicer(
-        engine=engine,  # type: ignore[arg-type]
+    return make_servicer(
+        engine=engine,
         tokenizer=tokenizer,
         limits=ServerLimits.from_args(MAX_SEQUENCE_LENGTH, MAX_NEW_TOKENS),
         limiter=ConcurrencyLimiter(4),
@@ -426,8 +427,8 @@ def test_tokenize(
 def test_max_client_batch_size_refuses_larger_batches_only(
     engine: FakeEngine, tokenizer: RouterTokenizer, metrics: Metrics
 ) -> None:
-    capped = GenerationServicer(
-        engine=engine,  # type: ignore[arg-type]
+    capped = make_servicer(
+        engine=engine,
         tokenizer=tokenizer,
         limits=ServerLimits.from_args(MAX_SEQUENCE_LENGTH, MAX_NEW_TOKENS, max_client_batch_size=2),
         limiter=ConcurrencyLimiter(4),

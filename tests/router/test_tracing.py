@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing (router/ops/tracing.py) in-process: the spans of Generate and
+"""OpenTelemetry tracing (router/edge/tracing.py) in-process: the spans of Generate and
 GenerateStream calls reach a stand-in OTLP collector with the right names, parents and
 status; tracing is off, with one warning, when the packages are missing. With the whole
 server: tests/e2e/test_operations_e2e.py."""
@@ -14,18 +14,18 @@ from collections.abc import Iterator
 import pytest
 
 from tests.otlp_collector import ExportedSpan, OtlpCollector
+from tests.router.servicers import make_servicer
 from tests.router.test_servicer_metrics import Aborted, FakeContext, FakeEngine
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.router.config import TracingConfig
-from tgis.router.edge.servicer import GenerationServicer
 from tgis.router.intake.adapters import AdapterKinds
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.prefixes import PrefixLengths
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
 from tgis.router.ops.metrics import Metrics
-from tgis.router.ops.tracing import MISSING_PACKAGES_WARNING, otlp_target, setup_tracing
+from tgis.router.edge.tracing import MISSING_PACKAGES_WARNING, otlp_target, setup_tracing
 from tgis.shard_api.messages import AdapterInfo, AdapterKind
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -58,7 +58,7 @@ def test_off_without_an_endpoint_or_without_the_packages(
 ) -> None:
     assert setup_tracing(None) is None
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
-    with caplog.at_level(logging.WARNING, logger="tgis.router.ops.tracing"):
+    with caplog.at_level(logging.WARNING, logger="tgis.router.edge.tracing"):
         assert setup_tracing(TracingConfig(endpoint="http://127.0.0.1:1")) is None
     assert [r.getMessage() for r in caplog.records] == [MISSING_PACKAGES_WARNING]
 
@@ -80,8 +80,8 @@ def test_spans_of_generate_and_stream_calls(
         tracing = setup_tracing(TracingConfig(endpoint=collector.endpoint, service_name="svc"))
         assert tracing is not None
         metrics = Metrics(max_sequence_length=64, max_new_tokens=40, max_batch_size=4)
-        servicer = GenerationServicer(
-            engine=engine,  # type: ignore[arg-type]
+        servicer = make_servicer(
+            engine=engine,
             tokenizer=engine.tokenizer,
             limits=ServerLimits.from_args(64, 40),
             limiter=ConcurrencyLimiter(4),

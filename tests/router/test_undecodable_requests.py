@@ -12,10 +12,13 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.router.servicers import make_servicer
 from tests.router.test_servicer_metrics import FakeEngine
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
-from tgis.router.edge.servicer import GenerationServicer, add_generation_service
+from tgis.router.edge.registration import add_generation_service
+from tgis.router.edge.servicer import GenerationServicer
+from tgis.router.edge.status import status_code
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits, undecodable_request_error
@@ -35,8 +38,8 @@ def with_invalid_utf8(message: Any) -> bytes:
 
 def servicer() -> GenerationServicer:
     tokenizer = RouterTokenizer(str(MODEL_DIR / "tokenizer.json"))
-    return GenerationServicer(
-        engine=FakeEngine(tokenizer),  # type: ignore[arg-type]
+    return make_servicer(
+        engine=FakeEngine(tokenizer),
         tokenizer=tokenizer,
         limits=ServerLimits.from_args(64, 40),
         limiter=ConcurrencyLimiter(4),
@@ -141,7 +144,7 @@ def test_undecodable_request_error_message() -> None:
         "fmaas.ModelInfoRequest",
         "Error parsing message with type 'fmaas.ModelInfoRequest': String field had bad UTF-8",
     )
-    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_code(error) == grpc.StatusCode.INVALID_ARGUMENT
     assert error.message == (
         "request is not a valid fmaas.ModelInfoRequest message: String field had bad UTF-8"
     )

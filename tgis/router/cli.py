@@ -243,7 +243,8 @@ def main(
         fail_startup(str(err))
     from tgis.router.core.engine import ShardHungError
     from tgis.router.core.shard_client import ShardError
-    from tgis.router.server import Router, StartupError
+    from tgis.router.errors import StartupError
+    from tgis.router.server import Router
 
     try:
         asyncio.run(Router(config).run())

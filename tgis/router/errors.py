@@ -1,30 +1,25 @@
-"""Errors the router turns into gRPC statuses (spec §1.11, §2), and the one place it does.
+"""The router's refusals and failures (spec §1.11, §2): one class per client-visible status.
 
-Each exception class carries its gRPC status code and each instance the exact message a
-client sees; every refusal or failure of an RPC goes through :func:`abort`.
+Each instance carries the exact message a client sees. Which gRPC status each class becomes
+is the edge's business (``edge/status.py``), so intake and the core loop import no grpc.
 """
 
 from __future__ import annotations
-
-from typing import ClassVar, NoReturn
-
-import grpc
 
 __all__ = [
     "GenerationError",
     "OverloadedError",
     "RouterError",
+    "StartupError",
     "TokenizationError",
     "UnavailableError",
     "ValidationError",
-    "abort",
 ]
 
 
 class RouterError(Exception):
-    """Base class: an error with a gRPC status code and a client-visible message."""
-
-    code: ClassVar[grpc.StatusCode] = grpc.StatusCode.UNKNOWN
+    """Base class: an error with a client-visible message (``UNKNOWN`` unless a subclass
+    says otherwise)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -37,8 +32,6 @@ class RouterError(Exception):
 class ValidationError(RouterError):
     """A request failed validation: ``INVALID_ARGUMENT`` with one of the §2 messages."""
 
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
 
 class OverloadedError(RouterError):
     """No concurrency permit (or queue full): ``RESOURCE_EXHAUSTED``.
@@ -46,8 +39,6 @@ class OverloadedError(RouterError):
     The default message is ``Model is overloaded``; the (practically unreachable) queue-full
     case uses ``Server too busy``.
     """
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
     def __init__(self, message: str = "Model is overloaded") -> None:
         super().__init__(message)
@@ -60,8 +51,6 @@ class GenerationError(RouterError):
     unprefixed text (e.g. ``GPU out of memory``).
     """
 
-    code = grpc.StatusCode.UNKNOWN
-
     def __init__(self, detail: str) -> None:
         super().__init__(f"Request failed during generation: {detail}")
         self.detail = detail
@@ -69,8 +58,6 @@ class GenerationError(RouterError):
 
 class UnavailableError(RouterError):
     """The server is draining (SIGTERM): ``UNAVAILABLE``, so clients retry elsewhere."""
-
-    code = grpc.StatusCode.UNAVAILABLE
 
 
 class TokenizationError(RouterError):
@@ -81,10 +68,7 @@ class TokenizationError(RouterError):
     :func:`tgis.router.intake.validation.tokenizer_validation_error`.
     """
 
-    code = grpc.StatusCode.UNKNOWN
 
-
-async def abort(context: grpc.aio.ServicerContext, error: RouterError) -> NoReturn:
-    """End the RPC with ``error``'s status code and message (raises grpc's AbortError)."""
-    await context.abort(error.code, error.message)
-    raise AssertionError("grpc.aio's abort returned")  # it raises
+class StartupError(Exception):
+    """A configuration or environment problem found while the router starts (not a client's
+    error: the CLI reports its one-line message and exits non-zero)."""

@@ -20,11 +20,26 @@ characters.)
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
-from tgis.router.intake.tokenization import REPLACEMENT_CHAR, RouterTokenizer
+from collections.abc import Collection, Sequence
+from typing import Protocol
 
 __all__ = ["IncrementalDetokenizer"]
+
+
+REPLACEMENT_CHAR = "\ufffd"
+"""What a decoder writes for bytes that do not (yet) form valid UTF-8."""
+
+
+class TokenDecoder(Protocol):
+    """What the detokenizer needs of a tokenizer (``intake/tokenization.py:
+    RouterTokenizer`` in the server)."""
+
+    @property
+    def placeholder_id(self) -> int | None:
+        """A token decoded in front of every window, or None when the tokenizer needs none."""
+        ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -63,7 +78,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: RouterTokenizer,
+        tokenizer: TokenDecoder,
         skip_special_tokens: bool,
         hold_back_bytes: int = 0,
         *,

@@ -40,13 +40,12 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from tgis.router.config import DEFAULT_STEP_TIMEOUT_S
-from tgis.router.core.detokenizer import IncrementalDetokenizer
+from tgis.router.core.detokenizer import IncrementalDetokenizer, TokenDecoder
 from tgis.router.core.request_state import RequestState
 from tgis.router.core.scheduler import ScheduledStep, Scheduler, StepUpdate
 from tgis.router.core.shard_client import ShardClient, ShardError, ShardFailure
 from tgis.router.core.stopping import StopChecker, stream_hold_back_bytes
 from tgis.router.errors import GenerationError
-from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.ops.metrics import Metrics, step_method
 from tgis.router.ops.request_context import current_correlation_id, request_log_extra
 from tgis.router.request_types import ValidatedRequest
@@ -83,7 +82,7 @@ class Engine:
         *,
         shard: ShardClient,
         info: ShardInfo,
-        tokenizer: RouterTokenizer,
+        tokenizer: TokenDecoder,
         scheduler: Scheduler,
         metrics: Metrics,
         output_special_tokens: bool = False,

@@ -1,9 +1,9 @@
-"""The public API's protobuf edge: ``fmaas`` messages in, router types out, and back.
+"""The public API's protobuf conversion: ``fmaas`` messages in, router types out, and back.
 
-Everything the servicer reads from or writes to a ``generation_pb2`` message goes through
-here: request ``Parameters`` become :class:`GenerationParams` (TGIS's conversion rules,
-spec §1.3), and the router's events, token details and tokenizer results become responses.
-Validation (``validation.py``) and the engine see plain Python types only.
+Everything the edge reads from or writes to a ``generation_pb2`` message goes through here:
+requests become :class:`GenerationCall` s (their ``Parameters`` a :class:`GenerationParams`,
+by TGIS's conversion rules, spec §1.3), and the router's events, token details and tokenizer
+results become responses. Intake and the core loop see plain Python types only.
 """
 
 from __future__ import annotations
@@ -11,8 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
+from google.protobuf.message import Message
+
 from tgis.pb import generation_pb2
 from tgis.router.core.request_state import TokenEvent
+from tgis.router.intake.admission import GenerationCall
 from tgis.router.intake.tokenization import TokenizeResult
 from tgis.router.intake.validation import DEFAULT_MAX_NEW_TOKENS
 from tgis.router.request_types import (
@@ -29,6 +32,29 @@ _I32_MAX = (1 << 31) - 1
 
 TokenText = Callable[[int], str]
 """Token id -> its raw vocabulary string (``RouterTokenizer.id_to_token``)."""
+
+
+def optional_string(message: Message, name: str) -> str | None:
+    """An ``optional string`` field of a request: None when absent."""
+    return getattr(message, name) if message.HasField(name) else None
+
+
+def generation_call(
+    request: generation_pb2.BatchedGenerationRequest | generation_pb2.SingleGenerationRequest,
+    texts: Sequence[str],
+    *,
+    default_include_stop_seqs: bool,
+    now: float,
+) -> GenerationCall:
+    """A Generate (``texts``: every input's) or GenerateStream (its one input) request in
+    plain terms, its parameters converted (:func:`convert_params`)."""
+    params = request.params if request.HasField("params") else None
+    return GenerationCall(
+        texts=tuple(texts),
+        params=convert_params(params, default_include_stop_seqs=default_include_stop_seqs, now=now),
+        prefix_id=optional_string(request, "prefix_id"),
+        adapter_id=optional_string(request, "adapter_id") or "",
+    )
 
 
 def convert_params(

@@ -10,8 +10,8 @@ import logging
 
 from aiohttp import web
 
+from tgis.router.edge.health import GenerationHealth, HealthTimeoutError
 from tgis.router.ops.drain import Drain
-from tgis.router.ops.health import GenerationHealth, HealthTimeoutError
 from tgis.router.ops.metrics import Metrics
 
 log = logging.getLogger(__name__)

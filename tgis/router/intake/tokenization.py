@@ -18,11 +18,11 @@ from typing import TypeVar
 
 from tokenizers import Tokenizer
 
+from tgis.router.core.detokenizer import REPLACEMENT_CHAR
 from tgis.router.errors import TokenizationError
 
 __all__ = ["REPLACEMENT_CHAR", "RouterTokenizer", "TokenizeResult"]
 
-REPLACEMENT_CHAR = "\ufffd"
 
 # Decoders that drop the leading space of the first token of a decode call: decoding a
 # continuation needs a placeholder token in front (TGIS ``decoder.rs``); "None" (no decoder)

@@ -1,0 +1,71 @@
+"""What the router checks and logs once it knows the shard: the model, the KV capacity
+against ``--max-sequence-length``, the batching budgets, and the limits it adjusts."""
+
+from __future__ import annotations
+
+import logging
+
+from tgis.router.config import RouterConfig
+from tgis.router.core.block_allocator import blocks_for
+from tgis.router.core.scheduler import SchedulerLimits
+from tgis.router.errors import StartupError
+from tgis.shard_api.messages import ShardInfo
+
+log = logging.getLogger(__name__)
+
+
+def log_shard(info: ShardInfo) -> None:
+    log.info(
+        "shard: %s on %s (%s, %s attention), %d KV blocks of %d tokens, %d rank(s)",
+        info.model_type,
+        info.device,
+        info.dtype,
+        info.attention_backend,
+        info.num_blocks,
+        info.block_size,
+        info.world_size,
+    )
+    if info.adapters_enabled:
+        log.info("adapters: enabled, up to %d LoRA adapters per step", info.max_loras)
+
+
+def check_capacity(config: RouterConfig, info: ShardInfo, capacity: int) -> None:
+    """StartupError unless one request of ``max_sequence_length`` fits in the ``capacity``
+    blocks the router may allocate; a warning when ``--max-batch-total-tokens`` asks for
+    more than the shard has."""
+    needed = blocks_for(config.max_sequence_length, info.block_size)
+    if needed > capacity:
+        raise StartupError(
+            f"The provided max_sequence length ({config.max_sequence_length}) needs "
+            f"{needed} KV blocks, more than the KV capacity ({capacity} blocks of "
+            f"{info.block_size} tokens)"
+        )
+    total = config.max_batch_total_tokens
+    if total is not None and blocks_for(total, info.block_size) > info.num_blocks:
+        log.warning(
+            "max_batch_total_tokens (%d) is more than the shard's KV capacity (%d tokens)",
+            total,
+            info.num_blocks * info.block_size,
+        )
+
+
+def log_batching(limits: SchedulerLimits, capacity: int, info: ShardInfo) -> None:
+    log.info(
+        "batching: up to %d sequences and %d KV tokens, %d prompt tokens per step, "
+        "max_waiting_tokens %d, waiting_served_ratio %g, %s",
+        limits.max_batch_size,
+        capacity * info.block_size,
+        limits.max_batch_prefill_tokens,
+        limits.max_waiting_tokens,
+        limits.waiting_served_ratio,
+        "preemption" if limits.preemption else "worst case reserved (encoder-decoder)",
+    )
+
+
+def warn_adjusted_limits(config: RouterConfig) -> None:
+    if config.max_new_tokens >= config.max_sequence_length:
+        log.warning(
+            "adjusting max_new_tokens (%d) down to max_sequence_length - 1 (%d)",
+            config.max_new_tokens,
+            config.max_sequence_length - 1,
+        )
