@@ -26,7 +26,13 @@ from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes, PrefixUnavailabl
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
 from tgis.shard.errors import InvalidStepError
 from tgis.shard.step.sequence import Sequence
-from tgis.shard_api.messages import NewSequence, SamplingParams, SequenceError, StepPlan
+from tgis.shard_api.messages import (
+    NewSequence,
+    SamplingParams,
+    ScheduledSequence,
+    SequenceError,
+    StepPlan,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +129,23 @@ def resolve_plan(
     adapter (a sequence whose prefix or adapter cannot be used fails alone).
     """
     finished = set(plan.finished_request_ids)
+    preempted = _preempted(plan, sequences, finished, limits)
+    new, errors = _new_sequences(plan, sequences, finished, limits, prefixes, adapters)
+    known = _Known(sequences, new, finished, {e.request_id for e in errors}, dropped)
+    return ResolvedStep(
+        finished=tuple(finished),
+        preempted=tuple(sorted(preempted)),
+        new=tuple(new.values()),
+        work=tuple(_work(plan, known, preempted, limits)),
+        errors=tuple(errors),
+    )
+
+
+def _preempted(
+    plan: StepPlan, sequences: Mapping[int, Sequence], finished: set[int], limits: PlanLimits
+) -> set[int]:
+    """The known, unfinished sequences the plan preempts; InvalidStepError when the engine
+    cannot recompute one of them."""
     preempted = {
         rid for rid in plan.preempted_request_ids if rid in sequences and rid not in finished
     }
@@ -133,6 +156,19 @@ def resolve_plan(
                 f"request {bad_rid}: this engine cannot preempt a sequence that has "
                 "generated tokens"
             )
+    return preempted
+
+
+def _new_sequences(
+    plan: StepPlan,
+    sequences: Mapping[int, Sequence],
+    finished: set[int],
+    limits: PlanLimits,
+    prefixes: Prefixes,
+    adapters: Adapters,
+) -> tuple[dict[int, Sequence], list[SequenceError]]:
+    """The plan's new sequences by id, and the errors of those that fail alone;
+    InvalidStepError for an id the shard already knows."""
     new: dict[int, Sequence] = {}
     errors: list[SequenceError] = []
     failed: set[int] = set()
@@ -140,76 +176,110 @@ def resolve_plan(
         rid = ns.request_id
         if (rid in sequences and rid not in finished) or rid in new or rid in failed:
             raise InvalidStepError(f"request {rid} is already known to the shard")
-        problem = check_new_sequence(ns, limits.vocab_size)
-        prefix = encoder_prefix = lora = None
-        if problem is None and (ns.prefix_id or ns.adapter_id):
-            try:
-                if ns.prefix_id:
-                    embeddings = prefixes.embeddings(ns)
-                    prefix, encoder_prefix = embeddings.decoder, embeddings.encoder
-                if ns.adapter_id:
-                    adapter_prefix, lora = adapters.for_sequence(ns)
-                    prefix = prefix if adapter_prefix is None else adapter_prefix
-            except PrefixUnavailable as e:
-                problem = str(e)
-        if problem is not None:
-            errors.append(SequenceError(rid, problem))
+        started = _new_sequence(ns, limits.vocab_size, prefixes, adapters)
+        if isinstance(started, SequenceError):
+            errors.append(started)
             failed.add(rid)
-            continue
-        placeholders = [prefixes.placeholder_id] * ns.prefix_length
-        new[rid] = Sequence(
-            request_id=rid,
-            token_ids=placeholders + list(ns.prompt_token_ids),
-            prompt_len=ns.prompt_length,
-            prefix=prefix,
-            encoder_prefix=encoder_prefix,
-            lora=lora,
-            sampling=ns.sampling,
-            details=ns.details,
-            seed=_seed(ns.sampling),
-        )
+        else:
+            new[rid] = started
+    return new, errors
+
+
+def _new_sequence(
+    ns: NewSequence, vocab_size: int, prefixes: Prefixes, adapters: Adapters
+) -> Sequence | SequenceError:
+    """The sequence ``ns`` starts, or why it cannot run."""
+    problem = check_new_sequence(ns, vocab_size)
+    prefix = encoder_prefix = lora = None
+    if problem is None and (ns.prefix_id or ns.adapter_id):
+        try:
+            if ns.prefix_id:
+                embeddings = prefixes.embeddings(ns)
+                prefix, encoder_prefix = embeddings.decoder, embeddings.encoder
+            if ns.adapter_id:
+                adapter_prefix, lora = adapters.for_sequence(ns)
+                prefix = prefix if adapter_prefix is None else adapter_prefix
+        except PrefixUnavailable as e:
+            problem = str(e)
+    if problem is not None:
+        return SequenceError(ns.request_id, problem)
+    placeholders = [prefixes.placeholder_id] * ns.prefix_length
+    return Sequence(
+        request_id=ns.request_id,
+        token_ids=placeholders + list(ns.prompt_token_ids),
+        prompt_len=ns.prompt_length,
+        prefix=prefix,
+        encoder_prefix=encoder_prefix,
+        lora=lora,
+        sampling=ns.sampling,
+        details=ns.details,
+        seed=_seed(ns.sampling),
+    )
+
+
+@dataclass(frozen=True)
+class _Known:
+    """The sequences a plan's scheduled entries may name: the shard's (unless the plan
+    finishes them) and the plan's new ones; new ones that failed, and dropped ones, are
+    skipped."""
+
+    sequences: Mapping[int, Sequence]
+    new: Mapping[int, Sequence]
+    finished: AbstractSet[int]
+    failed: AbstractSet[int]
+    dropped: AbstractSet[int]
+
+    def get(self, rid: int) -> Sequence | None:
+        return self.new.get(rid) or (self.sequences.get(rid) if rid not in self.finished else None)
+
+
+def _work(
+    plan: StepPlan, known: _Known, preempted: AbstractSet[int], limits: PlanLimits
+) -> list[WorkItem]:
+    """One WorkItem per scheduled sequence, in plan order; InvalidStepError for a sequence
+    scheduled twice or unknown."""
     work: list[WorkItem] = []
     seen: set[int] = set()
     for s in plan.scheduled:
         rid = s.request_id
-        if rid in failed:
+        if rid in known.failed:
             continue
         if rid in seen:
             raise InvalidStepError(f"request {rid} is scheduled twice")
         seen.add(rid)
-        seq = new.get(rid) or (sequences.get(rid) if rid not in finished else None)
+        seq = known.get(rid)
         if seq is None:
-            if rid in dropped and rid not in finished:
+            if rid in known.dropped and rid not in known.finished:
                 continue
             raise InvalidStepError(f"unknown request id {rid}")
-        restart = rid in preempted
-        computed = 0 if restart else seq.num_computed
-        uncomputed = len(seq.token_ids) - computed
-        if not 1 <= s.num_tokens <= uncomputed:
-            raise InvalidStepError(
-                f"request {rid}: num_tokens {s.num_tokens} but {uncomputed} "
-                f"token(s) are waiting to be computed"
-            )
-        bad = [b for b in s.new_block_ids if b >= limits.num_blocks]
-        if bad:
-            raise InvalidStepError(
-                f"request {rid}: block id {bad[0]} out of range (num_blocks {limits.num_blocks})"
-            )
-        table_len = (0 if restart else len(seq.block_table)) + len(s.new_block_ids)
-        needed = computed + s.num_tokens
-        if table_len * limits.block_size < needed:
-            raise InvalidStepError(
-                f"request {rid}: {table_len} block(s) cannot hold {needed} tokens "
-                f"(block size {limits.block_size})"
-            )
-        work.append(WorkItem.plan(seq, s.num_tokens, s.new_block_ids, computed))
-    return ResolvedStep(
-        finished=tuple(finished),
-        preempted=tuple(sorted(preempted)),
-        new=tuple(new.values()),
-        work=tuple(work),
-        errors=tuple(errors),
-    )
+        work.append(_work_item(s, seq, rid in preempted, limits))
+    return work
+
+
+def _work_item(s: ScheduledSequence, seq: Sequence, restart: bool, limits: PlanLimits) -> WorkItem:
+    """The work of one scheduled sequence (from position 0 when ``restart``, a resume after
+    a preemption); InvalidStepError when its token count or blocks do not fit."""
+    rid = s.request_id
+    computed = 0 if restart else seq.num_computed
+    uncomputed = len(seq.token_ids) - computed
+    if not 1 <= s.num_tokens <= uncomputed:
+        raise InvalidStepError(
+            f"request {rid}: num_tokens {s.num_tokens} but {uncomputed} "
+            f"token(s) are waiting to be computed"
+        )
+    bad = [b for b in s.new_block_ids if b >= limits.num_blocks]
+    if bad:
+        raise InvalidStepError(
+            f"request {rid}: block id {bad[0]} out of range (num_blocks {limits.num_blocks})"
+        )
+    table_len = (0 if restart else len(seq.block_table)) + len(s.new_block_ids)
+    needed = computed + s.num_tokens
+    if table_len * limits.block_size < needed:
+        raise InvalidStepError(
+            f"request {rid}: {table_len} block(s) cannot hold {needed} tokens "
+            f"(block size {limits.block_size})"
+        )
+    return WorkItem.plan(seq, s.num_tokens, s.new_block_ids, computed)
 
 
 def check_new_sequence(ns: NewSequence, vocab_size: int) -> str | None:
