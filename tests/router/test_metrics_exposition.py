@@ -12,7 +12,8 @@ import math
 import pytest
 
 from tests.prometheus_tools import Exposition, parse_exposition, promtool_check
-from tgis.router.ops.metrics import Metrics, WindowedSummary, equal_steps, step_method
+from tgis.router.ops.metrics import Metrics, step_method
+from tgis.router.ops.prometheus import WindowedSummary, equal_steps
 
 MAX_SEQUENCE_LENGTH = 2048
 MAX_NEW_TOKENS = 1024
