@@ -82,6 +82,11 @@ class ShardConfig:
 
     def validate(self) -> None:
         """Raise StartupError for values no model could be served with."""
+        self._validate_options()
+        self._validate_ranks()
+        self._validate_kv_budget()
+
+    def _validate_options(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:
             raise StartupError(
                 f"unsupported --dtype '{self.dtype}' (expected one of {', '.join(DTYPE_NAMES)})"
@@ -104,6 +109,8 @@ class ShardConfig:
                 f"unknown --load-format '{self.load_format}' "
                 f"(expected one of {', '.join(LOAD_FORMATS)})"
             )
+
+    def _validate_ranks(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise StartupError(f"invalid RANK={self.rank} for WORLD_SIZE={self.world_size}")
         if self.sharded != (self.world_size > 1):
@@ -112,6 +119,8 @@ class ShardConfig:
                 if self.sharded
                 else f"WORLD_SIZE={self.world_size} needs --sharded"
             )
+
+    def _validate_kv_budget(self) -> None:
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise StartupError("TGIS_KV_CACHE_BLOCKS must be a positive integer")
         if self.max_batch_prefill_tokens < 1:

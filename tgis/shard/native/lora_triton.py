@@ -43,7 +43,7 @@ _ENTRY = 7
 
 
 @triton.jit
-def _shrink_kernel(
+def _shrink_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, stride and tile size
     x_ptr,
     t_ptr,
     rows_ptr,
@@ -106,7 +106,7 @@ def _shrink_kernel(
 
 
 @triton.jit
-def _expand_kernel(
+def _expand_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, stride and tile size
     t_ptr,
     y_ptr,
     rows_ptr,
@@ -260,53 +260,97 @@ def lora_add(
         return True
     if x.stride(-1) != 1:
         x = x.contiguous()
-    max_rank = info[0]
-    in_features, out_features = x.shape[1], y.shape[1]
-    dot_fp32 = x.dtype == torch.float32 or x.device.type == "cpu"
-    precision = "ieee" if dot_fp32 else "tf32"
-    r_pad = _pow2(max_rank)
-    block_r = min(r_pad, 64)
-    block_k = 32 if r_pad > 64 else 64
-    num_tiles = metadata.tiles.shape[0]
-    r_blocks = triton.cdiv(max_rank, block_r)
-    splits = _splits(in_features, num_tiles * r_blocks, split_k)
-    k_per_split = triton.cdiv(triton.cdiv(in_features, splits), block_k) * block_k
-    splits = triton.cdiv(in_features, k_per_split)
-    table = metadata.tables[site]
-    t = torch.empty((splits, metadata.rows.numel(), r_pad), dtype=torch.float32, device=x.device)
-    _shrink_kernel[(num_tiles, r_blocks, splits)](
+    tiling = _Tiling.of(metadata, info[0], x, split_k)
+    t = _shrink(metadata, site, x, tiling)
+    _expand(metadata, site, t, y, tiling)
+    return True
+
+
+@dataclass(frozen=True)
+class _Tiling:
+    """One site's launch shape: the rank padded to a power of two and its blocks, the
+    shrink's tiles of ``in`` and their split over programs, and the products' precision."""
+
+    r_pad: int
+    block_r: int
+    r_blocks: int
+    block_k: int
+    splits: int
+    k_per_split: int
+    dot_fp32: bool
+    precision: str
+
+    @classmethod
+    def of(
+        cls, metadata: LoraKernelMetadata, max_rank: int, x: torch.Tensor, split_k: int | None
+    ) -> _Tiling:
+        in_features = x.shape[1]
+        dot_fp32 = x.dtype == torch.float32 or x.device.type == "cpu"
+        r_pad = _pow2(max_rank)
+        block_r = min(r_pad, 64)
+        block_k = 32 if r_pad > 64 else 64
+        r_blocks = triton.cdiv(max_rank, block_r)
+        splits = _splits(in_features, metadata.tiles.shape[0] * r_blocks, split_k)
+        k_per_split = triton.cdiv(triton.cdiv(in_features, splits), block_k) * block_k
+        return cls(
+            r_pad=r_pad,
+            block_r=block_r,
+            r_blocks=r_blocks,
+            block_k=block_k,
+            splits=triton.cdiv(in_features, k_per_split),
+            k_per_split=k_per_split,
+            dot_fp32=dot_fp32,
+            precision="ieee" if dot_fp32 else "tf32",
+        )
+
+
+def _shrink(
+    metadata: LoraKernelMetadata, site: int, x: torch.Tensor, tiling: _Tiling
+) -> torch.Tensor:
+    """``t = x[rows] @ A_g`` for every tile: [splits, lora rows, padded rank] float32
+    partial products, summed by the expand."""
+    rows = metadata.rows.numel()
+    t = torch.empty((tiling.splits, rows, tiling.r_pad), dtype=torch.float32, device=x.device)
+    _shrink_kernel[(metadata.tiles.shape[0], tiling.r_blocks, tiling.splits)](
         x,
         t,
         metadata.rows,
         metadata.tiles,
-        table,
-        in_features,
-        k_per_split,
+        metadata.tables[site],
+        x.shape[1],
+        tiling.k_per_split,
         x.stride(0),
         t.stride(0),
         t.stride(1),
         BLOCK_M=metadata.block_m,
-        BLOCK_K=block_k,
-        BLOCK_R=block_r,
-        DOT_FP32=dot_fp32,
-        PRECISION=precision,
+        BLOCK_K=tiling.block_k,
+        BLOCK_R=tiling.block_r,
+        DOT_FP32=tiling.dot_fp32,
+        PRECISION=tiling.precision,
     )
+    return t
+
+
+def _expand(
+    metadata: LoraKernelMetadata, site: int, t: torch.Tensor, y: torch.Tensor, tiling: _Tiling
+) -> None:
+    """``y[rows] += t @ B_g`` for every tile, in place."""
     block_n = 64
-    _expand_kernel[(num_tiles, triton.cdiv(out_features, block_n))](
+    out_features = y.shape[1]
+    _expand_kernel[(metadata.tiles.shape[0], triton.cdiv(out_features, block_n))](
         t,
         y,
         metadata.rows,
         metadata.tiles,
-        table,
+        metadata.tables[site],
         out_features,
-        splits,
+        tiling.splits,
         t.stride(0),
         t.stride(1),
         y.stride(0),
         BLOCK_M=metadata.block_m,
         BLOCK_N=block_n,
-        BLOCK_R=min(r_pad, 32),
-        DOT_FP32=dot_fp32,
-        PRECISION=precision,
+        BLOCK_R=min(tiling.r_pad, 32),
+        DOT_FP32=tiling.dot_fp32,
+        PRECISION=tiling.precision,
     )
-    return True
