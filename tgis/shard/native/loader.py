@@ -36,7 +36,7 @@ from tgis.shard.native.cuda_capacity import measure_cuda_blocks
 from tgis.shard.native.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.native.models import CausalLM, ForwardFn, ModelFactory, model_class
-from tgis.shard.native.models.layers import DecoderLM
+from tgis.shard.native.models.decoder import DecoderLM
 from tgis.shard.parallel.distributed import min_over_ranks
 from tgis.shard.parallel.group import TensorParallel
 from tgis.shard_api.messages import DEFAULT_MAX_BATCH_SIZE, ModelKind, ShardInfo

@@ -26,7 +26,7 @@ from tgis.shard.native.block_tables import BlockTables, flatten
 from tgis.shard.native.kv_cache import KVCache
 from tgis.shard.native.lora_rows import LoraRows, lora_kernel, lora_rows
 from tgis.shard.native.models import CausalLM, ForwardFn
-from tgis.shard.native.models.layers import EmbeddingRows
+from tgis.shard.native.models.decoder import EmbeddingRows
 from tgis.shard.native.prefix_rows import embedding_rows
 from tgis.shard.step.plan import PlanLimits, ResolvedStep, WorkItem
 from tgis.shard.step.results import sample_tokens

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tgis.shard.native.models.layers import EmbeddingRows
+from tgis.shard.native.models.decoder import EmbeddingRows
 
 if TYPE_CHECKING:
     from tgis.shard.step.plan import WorkItem

@@ -14,10 +14,11 @@ from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.native.lora_rows import LoraRows
+from tgis.shard.native.models.decoder import EmbeddingRows
 from tgis.shard.native.models.falcon import FalconForCausalLM
 from tgis.shard.native.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tgis.shard.native.models.gpt_neox import GPTNeoXForCausalLM
-from tgis.shard.native.models.layers import EmbeddingRows, Shapes
+from tgis.shard.native.models.layers import Shapes
 from tgis.shard.native.models.llama import LlamaForCausalLM
 
 

@@ -19,11 +19,11 @@ from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
+from tgis.shard.native.models.decoder import DecoderLM
 from tgis.shard.native.models.layers import (
     MLP,
     Activation,
     Attention,
-    DecoderLM,
     Heads,
     LayerNorm,
     Shapes,

@@ -1,0 +1,170 @@
+"""``DecoderLM``: the model-level loop and KV-cache spec every family shares.
+
+Embed (with the virtual tokens of prompt-tuning prefixes in place, ``EmbeddingRows``), run
+the family's layers (``layers.py``) over one ``StepContext``, final norm, LM head; the
+eager forward attends through the step's backend over the paged cache (``paged_attend``),
+the compiled one through ``compiled.py``'s custom op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from tgis.shard.adapters.lora_layout import LoraSite
+from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.native.attention.interface import AttentionBackend
+from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.native.lora_rows import LoraRows
+from tgis.shard.native.models.layers import AttendFn, Heads, StepContext
+from tgis.shard.native.models.rotary import RotaryEmbedding
+from tgis.shard.native.parallel.layers import ColumnLinear, LMHead, RowLinear, VocabEmbedding
+
+
+def paged_attend(backend: AttentionBackend, kv_cache: KVCache, metadata: Any) -> AttendFn:
+    """The eager ``attend`` of one step: the backend over the paged cache."""
+
+    def attend(
+        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache.layer(layer)
+        return backend.forward(q, k, v, k_cache, v_cache, metadata, scale=scale)
+
+    return attend
+
+
+class DecoderLayer(Protocol):
+    """One transformer layer of a family."""
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """``x``: [tokens, hidden] → [tokens, hidden]."""
+        ...
+
+
+class ConfigParser(Protocol):
+    """A family's ``<Family>Args.from_config``: parses and checks, StartupError if it cannot
+    run the config."""
+
+    def __call__(self, config: ModelConfig, max_sequence_length: int) -> object: ...
+
+
+@dataclass(frozen=True)
+class EmbeddingRows:
+    """Input embeddings that replace the vocabulary's at some rows of a step: the virtual
+    tokens of prompt-tuning prefixes (TGIS's ``inputs_embeds``). Family-specific scaling and
+    position embeddings still apply to them, as Hugging Face applies them to
+    ``inputs_embeds``."""
+
+    index: torch.Tensor  # [rows] long: rows of the flattened batch
+    values: torch.Tensor  # [rows, hidden]
+
+
+class DecoderLM:
+    """What every family's model class shares (the ``CausalLM`` protocol): embed, run the
+    layers over one ``StepContext``, final norm, LM head, and the KV-cache spec.
+
+    Subclasses name their config parser (``parse_args``) and set, in their constructor,
+    every other attribute annotated here; they override ``embed_tokens`` to add position
+    embeddings or multipliers.
+    """
+
+    parse_args: ClassVar[ConfigParser]
+    attention: AttentionBackend
+    dtype: torch.dtype
+    heads: Heads
+    embed: VocabEmbedding
+    layers: Sequence[DecoderLayer]
+    final_norm: Callable[[torch.Tensor], torch.Tensor]
+    lm_head: LMHead
+    rotary: RotaryEmbedding | None = None
+
+    @classmethod
+    def check_config(cls, config: ModelConfig, max_sequence_length: int) -> None:
+        """StartupError for a config this class cannot run (reads no weights)."""
+        cls.parse_args(config, max_sequence_length)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The shape of one KV-cache block for this model (this rank's KV heads)."""
+        return KVCacheSpec(
+            num_layers=len(self.layers),
+            num_kv_heads=self.heads.num_kv_heads,
+            head_dim=self.heads.head_dim,
+            dtype=self.dtype,
+        )
+
+    def word_embeddings(
+        self, input_ids: torch.Tensor, rows: EmbeddingRows | None = None
+    ) -> torch.Tensor:
+        """The vocabulary embeddings of ``input_ids`` [tokens, hidden], with ``rows`` (the
+        virtual tokens of prompt-tuning prefixes) put in place of theirs."""
+        x = self.embed(input_ids)
+        if rows is not None:
+            x = x.index_copy(0, rows.index, rows.values.to(x.dtype))
+        return x
+
+    def embed_tokens(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, rows: EmbeddingRows | None = None
+    ) -> torch.Tensor:
+        """The first layer's input [tokens, hidden]."""
+        del positions
+        return self.word_embeddings(input_ids, rows)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: Any,
+        rows: EmbeddingRows | None = None,
+        lora: LoraRows | None = None,
+    ) -> torch.Tensor:
+        """Final (normed) hidden states [tokens, hidden] for flattened ``input_ids``, eagerly
+        (``compiled.CompiledForward`` runs ``hidden_states`` compiled instead; steps with
+        prefix ``rows`` or LoRA adapters always run here)."""
+        attend = paged_attend(self.attention, kv_cache, attn_metadata)
+        return self.hidden_states(input_ids, positions, attend, rows, lora)
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: AttendFn,
+        rows: EmbeddingRows | None = None,
+        lora: LoraRows | None = None,
+    ) -> torch.Tensor:
+        """Embed, every layer (attending through ``attend``), final norm."""
+        x = self.embed_tokens(input_ids, positions, rows)
+        rope = None if self.rotary is None else self.rotary.cos_sin(positions, x.dtype)
+        ctx = StepContext(attend, rope, lora)
+        for layer in self.layers:
+            x = layer.forward(x, ctx)
+        return self.final_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] for selected rows of ``forward``'s output."""
+        return self.lm_head(hidden)
+
+    def lora_sites(self) -> list[LoraSite]:
+        """The linear layers LoRA adapters may target, in a fixed order; each layer learns
+        its index in it (``lora_index``), which keys an adapter's pairs."""
+        linears: list[ColumnLinear | RowLinear] = []
+        for layer in self.layers:
+            _collect_linears(layer, linears)
+        for index, linear in enumerate(linears):
+            linear.lora_index = index
+        return [linear.lora_site for linear in linears if linear.lora_site is not None]
+
+
+def _collect_linears(obj: object, found: list[ColumnLinear | RowLinear]) -> None:
+    """Every linear layer with a LoRA site reachable from ``obj``'s attributes, in
+    attribute order."""
+    for value in vars(obj).values():
+        if isinstance(value, ColumnLinear | RowLinear):
+            if value.lora_site is not None:
+                found.append(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor | type):
+            _collect_linears(value, found)
