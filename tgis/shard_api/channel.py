@@ -25,6 +25,8 @@ import struct
 import threading
 from collections.abc import Callable
 
+import grpc
+
 from tgis.pb import shard_pb2
 from tgis.shard_api.codec import output_from_pb, output_to_pb, plan_from_pb, plan_to_pb
 from tgis.shard_api.messages import StepErrorCode, StepOutput, StepPlan
@@ -35,22 +37,54 @@ _LENGTH = struct.Struct("<I")
 STEP_CHANNEL_SUFFIX = ".steps"
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 
-_CODE_TO_PB = {
-    StepErrorCode.INTERNAL: shard_pb2.StepFailure.INTERNAL,
-    StepErrorCode.INVALID_PLAN: shard_pb2.StepFailure.INVALID_PLAN,
-    StepErrorCode.OUT_OF_MEMORY: shard_pb2.StepFailure.OUT_OF_MEMORY,
-    StepErrorCode.STALE_BASE: shard_pb2.StepFailure.STALE_BASE,
+# Each failure code of a Step: its value in the step channel's ``StepFailure`` and the gRPC
+# status the ``Step`` RPC answers with (``shard.proto``). The one map of both, for the
+# shard's two ways of answering a Step and the router's way of reading the channel's.
+_CODES: dict[StepErrorCode, tuple[shard_pb2.StepFailure.Code, grpc.StatusCode]] = {
+    StepErrorCode.INVALID_PLAN: (
+        shard_pb2.StepFailure.INVALID_PLAN,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    StepErrorCode.OUT_OF_MEMORY: (
+        shard_pb2.StepFailure.OUT_OF_MEMORY,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ),
+    StepErrorCode.STALE_BASE: (shard_pb2.StepFailure.STALE_BASE, grpc.StatusCode.ABORTED),
+    StepErrorCode.INTERNAL: (shard_pb2.StepFailure.INTERNAL, grpc.StatusCode.INTERNAL),
 }
-_PB_TO_CODE = {v: k for k, v in _CODE_TO_PB.items()}
+_FROM_WIRE = {wire: code for code, (wire, _) in _CODES.items()}
 
 
 class StepFailed(Exception):
-    """A whole Step failed on the shard, for one of the protocol's reasons."""
+    """A whole Step failed on the shard, for one of the protocol's reasons (``code``), as
+    the step channel carries it (``to_wire``, ``from_wire``) and as the ``Step`` RPC
+    answers it (``grpc_status``)."""
 
     def __init__(self, code: StepErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+
+    @classmethod
+    def internal(cls, error: BaseException) -> StepFailed:
+        """A failure the protocol does not name: ``INTERNAL``, with the error's message (its
+        type's name when it has none)."""
+        return cls(StepErrorCode.INTERNAL, str(error) or type(error).__name__)
+
+    @classmethod
+    def from_wire(cls, failure: shard_pb2.StepFailure) -> StepFailed:
+        """The failure a step channel reply carries (an unknown code reads as INTERNAL)."""
+        return cls(_FROM_WIRE.get(failure.code, StepErrorCode.INTERNAL), failure.message)
+
+    def to_wire(self, failure: shard_pb2.StepFailure) -> None:
+        """Fill a step channel reply's ``failure``."""
+        failure.code = _CODES[self.code][0]
+        failure.message = self.message
+
+    @property
+    def grpc_status(self) -> grpc.StatusCode:
+        """The status the ``Step`` RPC answers this failure with."""
+        return _CODES[self.code][1]
 
 
 def step_channel_path(shard_socket_path: str) -> str:
@@ -137,12 +171,10 @@ class StepChannelServer:
             plan = plan_from_pb(shard_pb2.StepRequest.FromString(payload))
             reply.response.CopyFrom(output_to_pb(self.handle(plan)))
         except StepFailed as e:
-            reply.failure.code = _CODE_TO_PB[e.code]
-            reply.failure.message = e.message
+            e.to_wire(reply.failure)
         except Exception as e:  # a bug must fail the step, not the channel
             log.exception("step failed")
-            reply.failure.code = shard_pb2.StepFailure.INTERNAL
-            reply.failure.message = str(e) or type(e).__name__
+            StepFailed.internal(e).to_wire(reply.failure)
         return reply.SerializeToString()
 
 
@@ -229,8 +261,7 @@ class StepChannelClient(asyncio.Protocol):
         try:
             reply = shard_pb2.StepReply.FromString(payload)
             if reply.HasField("failure"):
-                code = _PB_TO_CODE.get(reply.failure.code, StepErrorCode.INTERNAL)
-                future.set_exception(StepFailed(code, reply.failure.message))
+                future.set_exception(StepFailed.from_wire(reply.failure))
             else:
                 future.set_result(output_from_pb(reply.response))
         except Exception as e:  # undecodable reply

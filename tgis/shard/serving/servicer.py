@@ -2,9 +2,10 @@
 
 Steps (and Reset, which must not interleave with one) go through the ``StepExecutor`` the
 step channel also uses, on a single worker thread, so the event loop stays free for Health
-and Info while a forward pass runs. Its failure codes map to gRPC statuses:
-INVALID_PLAN → INVALID_ARGUMENT, OUT_OF_MEMORY → RESOURCE_EXHAUSTED, STALE_BASE → ABORTED,
-INTERNAL → INTERNAL, each with the failure's message. PrefixLookup runs on a thread of its
+and Info while a forward pass runs. Its failures (``StepFailed``) answer with the gRPC
+status ``tgis.shard_api.channel`` maps their code to (INVALID_PLAN → INVALID_ARGUMENT,
+OUT_OF_MEMORY → RESOURCE_EXHAUSTED, STALE_BASE → ABORTED, INTERNAL → INTERNAL), with the
+failure's message. PrefixLookup runs on a thread of its
 own and answers NOT_FOUND or INVALID_ARGUMENT with TGIS's shard message.
 """
 
@@ -25,18 +26,11 @@ from tgis.shard.errors import InvalidStepError
 from tgis.shard.serving.step_executor import StepExecutor
 from tgis.shard_api.channel import StepFailed
 from tgis.shard_api.codec import adapter_to_pb, info_to_pb, output_to_pb, plan_from_pb
-from tgis.shard_api.messages import StepErrorCode
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-_STATUS = {
-    StepErrorCode.INVALID_PLAN: grpc.StatusCode.INVALID_ARGUMENT,
-    StepErrorCode.OUT_OF_MEMORY: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    StepErrorCode.STALE_BASE: grpc.StatusCode.ABORTED,
-    StepErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
-}
 _STORE_STATUS = {
     StoreErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
     StoreErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -116,5 +110,5 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         try:
             output = await self._on_step_thread(lambda: self.executor.step(plan))
         except StepFailed as e:
-            await context.abort(_STATUS[e.code], e.message)
+            await context.abort(e.grpc_status, e.message)
         return output_to_pb(output)

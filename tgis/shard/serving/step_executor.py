@@ -61,7 +61,7 @@ class StepExecutor:
                 raise StepFailed(StepErrorCode.OUT_OF_MEMORY, str(e)) from e
             except Exception as e:
                 log.exception("step %d failed", plan.step_id)
-                raise StepFailed(StepErrorCode.INTERNAL, str(e) or type(e).__name__) from e
+                raise StepFailed.internal(e) from e
             self._last_completed = plan.step_id
             return output
 
