@@ -8,6 +8,7 @@ from typing import Any
 from tgis.router.edge.calls import CallGate
 from tgis.router.edge.replies import Replies
 from tgis.router.edge.servicer import GenerationServicer
+from tgis.router.edge.tracing import Tracing
 from tgis.router.intake.adapters import AdapterKinds
 from tgis.router.intake.admission import Admission
 from tgis.router.intake.concurrency import ConcurrencyLimiter
@@ -17,7 +18,6 @@ from tgis.router.intake.validation import ServerLimits
 from tgis.router.ops.drain import Drain
 from tgis.router.ops.metrics import Metrics
 from tgis.router.ops.stalled_streams import StalledStreams
-from tgis.router.edge.tracing import Tracing
 
 
 def make_servicer(

@@ -14,10 +14,10 @@ from dataclasses import replace
 import pytest
 
 from tgis.embedded_model import MODEL_DIR
-from tgis.router.core.batching import new_scheduler
+from tgis.router.core.batching import SchedulerLimits
 from tgis.router.core.engine import Engine, ShardHungError
-from tgis.router.core.request_state import RequestState, TokenEvent
-from tgis.router.core.scheduler import SchedulerLimits
+from tgis.router.core.request_state import OutputRules, RequestState, TokenEvent
+from tgis.router.core.scheduler import new_scheduler
 from tgis.router.core.shard_client import ShardError, ShardFailure
 from tgis.router.errors import GenerationError
 from tgis.router.intake.tokenization import RouterTokenizer
@@ -172,11 +172,10 @@ def make_engine(
 ) -> Engine:
     engine = Engine(
         shard=shard,  # type: ignore[arg-type]
-        info=info,
-        tokenizer=RouterTokenizer(str(MODEL_DIR / "tokenizer.json")),
         scheduler=new_scheduler(
             SchedulerLimits(max_batch_size=batch_size, max_batch_prefill_tokens=batch_tokens), info
         ),
+        output=OutputRules.for_shard(RouterTokenizer(str(MODEL_DIR / "tokenizer.json")), info),
         metrics=Metrics(max_sequence_length=1024, max_new_tokens=1023, max_batch_size=batch_size),
         step_timeout=step_timeout,
     )

@@ -28,9 +28,10 @@ from tests.router.servicers import make_servicer
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc, shard_pb2, shard_pb2_grpc
-from tgis.router.core.batching import new_scheduler
+from tgis.router.core.batching import SchedulerLimits
 from tgis.router.core.engine import Engine
-from tgis.router.core.scheduler import SchedulerLimits
+from tgis.router.core.request_state import OutputRules
+from tgis.router.core.scheduler import new_scheduler
 from tgis.router.core.shard_client import PrefixLookupError, ShardClient, ShardError, ShardFailure
 from tgis.router.intake.adapters import adapter_kinds
 from tgis.router.intake.concurrency import ConcurrencyLimiter
@@ -192,8 +193,7 @@ async def router_stack(
     )
     engine = Engine(
         shard=client,
-        info=info,
-        tokenizer=tokenizer,
+        output=OutputRules.for_shard(tokenizer, info),
         scheduler=new_scheduler(
             SchedulerLimits(
                 max_batch_size=8,

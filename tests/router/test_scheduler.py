@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from tgis.embedded_model import MODEL_DIR
+from tgis.router.core.batching import SchedulerLimits
 from tgis.router.core.block_allocator import BlockAllocator, blocks_for
 from tgis.router.core.detokenizer import IncrementalDetokenizer
 from tgis.router.core.request_state import RequestState, RequestStatus, TokenEvent
-from tgis.router.core.scheduler import ScheduledStep, Scheduler, SchedulerLimits
+from tgis.router.core.scheduler import Scheduler
+from tgis.router.core.steps import ScheduledStep
 from tgis.router.core.stopping import StopChecker
 from tgis.router.errors import GenerationError
 from tgis.router.intake.tokenization import RouterTokenizer

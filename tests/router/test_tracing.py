@@ -19,13 +19,13 @@ from tests.router.test_servicer_metrics import Aborted, FakeContext, FakeEngine
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.router.config import TracingConfig
+from tgis.router.edge.tracing import MISSING_PACKAGES_WARNING, otlp_target, setup_tracing
 from tgis.router.intake.adapters import AdapterKinds
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.prefixes import PrefixLengths
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
 from tgis.router.ops.metrics import Metrics
-from tgis.router.edge.tracing import MISSING_PACKAGES_WARNING, otlp_target, setup_tracing
 from tgis.shard_api.messages import AdapterInfo, AdapterKind
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"

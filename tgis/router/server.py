@@ -19,8 +19,10 @@ from aiohttp import web
 
 from tgis.router import startup
 from tgis.router.config import RouterConfig
-from tgis.router.core.batching import new_scheduler, scheduler_limits
+from tgis.router.core.batching import scheduler_limits
 from tgis.router.core.engine import Engine, ShardHungError
+from tgis.router.core.request_state import OutputRules
+from tgis.router.core.scheduler import new_scheduler
 from tgis.router.core.shard_client import ShardClient
 from tgis.router.edge.calls import CallGate
 from tgis.router.edge.grpc_server import PublicGrpc
@@ -113,11 +115,9 @@ class Router:
         startup.warn_adjusted_limits(config)
         engine = Engine(
             shard=self.shard,
-            info=info,
-            tokenizer=self.tokenizer,
             scheduler=scheduler,
+            output=OutputRules.for_shard(self.tokenizer, info, config.output_special_tokens),
             metrics=metrics,
-            output_special_tokens=config.output_special_tokens,
             pipeline_depth=config.pipeline_depth,
             step_timeout=config.step_timeout,
         )

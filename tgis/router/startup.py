@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 
 from tgis.router.config import RouterConfig
+from tgis.router.core.batching import SchedulerLimits
 from tgis.router.core.block_allocator import blocks_for
-from tgis.router.core.scheduler import SchedulerLimits
 from tgis.router.errors import StartupError
 from tgis.shard_api.messages import ShardInfo
 

@@ -1,15 +1,38 @@
 """The batching budgets and the KV capacity the router allocates, each decided once.
 
-The composition root (``server.py``) calls :func:`scheduler_limits` and :func:`new_scheduler`
-at start-up; the engine and the start-up checks use the scheduler this returns.
+The composition root (``server.py``) calls :func:`scheduler_limits`, then
+``scheduler.py: new_scheduler``, at start-up; the engine and the start-up checks use the
+scheduler that returns.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tgis.router.config import RouterConfig
-from tgis.router.core.block_allocator import BlockAllocator, blocks_for
-from tgis.router.core.scheduler import Scheduler, SchedulerLimits
+from tgis.router.core.block_allocator import blocks_for
 from tgis.shard_api.messages import ShardInfo
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerLimits:
+    """The scheduler's budgets and policy switches."""
+
+    max_batch_size: int
+    """Most sequences in the running batch."""
+    max_batch_prefill_tokens: int
+    """Most prompt (or recompute) tokens computed in one step; decode tokens come on top."""
+    max_batch_total_tokens: int | None = None
+    """KV tokens the running batch may hold; None: the shard's whole cache."""
+    max_waiting_tokens: int = 0
+    """Steps after which waiting requests join regardless of the ratio (0: at once)."""
+    waiting_served_ratio: float = 0.0
+    """Fresh requests join a running batch of n when at least floor(n × ratio) can."""
+    preemption: bool = True
+    """False: reserve each request's worst case at admission (no preemption needed)."""
+    max_loras: int | None = None
+    """Most different LoRA adapters in the running batch (the shard's ``max_loras``); None:
+    no limit."""
 
 
 def scheduler_limits(config: RouterConfig, info: ShardInfo) -> SchedulerLimits:
@@ -35,9 +58,3 @@ def kv_capacity_blocks(limits: SchedulerLimits, info: ShardInfo) -> int:
     if limits.max_batch_total_tokens is None:
         return info.num_blocks
     return min(info.num_blocks, blocks_for(limits.max_batch_total_tokens, info.block_size))
-
-
-def new_scheduler(limits: SchedulerLimits, info: ShardInfo) -> Scheduler:
-    """An empty scheduler over the KV blocks the router may allocate
-    (:func:`kv_capacity_blocks`)."""
-    return Scheduler(BlockAllocator(kv_capacity_blocks(limits, info), info.block_size), limits)

@@ -40,16 +40,15 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from tgis.router.config import DEFAULT_STEP_TIMEOUT_S
-from tgis.router.core.detokenizer import IncrementalDetokenizer, TokenDecoder
-from tgis.router.core.request_state import RequestState
-from tgis.router.core.scheduler import ScheduledStep, Scheduler, StepUpdate
+from tgis.router.core.request_state import OutputRules, RequestState
+from tgis.router.core.scheduler import Scheduler
 from tgis.router.core.shard_client import ShardClient, ShardError, ShardFailure
-from tgis.router.core.stopping import StopChecker, stream_hold_back_bytes
+from tgis.router.core.steps import ScheduledStep, StepUpdate
 from tgis.router.errors import GenerationError
 from tgis.router.ops.metrics import Metrics, step_method
 from tgis.router.ops.request_context import current_correlation_id, request_log_extra
 from tgis.router.request_types import ValidatedRequest
-from tgis.shard_api.messages import ShardInfo, StepOutput
+from tgis.shard_api.messages import StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -81,20 +80,16 @@ class Engine:
         self,
         *,
         shard: ShardClient,
-        info: ShardInfo,
-        tokenizer: TokenDecoder,
         scheduler: Scheduler,
+        output: OutputRules,
         metrics: Metrics,
-        output_special_tokens: bool = False,
         pipeline_depth: int = PIPELINE_DEPTH,
         step_timeout: float = DEFAULT_STEP_TIMEOUT_S,
         connection_retry_delay: float = CONNECTION_RETRY_DELAY_S,
     ) -> None:
         self.shard = shard
-        self.info = info
-        self.tokenizer = tokenizer
+        self.output = output
         self.metrics = metrics
-        self.output_special_tokens = output_special_tokens
         self.pipeline_depth = pipeline_depth
         self.step_timeout = step_timeout
         self.connection_retry_delay = connection_retry_delay
@@ -111,22 +106,8 @@ class Engine:
 
     def submit(self, request: ValidatedRequest, arrival: float) -> RequestState:
         """Queue a validated input; its events arrive on the returned state's queue."""
-        state = RequestState(
-            request_id=next(self._ids),
-            request=request,
-            arrival=arrival,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer,
-                skip_special_tokens=not self.output_special_tokens,
-                hold_back_bytes=stream_hold_back_bytes(request.stopping),
-                eos_token_ids=self.info.eos_token_ids,
-                # Encoder-decoder output starts fresh: its first word has no leading space.
-                continuation=not self.info.is_seq2seq,
-            ),
-            stop_checker=StopChecker(request.stopping, self.info.eos_token_ids),
-            # submit runs in the RPC's task: the id bound there (request_context.py)
-            correlation_id=current_correlation_id(),
-        )
+        # submit runs in the RPC's task: the correlation id bound there (request_context.py)
+        state = self.output.new_state(next(self._ids), request, arrival, current_correlation_id())
         self.scheduler.add(state)
         self.metrics.set_queue_size(len(self.scheduler.waiting))
         self._wakeup.set()

@@ -11,10 +11,10 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
-from tgis.router.core.detokenizer import IncrementalDetokenizer
-from tgis.router.core.stopping import StopChecker, StopDecision
+from tgis.router.core.detokenizer import IncrementalDetokenizer, TokenDecoder
+from tgis.router.core.stopping import StopChecker, StopDecision, stream_hold_back_bytes
 from tgis.router.request_types import StopReason, ValidatedRequest
-from tgis.shard_api.messages import TokenDetail
+from tgis.shard_api.messages import ShardInfo, TokenDetail
 
 
 class RequestStatus(enum.Enum):
@@ -156,4 +156,51 @@ class RequestState:
         text += self.detokenizer.flush(stop.truncate_at_bytes)
         return TokenEvent(
             text, len(self.generated_ids), details, stop.reason, stop.stop_sequence or ""
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class OutputRules:
+    """How the tokens a request generates become text and when they stop: one set for the
+    whole server, from the tokenizer and the shard's facts."""
+
+    tokenizer: TokenDecoder
+    eos_token_ids: tuple[int, ...]
+    skip_special_tokens: bool = True
+    continuation: bool = True
+    """Decoder-only output continues the prompt; encoder-decoder output starts fresh (its
+    first word has no leading space)."""
+
+    @classmethod
+    def for_shard(
+        cls, tokenizer: TokenDecoder, info: ShardInfo, output_special_tokens: bool = False
+    ) -> OutputRules:
+        return cls(
+            tokenizer=tokenizer,
+            eos_token_ids=info.eos_token_ids,
+            skip_special_tokens=not output_special_tokens,
+            continuation=not info.is_seq2seq,
+        )
+
+    def new_state(
+        self,
+        request_id: int,
+        request: ValidatedRequest,
+        arrival: float,
+        correlation_id: str | None = None,
+    ) -> RequestState:
+        """A queued request's state, with its own detokenizer and stop checker."""
+        return RequestState(
+            request_id=request_id,
+            request=request,
+            arrival=arrival,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=self.skip_special_tokens,
+                hold_back_bytes=stream_hold_back_bytes(request.stopping),
+                eos_token_ids=self.eos_token_ids,
+                continuation=self.continuation,
+            ),
+            stop_checker=StopChecker(request.stopping, self.eos_token_ids),
+            correlation_id=correlation_id,
         )

@@ -7,137 +7,49 @@ not run) and ``drop_aborted_and_expired``. The scheduler owns the waiting queue,
 list, the block allocator and every counter and flag of the policy; requests' own counters
 live on their ``RequestState``.
 
-Policy (ARCHITECTURE.md, "Scheduling", has the why):
+Policy in brief (ARCHITECTURE.md, "Scheduling", has all of it and the why):
 
-* **Order.** Every request has a place in one global order, its arrival (its request id).
-  The running batch is always a prefix of that order and the waiting queue the rest: new
-  requests join at the back, admission takes from the front only (no skipping), and a
-  preempted request goes back to the *front*. So nothing ever overtakes an older request.
-* **A step** (`schedule`) gives, oldest first, every running sequence its work: one decode
-  token, or the next chunk of its prompt (or of a recompute after a preemption). Prompt
-  and recompute tokens share the per-step budget `max_batch_prefill_tokens`; decode tokens
-  are not counted against it, so long prompts are chunked alongside the decodes and never
-  stall them. Then, while the budget, `max_batch_size` and the KV blocks allow, it admits
-  requests from the front of the queue (the last one admitted may get a partial chunk).
-* **Overlap.** The engine sends step n+1 before step n's output is back. So the schedule
-  counts the token each sampling chunk of an unanswered step will produce
-  (`RequestState.pending_tokens`) as known: the next step computes it (the shard has it),
-  and no step is planned past `max_new_tokens`. A request that stops at step n (EOS, stop
-  sequence, time limit) has had one more token computed at n+1; the router drops it, and
-  the shard forgets the request at n+2.
-* **KV blocks** are accounted by tokens, never by request count or padding. A prompt
-  prefix's virtual tokens are prompt tokens like the others (``RequestState.prompt_length``):
-  computed in chunks, held in blocks, recomputed after a preemption. Admission
-  allocates the blocks for every token the request knows (its prompt, plus what it had
-  generated if it was preempted) and requires `headroom` more blocks to stay free while
-  other sequences run (none when the batch is empty: one request of `max_sequence_length`
-  always fits). Afterwards a decode takes one more block each `block_size` tokens. When a
-  decode needs a block and none is free, the most recently admitted running sequences are
-  **preempted**, youngest first, until it fits (possibly the needy sequence itself, when it
-  is the youngest): their blocks are freed at once, they go back to the front of the queue
-  and the shard keeps their tokens and sampler (`StepPlan.preempted_request_ids`). Resumed,
-  they recompute every known token into new blocks (a prefill that samples nothing until it
-  has caught up) and continue with the very tokens they would have produced. A step that
-  preempted admits nothing. So a running batch never fails for lack of KV space. Blocks
-  freed while a step that writes them is still running are safe to reuse: the shard runs
-  steps in order.
-* **LoRA adapters.** The shard can apply at most `max_loras` different LoRA adapters in
-  one step, so the running batch never holds more than `max_loras` distinct LoRA adapter
-  ids. A request whose LoRA adapter is not among those running when every slot is taken
-  is not admitted, and like any other admission limit it holds the queue behind it (no
-  skipping) until a running request with another adapter leaves; requests without a LoRA
-  adapter (plain ones, prompt-tuning adapters) take no slot. A resumed (preempted)
-  request is checked the same way.
-* **Joining a running batch** (TGI's rule): a fresh request joins a non-empty batch when at
-  least `floor(running × waiting_served_ratio)` fresh requests can be admitted together, or
-  when `max_waiting_tokens` steps have run since fresh requests were last admitted
-  (`max_waiting_tokens = 0`: always at the next step). Resumed (preempted) requests are
-  not held back by this rule.
-* **No starvation.** The oldest running sequence is never preempted by a younger one, so
-  it always advances and finishes (max_new_tokens bounds it); the head of the queue is
-  admitted at the latest when the batch empties, and nothing behind it can be admitted
-  first.
-* **Encoder-decoder engines** cannot recompute generated tokens, so with `preemption=False`
-  admission allocates a request's worst case (prompt + max_new_tokens) up front instead, and
-  a running sequence never needs another block.
+* **Order.** The running batch is always a prefix of the arrival order and the queue the
+  rest: admission takes from the front only (``joining.py``), a preempted request goes back
+  to the front, so nothing ever overtakes an older request.
+* **A step** gives every running sequence, oldest first, one decode token or its next
+  prompt (or recompute) chunk; prompt tokens share ``max_batch_prefill_tokens``, decodes
+  come on top. Then queued requests join while slots, budget, blocks and LoRA slots allow.
+* **Overlap.** A sampling chunk's token counts as known at once
+  (``RequestState.pending_tokens``), so the next step, planned before this one's output is
+  back, computes it; no step is planned past ``max_new_tokens``.
+* **KV blocks** are counted in tokens: every known token at admission (the worst case
+  without preemption, for encoder-decoder engines), one more each ``block_size`` decoded
+  tokens. A decode without a free block preempts the youngest running sequences; a step
+  that preempted admits nothing.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from tgis.router.core.batching import SchedulerLimits, kv_capacity_blocks
 from tgis.router.core.block_allocator import BlockAllocator
+from tgis.router.core.joining import admission_blocks, choose_joiners
 from tgis.router.core.request_state import (
-    Event,
     InputTokensEvent,
     RequestState,
     RequestStatus,
     TokenEvent,
 )
+from tgis.router.core.steps import ScheduledStep, StepUpdate
 from tgis.router.core.stopping import StopDecision
 from tgis.router.errors import GenerationError
 from tgis.router.request_types import StopReason
 from tgis.shard_api.messages import (
     NewSequence,
     ScheduledSequence,
+    ShardInfo,
     StepOutput,
     StepPlan,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerLimits:
-    max_batch_size: int
-    """Most sequences in the running batch."""
-    max_batch_prefill_tokens: int
-    """Most prompt (or recompute) tokens computed in one step; decode tokens come on top."""
-    max_batch_total_tokens: int | None = None
-    """KV tokens the running batch may hold; None: the shard's whole cache."""
-    max_waiting_tokens: int = 0
-    """Steps after which waiting requests join regardless of the ratio (0: at once)."""
-    waiting_served_ratio: float = 0.0
-    """Fresh requests join a running batch of n when at least floor(n × ratio) can."""
-    preemption: bool = True
-    """False: reserve each request's worst case at admission (no preemption needed)."""
-    max_loras: int | None = None
-    """Most different LoRA adapters in the running batch (the shard's ``max_loras``); None:
-    no limit."""
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledStep:
-    """A plan and what the router must remember about it until its output is back."""
-
-    plan: StepPlan
-    states: dict[int, RequestState]
-    """The request of every scheduled sequence, by id."""
-    samples: frozenset[int]
-    """Request ids whose chunk completes every known token: the shard samples for them."""
-    prompt_tokens: int
-    """Prompt or recompute tokens (the rest are decodes)."""
-    admitted: tuple[RequestState, ...] = ()
-    """Fresh requests admitted by this step (not resumed ones)."""
-    joined_running_batch: bool = False
-    """Fresh requests joined sequences that were already running."""
-    preemptions: int = 0
-    budget_hold: bool = False
-    """The head of the queue waited only because the prefill budget ran out."""
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    """What applying outputs or dropping requests produced, for the engine to emit."""
-
-    events: list[tuple[RequestState, Event]] = field(default_factory=list)
-    time_to_first_token: list[float] = field(default_factory=list)
-    inter_token: list[float] = field(default_factory=list)
-    tokens: int = 0
-    """Generated tokens accepted (tokens for requests that had already ended excluded)."""
-    cancelled: int = 0
-    timed_out_in_queue: int = 0
 
 
 class Scheduler:
@@ -261,6 +173,14 @@ class Scheduler:
             state = states[details.request_id]
             if state.status is not RequestStatus.FINISHED:
                 update.events.append((state, InputTokensEvent(details.tokens)))
+        self._accept_tokens(states, output, now, update)
+        return update
+
+    def _accept_tokens(
+        self, states: dict[int, RequestState], output: StepOutput, now: float, update: StepUpdate
+    ) -> None:
+        """One sampled token per sequence: detokenized and checked (``accept_token``),
+        latencies recorded, finished requests gone at once."""
         events = update.events
         for sampled in output.tokens:
             state = states[sampled.request_id]
@@ -277,7 +197,6 @@ class Scheduler:
             if done:
                 assert event is not None
                 self.finish(state, event.stop_reason)
-        return update
 
     def step_failed(self, step: ScheduledStep) -> None:
         """Undo what a step the shard did not run assumed: new sequences were not
@@ -340,134 +259,105 @@ class Scheduler:
 
         ``base_step_id`` is the step still running that this one is planned on (0: none).
         """
-        budget = self.limits.max_batch_prefill_tokens
-        scheduled: list[ScheduledSequence] = []
-        new_sequences: list[NewSequence] = []
-        states: dict[int, RequestState] = {}
-        samples: set[int] = set()
-        prompt_tokens = 0
-        preemptions = self.preemption_count
-        i = 0
-        while i < len(self.running):
-            state = self.running[i]
-            if state.uncomputed == 0 or state.generation_scheduled:
-                i += 1  # nothing to compute, or only waiting for its last token
-                continue
-            if state.prefilling:
-                if budget > 0:
-                    num = min(state.uncomputed, budget)
-                    budget -= num
-                    prompt_tokens += num
-                    scheduled.append(self._chunk(state, num, new_sequences, samples))
-                    states[state.request_id] = state
-                i += 1
-                continue
-            while self.allocator.missing(state.block_ids, state.num_computed + 1) > (
-                self.allocator.num_free
-            ):
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is state:
-                    break
-            if state.status is not RequestStatus.RUNNING:
-                break  # it preempted itself: it was the youngest
-            scheduled.append(self._chunk(state, 1, new_sequences, samples))
-            states[state.request_id] = state
-            i += 1
-        preemptions = self.preemption_count - preemptions
+        draft = _Draft(self.limits.max_batch_prefill_tokens)
+        preemptions = self._schedule_running(draft)
         self._steps_since_admission += 1
+        already_running = bool(self.running)
         admitted: list[RequestState] = []
         budget_hold = False
-        already_running = bool(self.running)
         if not preemptions and not (self.hold_admissions and self.running):
-            chosen, budget_hold = self._admissions(budget)
-            for state in chosen:
-                self.waiting.popleft()
-                state.block_ids = self.allocator.allocate(self._admission_blocks(state))
-                state.status = RequestStatus.RUNNING
-                if state.started_at is None:
-                    state.started_at = now
-                if state.preemptions == 0:
-                    admitted.append(state)
-                self.running.append(state)
-                num = min(state.uncomputed, budget)
-                budget -= num
-                prompt_tokens += num
-                scheduled.append(self._chunk(state, num, new_sequences, samples))
-                states[state.request_id] = state
+            admitted, budget_hold = self._admit(draft, now)
         if budget_hold:
             self.budget_holds += 1
         finished, self._finished_ids = tuple(self._finished_ids), []
         preempted_ids, self._preempted_ids = tuple(self._preempted_ids), []
         plan = StepPlan(
             step_id=next(self._step_ids),
-            new_sequences=tuple(new_sequences),
-            scheduled=tuple(scheduled),
+            new_sequences=tuple(draft.new_sequences),
+            scheduled=tuple(draft.scheduled),
             finished_request_ids=finished,
             preempted_request_ids=preempted_ids,
             base_step_id=base_step_id,
         )
         return ScheduledStep(
             plan=plan,
-            states=states,
-            samples=frozenset(samples),
-            prompt_tokens=prompt_tokens,
+            states=draft.states,
+            samples=frozenset(draft.samples),
+            prompt_tokens=draft.prompt_tokens,
             admitted=tuple(admitted),
             joined_running_batch=bool(admitted) and already_running,
             preemptions=preemptions,
             budget_hold=budget_hold,
         )
 
-    def _admission_blocks(self, state: RequestState) -> int:
-        if self.limits.preemption:
-            return self.allocator.blocks_for(state.known_length)
-        return self.allocator.blocks_for(state.worst_case_length)
+    def _schedule_running(self, draft: _Draft) -> int:
+        """Every running sequence's work, oldest first: the next prompt (or recompute) chunk
+        within the budget, or one decode token (preempting the youngest when its block is
+        missing). Returns the preemptions."""
+        before = self.preemption_count
+        i = 0
+        while i < len(self.running):
+            state = self.running[i]
+            i += 1
+            if state.uncomputed == 0 or state.generation_scheduled:
+                continue  # nothing to compute, or only waiting for its last token
+            if state.prefilling:
+                if draft.budget > 0:
+                    self._add(draft, state, min(state.uncomputed, draft.budget), prompt=True)
+                continue
+            if not self._make_room_for_decode(state):
+                break  # it preempted itself: it was the youngest
+            self._add(draft, state, 1, prompt=False)
+        return self.preemption_count - before
 
-    def _admissions(self, budget: int) -> tuple[list[RequestState], bool]:
-        """The requests to admit this step, from the front of the queue, and whether the
-        head was held back by the prefill budget alone."""
-        slots = self.limits.max_batch_size - len(self.running)
-        max_loras = self.limits.max_loras
-        loras = self._running_loras() if max_loras is not None and self.waiting else set()
-        chosen: list[RequestState] = []
-        blocks = 0
-        budget_hold = False
-        for state in self.waiting:
-            if len(chosen) >= slots or state.generation_scheduled:
+    def _make_room_for_decode(self, state: RequestState) -> bool:
+        """Preempt the youngest running sequences until ``state``'s next token has its
+        block; False when ``state`` itself had to go."""
+        while self.allocator.missing(state.block_ids, state.num_computed + 1) > (
+            self.allocator.num_free
+        ):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is state:
                 break
-            if budget <= 0:
-                budget_hold = True
-                break
-            lora = state.request.lora_id
-            if max_loras is not None and lora and lora not in loras and len(loras) >= max_loras:
-                break
-            need = self._admission_blocks(state)
-            headroom = self.headroom if self.running or chosen else 0
-            if blocks + need + headroom > self.allocator.num_free:
-                break
-            if lora:
-                loras.add(lora)
-            chosen.append(state)
-            blocks += need
-            budget -= min(state.uncomputed, budget)
-        # Resumed requests are older than every fresh one, so they lead the queue.
-        resumed = list(itertools.takewhile(lambda s: s.preemptions > 0, chosen))
-        fresh = len(chosen) - len(resumed)
-        if fresh and self.running and not self._may_join(fresh):
-            return resumed, budget_hold
-        if fresh:
+        return state.status is RequestStatus.RUNNING
+
+    def _admit(self, draft: _Draft, now: float) -> tuple[list[RequestState], bool]:
+        """Admit from the front of the queue (``joining.py``); returns the fresh requests
+        admitted and whether the head waited for the prefill budget alone."""
+        joiners = choose_joiners(
+            self.waiting,
+            self.running,
+            self.allocator,
+            self.limits,
+            self.headroom,
+            draft.budget,
+            self._steps_since_admission,
+        )
+        if joiners.fresh:
             self._steps_since_admission = 0
-        return chosen, budget_hold
+        admitted: list[RequestState] = []
+        for state in joiners.chosen:
+            self.waiting.popleft()
+            state.block_ids = self.allocator.allocate(
+                admission_blocks(state, self.allocator, self.limits.preemption)
+            )
+            state.status = RequestStatus.RUNNING
+            if state.started_at is None:
+                state.started_at = now
+            if state.preemptions == 0:
+                admitted.append(state)
+            self.running.append(state)
+            self._add(draft, state, min(state.uncomputed, draft.budget), prompt=True)
+        return admitted, joiners.budget_hold
 
-    def _running_loras(self) -> set[str]:
-        """The distinct LoRA adapters of the running batch."""
-        return {s.request.lora_id for s in self.running if s.request.lora_id}
-
-    def _may_join(self, count: int) -> bool:
-        """TGI's rule for fresh requests joining a running batch."""
-        if self._steps_since_admission >= self.limits.max_waiting_tokens:
-            return True
-        return count >= math.floor(len(self.running) * self.limits.waiting_served_ratio)
+    def _add(self, draft: _Draft, state: RequestState, num_tokens: int, *, prompt: bool) -> None:
+        """Schedule ``num_tokens`` of ``state`` in the step (prompt ones from the budget)."""
+        if prompt:
+            draft.budget -= num_tokens
+            draft.prompt_tokens += num_tokens
+        draft.scheduled.append(self._chunk(state, num_tokens, draft.new_sequences, draft.samples))
+        draft.states[state.request_id] = state
 
     def _chunk(
         self,
@@ -487,3 +377,21 @@ class Scheduler:
             state.pending_tokens += 1
             samples.add(state.request_id)
         return ScheduledSequence(state.request_id, num_tokens, new_blocks)
+
+
+@dataclass(slots=True)
+class _Draft:
+    """The step being built: its remaining prefill budget and what it holds so far."""
+
+    budget: int
+    prompt_tokens: int = 0
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    new_sequences: list[NewSequence] = field(default_factory=list)
+    states: dict[int, RequestState] = field(default_factory=dict)
+    samples: set[int] = field(default_factory=set)
+
+
+def new_scheduler(limits: SchedulerLimits, info: ShardInfo) -> Scheduler:
+    """An empty scheduler over the KV blocks the router may allocate
+    (:func:`kv_capacity_blocks`)."""
+    return Scheduler(BlockAllocator(kv_capacity_blocks(limits, info), info.block_size), limits)

@@ -1,0 +1,109 @@
+"""Which queued requests join the running batch at a step: the scheduler's admission policy.
+
+From the front of the queue only (no skipping), while the batch has slots
+(``max_batch_size``), the step's prefill budget lasts (the last one admitted may get a
+partial chunk), their KV blocks fit with ``headroom`` free blocks left next to running
+sequences (none into an empty batch), and their LoRA adapters fit in ``max_loras``. Fresh
+requests joining a non-empty batch must also pass TGI's joining rule; resumed (preempted)
+requests, which always lead the queue, never wait for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Collection, Iterable
+
+from tgis.router.core.batching import SchedulerLimits
+from tgis.router.core.block_allocator import BlockAllocator
+from tgis.router.core.request_state import RequestState
+
+__all__ = ["Joiners", "admission_blocks", "choose_joiners", "may_join"]
+
+
+def admission_blocks(state: RequestState, allocator: BlockAllocator, preemption: bool) -> int:
+    """Blocks a request takes when admitted: every token it knows, or, without preemption
+    (encoder-decoder), its worst case."""
+    if preemption:
+        return allocator.blocks_for(state.known_length)
+    return allocator.blocks_for(state.worst_case_length)
+
+
+def may_join(
+    count: int, running: int, steps_since_admission: int, max_waiting_tokens: int, ratio: float
+) -> bool:
+    """TGI's rule for ``count`` fresh requests joining a batch of ``running`` sequences:
+    at least ``floor(running × ratio)`` of them, or ``max_waiting_tokens`` steps since
+    fresh requests last joined."""
+    if steps_since_admission >= max_waiting_tokens:
+        return True
+    return count >= math.floor(running * ratio)
+
+
+class Joiners:
+    """The requests chosen at one step, and whether the head of the queue waited only
+    because the prefill budget ran out (``budget_hold``)."""
+
+    __slots__ = ("budget_hold", "chosen")
+
+    def __init__(self, chosen: list[RequestState], budget_hold: bool) -> None:
+        self.chosen = chosen
+        self.budget_hold = budget_hold
+
+    @property
+    def fresh(self) -> bool:
+        """Whether any was never admitted before (not a resumed one)."""
+        return any(s.preemptions == 0 for s in self.chosen)
+
+
+def choose_joiners(
+    waiting: Iterable[RequestState],
+    running: Collection[RequestState],
+    allocator: BlockAllocator,
+    limits: SchedulerLimits,
+    headroom: int,
+    budget: int,
+    steps_since_admission: int,
+) -> Joiners:
+    """The requests to admit this step, in queue order (the allocator is only read)."""
+    slots = limits.max_batch_size - len(running)
+    max_loras = limits.max_loras
+    loras = {s.request.lora_id for s in running if s.request.lora_id}
+    if max_loras is None:
+        loras = set()
+    chosen: list[RequestState] = []
+    blocks = 0
+    budget_hold = False
+    for state in waiting:
+        if len(chosen) >= slots or state.generation_scheduled:
+            break
+        if budget <= 0:
+            budget_hold = True
+            break
+        lora = state.request.lora_id
+        if max_loras is not None and lora and lora not in loras and len(loras) >= max_loras:
+            break
+        need = admission_blocks(state, allocator, limits.preemption)
+        if blocks + need + (headroom if running or chosen else 0) > allocator.num_free:
+            break
+        if lora:
+            loras.add(lora)
+        chosen.append(state)
+        blocks += need
+        budget -= min(state.uncomputed, budget)
+    # Resumed requests are older than every fresh one, so they lead the queue.
+    resumed = list(itertools.takewhile(lambda s: s.preemptions > 0, chosen))
+    fresh = len(chosen) - len(resumed)
+    if (
+        fresh
+        and running
+        and not may_join(
+            fresh,
+            len(running),
+            steps_since_admission,
+            limits.max_waiting_tokens,
+            limits.waiting_served_ratio,
+        )
+    ):
+        return Joiners(resumed, budget_hold)
+    return Joiners(chosen, budget_hold)
