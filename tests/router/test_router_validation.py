@@ -21,7 +21,7 @@ from tgis.router.intake.validation import (
     validate_inputs,
     validate_params,
 )
-from tgis.router.request_types import GenerationParams, LengthPenalty
+from tgis.router.request_types import GenerationParams, LengthPenalty, ResolvedAdapters
 
 LIMITS = ServerLimits(max_sequence_length=200, max_new_tokens=169)
 SS_MSG = "can specify at most 6 non-empty stop sequences, each not more than 240 UTF8 bytes"
@@ -340,7 +340,7 @@ def ids(n: int) -> list[int]:
 
 def input_error(n: int, gp: GenerationParams, prefix: int = 0) -> str:
     with pytest.raises(ValidationError) as info:
-        validate_input("x", ids(n), gp, LIMITS, prefix_length=prefix)
+        validate_input("x", ids(n), gp, LIMITS, adapters=ResolvedAdapters(prefix_length=prefix))
     return info.value.message
 
 
@@ -452,26 +452,40 @@ def test_first_failing_input_wins() -> None:
 
 def test_a_prefix_counts_in_the_token_limit_reduction_but_not_in_the_input_length() -> None:
     # 150 + 30 + 40 > 200: max_new_tokens lowered to 200 - 150 - 30 = 20 (-> TOKEN_LIMIT).
-    r = validate_input("x", ids(150), gparams(max_new_tokens=40), LIMITS, prefix_length=30)
+    r = validate_input(
+        "x",
+        ids(150),
+        gparams(max_new_tokens=40),
+        LIMITS,
+        adapters=ResolvedAdapters(prefix_length=30),
+    )
     assert r.input_length == 150 and r.prompt_length == 180
     assert r.stopping.max_new_tokens == 20 and r.stopping.truncated_to_fit
     # Without the prefix the same request fits as asked.
     plain = validate_input("x", ids(150), gparams(max_new_tokens=40), LIMITS)
     assert plain.stopping.max_new_tokens == 40 and not plain.stopping.truncated_to_fit
     # The boundary of rule 14 with a prefix: 169 + 30 = 199 < 200, one token left.
-    edge = validate_input("x", ids(169), gparams(max_new_tokens=10), LIMITS, prefix_length=30)
+    edge = validate_input(
+        "x",
+        ids(169),
+        gparams(max_new_tokens=10),
+        LIMITS,
+        adapters=ResolvedAdapters(prefix_length=30),
+    )
     assert edge.stopping.max_new_tokens == 1 and edge.stopping.truncated_to_fit
     assert input_error(170, gparams(max_new_tokens=10), prefix=30) == (
         "input tokens (170) plus prefix length (30) must be < 200"
     )
     # Truncation applies to the input only; the prefix is kept whole.
-    cut = validate_input("x", ids(300), gparams(truncate=100), LIMITS, prefix_length=99)
+    cut = validate_input(
+        "x", ids(300), gparams(truncate=100), LIMITS, adapters=ResolvedAdapters(prefix_length=99)
+    )
     assert cut.input_length == 100 and cut.stopping.max_new_tokens == 1
 
 
 def test_every_input_of_a_batch_carries_the_prefix() -> None:
     reqs = validate_inputs(
-        ["a", "b"], [ids(3), ids(7)], gparams(), LIMITS, prefix_id="pt/x", prefix_length=5
+        ["a", "b"], [ids(3), ids(7)], gparams(), LIMITS, adapters=ResolvedAdapters("pt/x", 5)
     )
     assert [(r.prefix_id, r.prefix_length, r.input_length) for r in reqs] == [
         ("pt/x", 5, 3),

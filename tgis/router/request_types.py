@@ -23,8 +23,10 @@ from tgis.shard_api.messages import (
 )
 
 __all__ = [
+    "NO_ADAPTERS",
     "GenerationParams",
     "LengthPenalty",
+    "ResolvedAdapters",
     "ResponseOptions",
     "SamplingParams",
     "StopReason",
@@ -76,6 +78,20 @@ class GenerationParams:
     stopping: StoppingParams
     response: ResponseOptions
     truncate_input_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedAdapters:
+    """What a call's ``prefix_id`` and ``adapter_id`` resolved to."""
+
+    prefix_id: str = ""
+    prefix_length: int = 0
+    """The prefix's virtual tokens, or a prompt-tuning adapter's."""
+    adapter_id: str = ""
+    adapter_kind: AdapterKind | None = None
+
+
+NO_ADAPTERS = ResolvedAdapters()
 
 
 @dataclass(frozen=True, slots=True)

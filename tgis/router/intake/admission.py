@@ -44,10 +44,15 @@ from tgis.router.intake.validation import (
     validate_params,
 )
 from tgis.router.ops.metrics import Metrics
-from tgis.router.request_types import GenerationParams, ValidatedRequest
+from tgis.router.request_types import (
+    NO_ADAPTERS,
+    GenerationParams,
+    ResolvedAdapters,
+    ValidatedRequest,
+)
 from tgis.shard_api.messages import AdapterInfo, AdapterKind
 
-__all__ = ["Admission", "GenerationCall", "ResolvedAdapters"]
+__all__ = ["Admission", "GenerationCall"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,20 +65,6 @@ class GenerationCall:
     """TGIS's ``prefix_id``: None when absent; present, even as "", it names a prefix."""
     adapter_id: str = ""
     """vllm-tgis-adapter's ``adapter_id``: "" when absent or empty (no adapter)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ResolvedAdapters:
-    """What a call's ``prefix_id`` and ``adapter_id`` resolved to."""
-
-    prefix_id: str = ""
-    prefix_length: int = 0
-    """The prefix's virtual tokens, or a prompt-tuning adapter's."""
-    adapter_id: str = ""
-    adapter_kind: AdapterKind | None = None
-
-
-_NO_ADAPTERS = ResolvedAdapters()
 
 
 async def _no_prefixes(prefix_id: str) -> int:
@@ -162,10 +153,7 @@ class Admission:
             encoded,
             call.params,
             self.limits,
-            prefix_id=adapters.prefix_id,
-            prefix_length=adapters.prefix_length,
-            adapter_id=adapters.adapter_id,
-            adapter_kind=adapters.adapter_kind,
+            adapters=adapters,
             bos_token_id=self.tokenizer.bos_token_id,
         )
 
@@ -210,7 +198,7 @@ class Admission:
             length = await self._prefix_length(prefix_id)
             return ResolvedAdapters(prefix_id, length, adapter_id, kind)
         if adapter is None:
-            return _NO_ADAPTERS
+            return NO_ADAPTERS
         prefix_length = adapter.prefix_length if kind is AdapterKind.PROMPT_TUNING else 0
         return ResolvedAdapters("", prefix_length, adapter_id, kind)
 

@@ -34,10 +34,14 @@ from dataclasses import dataclass, replace
 
 from tgis.router.errors import ValidationError
 from tgis.router.request_types import (
+    NO_ADAPTERS,
     GenerationParams,
+    ResolvedAdapters,
+    ResponseOptions,
+    SamplingParams,
+    StoppingParams,
     ValidatedRequest,
 )
-from tgis.shard_api.messages import AdapterKind
 
 __all__ = [
     "ADAPTERS_DISABLED_MESSAGE",
@@ -132,14 +136,20 @@ def _require_finite(name: str, value: float) -> None:
 def validate_params(params: GenerationParams, limits: ServerLimits) -> None:
     """Check the request-wide rules 1-11 of spec §2 in order; raise the first failure.
 
+    NaN and infinities pass TGIS's comparisons and fail later, inside a step: here every
+    float parameter must be finite, checked where its rule is.
+
     Raises:
         ValidationError: with the verbatim TGIS message.
     """
-    s = params.sampling
-    st = params.stopping
-    r = params.response
-    # 1 (NaN and infinities pass TGIS's comparisons and fail later, inside a step: here
-    # every float parameter must be finite, checked where its rule is)
+    _check_warpers(params.sampling)  # 1-4
+    _check_token_counts(params.stopping, params.sampling, limits)  # 5-6
+    _check_penalties(params.sampling)  # 7-8
+    _check_stops_and_details(params.stopping, params.response, limits)  # 9-11
+
+
+def _check_warpers(s: SamplingParams) -> None:
+    # 1
     _require_finite("temperature", s.temperature)
     if s.temperature != 0.0 and s.temperature < _MIN_TEMPERATURE:
         raise ValidationError("temperature must be >= 0.05")
@@ -154,12 +164,18 @@ def validate_params(params: GenerationParams, limits: ServerLimits) -> None:
     # 4 (only reachable through the u32 -> i32 overflow; the message is TGIS's)
     if s.top_k < 0:
         raise ValidationError("top_k must be strictly positive")
+
+
+def _check_token_counts(st: StoppingParams, s: SamplingParams, limits: ServerLimits) -> None:
     # 5
     if st.max_new_tokens > limits.max_new_tokens:
         raise ValidationError(f"max_new_tokens must be <= {limits.max_new_tokens}")
     # 6
     if st.min_new_tokens > st.max_new_tokens:
         raise ValidationError("min_new_tokens must be <= max_new_tokens")
+
+
+def _check_penalties(s: SamplingParams) -> None:
     # 7
     _require_finite("repetition_penalty", s.repetition_penalty)
     if s.repetition_penalty <= 0.0:
@@ -167,6 +183,9 @@ def validate_params(params: GenerationParams, limits: ServerLimits) -> None:
     # 8
     if s.length_penalty is not None and not _decay_factor_ok(s.length_penalty.decay_factor):
         raise ValidationError("length_penalty must be >= 1.0 and <= 10.0")
+
+
+def _check_stops_and_details(st: StoppingParams, r: ResponseOptions, limits: ServerLimits) -> None:
     # 9
     if len(st.stop_sequences) > limits.max_stop_sequences:
         raise ValidationError(_stop_sequences_message(limits))
@@ -257,10 +276,7 @@ def validate_input(
     params: GenerationParams,
     limits: ServerLimits,
     *,
-    prefix_id: str = "",
-    prefix_length: int = 0,
-    adapter_id: str = "",
-    adapter_kind: AdapterKind | None = None,
+    adapters: ResolvedAdapters = NO_ADAPTERS,
     bos_token_id: int | None = None,
 ) -> ValidatedRequest:
     """Validate one tokenized input (rules 14, 14b and 15) and build its :class:`ValidatedRequest`.
@@ -270,12 +286,9 @@ def validate_input(
         input_ids_full: the router's encoding of ``text`` with special tokens.
         params: converted and already :func:`validate_params`-checked parameters.
         limits: server limits.
-        prefix_id: the request's prompt prefix ("" for none), kept on the result.
-        prefix_length: the virtual tokens of the prefix or of a prompt-tuning adapter (0
-            without either). They count towards the limits and the TOKEN_LIMIT reduction
-            but not ``input_length``.
-        adapter_id: the request's adapter ("" for none) and ``adapter_kind`` its kind, kept
-            on the result (a prompt-tuning adapter's length is ``prefix_length``).
+        adapters: the request's prompt prefix and adapter, kept on the result; their virtual
+            tokens (``prefix_length``) count towards the limits and the TOKEN_LIMIT
+            reduction but not ``input_length``.
         bos_token_id: the BOS id if the tokenizer adds one; truncation then overwrites the
             first kept token with it, as TGIS's shards do for ``add_bos_token`` tokenizers.
 
@@ -289,17 +302,45 @@ def validate_input(
         ValidationError: rule 14 or 15 with the verbatim TGIS message, or rule 14b
             (``max_input_tokens``).
     """
-    ids = list(input_ids_full)
-    truncate = params.truncate_input_tokens
-    if 0 < truncate < len(ids):
-        ids = ids[-truncate:]
-        if bos_token_id is not None:
-            ids[0] = bos_token_id
+    ids = _truncated(input_ids_full, params.truncate_input_tokens, bos_token_id)
+    _check_length(len(ids), adapters.prefix_length, params.stopping, limits)
+    stopping = params.stopping
+    effective_length = len(ids) + adapters.prefix_length
+    max_len = limits.max_sequence_length
+    if effective_length + stopping.max_new_tokens > max_len:
+        stopping = replace(
+            stopping, max_new_tokens=max_len - effective_length, truncated_to_fit=True
+        )
+    return ValidatedRequest(
+        text=text,
+        input_ids=tuple(ids),
+        params=params,
+        stopping=stopping,
+        sampling=params.sampling.seeded(),
+        prefix_id=adapters.prefix_id,
+        prefix_length=adapters.prefix_length,
+        adapter_id=adapters.adapter_id,
+        adapter_kind=adapters.adapter_kind,
+    )
 
-    input_length = len(ids)
+
+def _truncated(ids: Sequence[int], truncate: int, bos_token_id: int | None) -> list[int]:
+    """The last ``truncate`` ids when ``0 < truncate < len(ids)`` (the first kept one
+    replaced by BOS when the tokenizer adds one), else all of them."""
+    kept = list(ids)
+    if 0 < truncate < len(kept):
+        kept = kept[-truncate:]
+        if bos_token_id is not None:
+            kept[0] = bos_token_id
+    return kept
+
+
+def _check_length(
+    input_length: int, prefix_length: int, stopping: StoppingParams, limits: ServerLimits
+) -> None:
+    """Rules 14, 14b and 15."""
     effective_length = input_length + prefix_length
     max_len = limits.max_sequence_length
-    stopping = params.stopping
     # 14: the input alone may not fill the whole sequence.
     if effective_length >= max_len:
         raise ValidationError(
@@ -319,25 +360,6 @@ def validate_input(
             f"plus min_new_tokens ({stopping.min_new_tokens}) must be <= {max_len}"
         )
 
-    sampling = params.sampling.seeded()
-
-    if effective_length + stopping.max_new_tokens > max_len:
-        stopping = replace(
-            stopping, max_new_tokens=max_len - effective_length, truncated_to_fit=True
-        )
-
-    return ValidatedRequest(
-        text=text,
-        input_ids=tuple(ids),
-        params=params,
-        stopping=stopping,
-        sampling=sampling,
-        prefix_id=prefix_id,
-        prefix_length=prefix_length,
-        adapter_id=adapter_id,
-        adapter_kind=adapter_kind,
-    )
-
 
 def validate_inputs(
     texts: Sequence[str],
@@ -345,10 +367,7 @@ def validate_inputs(
     params: GenerationParams,
     limits: ServerLimits,
     *,
-    prefix_id: str = "",
-    prefix_length: int = 0,
-    adapter_id: str = "",
-    adapter_kind: AdapterKind | None = None,
+    adapters: ResolvedAdapters = NO_ADAPTERS,
     bos_token_id: int | None = None,
 ) -> list[ValidatedRequest]:
     """:func:`validate_input` for every input of a batch, in order (all share the prompt
@@ -356,16 +375,6 @@ def validate_inputs(
     if len(texts) != len(encodings):
         raise ValueError("texts and encodings differ in length")
     return [
-        validate_input(
-            text,
-            ids,
-            params,
-            limits,
-            prefix_id=prefix_id,
-            prefix_length=prefix_length,
-            adapter_id=adapter_id,
-            adapter_kind=adapter_kind,
-            bos_token_id=bos_token_id,
-        )
+        validate_input(text, ids, params, limits, adapters=adapters, bos_token_id=bos_token_id)
         for text, ids in zip(texts, encodings, strict=True)
     ]
