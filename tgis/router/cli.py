@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import click
 
@@ -156,91 +159,69 @@ def _default_tokenization_workers() -> int:
     help="Seconds a streamed message may wait for a client that does not read; then the "
     "stream is cancelled, freeing its request and permit.",
 )
-def main(
-    max_concurrent_requests: int,
-    max_sequence_length: int,
-    max_new_tokens: int,
-    max_batch_size: int | None,
-    max_prefill_padding: float,
-    max_waiting_tokens: int | None,
-    waiting_served_ratio: float | None,
-    max_batch_prefill_tokens: int | None,
-    max_batch_total_tokens: int | None,
-    max_client_batch_size: int | None,
-    max_input_tokens: int | None,
-    port: int,
-    grpc_port: int,
-    master_shard_uds_path: str,
-    tokenizer_path: str,
-    model_name: str,
-    tokenization_workers: int | None,
-    json_output: bool,
-    tls_cert_path: str | None,
-    tls_key_path: str | None,
-    tls_client_ca_cert_path: str | None,
-    output_special_tokens: bool,
-    default_include_stop_seqs: bool,
-    otlp_endpoint: str | None,
-    otlp_service_name: str,
-    shutdown_grace_period: float,
-    shard_connect_timeout: float,
-    pipeline_depth: int,
-    step_timeout: float,
-    stream_stall_timeout: float,
-) -> None:
+def main(**flags: Any) -> None:
     """Serve fmaas.GenerationService, /health and /metrics in front of a running shard."""
-    setup_logging(json_output, "router")
-    if bool(tls_cert_path) != bool(tls_key_path):
-        fail_startup("tls: must provide both cert and key")
-    if tls_client_ca_cert_path and not tls_cert_path:
-        fail_startup("tls: cannot provide client ca cert without keypair")
-    tls = None
-    if tls_cert_path and tls_key_path:
-        tls = TlsConfig(
-            cert_path=tls_cert_path,
-            key_path=tls_key_path,
-            client_ca_path=tls_client_ca_cert_path or None,
-        )
+    setup_logging(flags["json_output"], "router")
     try:
-        config = RouterConfig(
-            max_concurrent_requests=max_concurrent_requests,
-            max_sequence_length=max_sequence_length,
-            max_new_tokens=max_new_tokens,
-            max_batch_size=max_batch_size,
-            max_prefill_padding=max_prefill_padding,
-            max_waiting_tokens=max_waiting_tokens,
-            waiting_served_ratio=waiting_served_ratio,
-            max_batch_prefill_tokens=max_batch_prefill_tokens,
-            max_batch_total_tokens=max_batch_total_tokens,
-            max_client_batch_size=max_client_batch_size,
-            max_input_tokens=max_input_tokens,
-            port=port,
-            grpc_port=grpc_port,
-            shard_uds_path=master_shard_uds_path,
-            tokenizer_path=tokenizer_path,
-            model_name=model_name,
-            tokenization_workers=(
-                _default_tokenization_workers()
-                if tokenization_workers is None
-                else tokenization_workers
-            ),
-            json_output=json_output,
-            tls=tls,
-            output_special_tokens=output_special_tokens,
-            default_include_stop_seqs=default_include_stop_seqs,
-            shard_connect_timeout=shard_connect_timeout,
-            pipeline_depth=pipeline_depth,
-            step_timeout=step_timeout,
-            stream_stall_timeout=stream_stall_timeout,
-            tracing=(
-                TracingConfig(endpoint=otlp_endpoint, service_name=otlp_service_name)
-                if otlp_endpoint
-                else None
-            ),
-            shutdown_grace_period=shutdown_grace_period,
-        )
+        config = router_config(flags)
     except ValueError as err:
         fail_startup(str(err))
+    _serve(config)
+
+
+_RENAMED = {"master_shard_uds_path": "shard_uds_path"}
+"""Flags whose RouterConfig field has another name."""
+_BUILT = frozenset(
+    {
+        "tokenization_workers",  # a default by CPU count
+        "tls_cert_path",  # the three TLS flags -> tls
+        "tls_key_path",
+        "tls_client_ca_cert_path",
+        "otlp_endpoint",  # the two OTLP flags -> tracing
+        "otlp_service_name",
+    }
+)
+"""Flags RouterConfig takes in another form."""
+
+
+def router_config(flags: Mapping[str, Any]) -> RouterConfig:
+    """The configuration from the parsed flags: most are RouterConfig fields of the same name.
+
+    Raises:
+        ValueError: inconsistent values (one line); TLS flags given without their partner
+            end the process through ``fail_startup``, as TGIS's router does.
+    """
+    fields = {f.name for f in dataclasses.fields(RouterConfig)}
+    same = {
+        _RENAMED.get(name, name): value
+        for name, value in flags.items()
+        if name not in _BUILT and _RENAMED.get(name, name) in fields
+    }
+    workers = flags["tokenization_workers"]
+    return RouterConfig(
+        **same,
+        tokenization_workers=_default_tokenization_workers() if workers is None else workers,
+        tls=_tls(flags["tls_cert_path"], flags["tls_key_path"], flags["tls_client_ca_cert_path"]),
+        tracing=(
+            TracingConfig(endpoint=flags["otlp_endpoint"], service_name=flags["otlp_service_name"])
+            if flags["otlp_endpoint"]
+            else None
+        ),
+    )
+
+
+def _tls(cert: str | None, key: str | None, client_ca: str | None) -> TlsConfig | None:
+    if bool(cert) != bool(key):
+        fail_startup("tls: must provide both cert and key")
+    if client_ca and not cert:
+        fail_startup("tls: cannot provide client ca cert without keypair")
+    if not (cert and key):
+        return None
+    return TlsConfig(cert_path=cert, key_path=key, client_ca_path=client_ca or None)
+
+
+def _serve(config: RouterConfig) -> None:
+    """Run the router until it stops; start-up failures end the process with one line."""
     from tgis.router.core.engine import ShardHungError
     from tgis.router.core.shard_client import ShardError
     from tgis.router.errors import StartupError

@@ -192,26 +192,36 @@ def check_batching(
     if max_batch_prefill_tokens is not None and max_batch_prefill_tokens < 1:
         raise ValueError(f"max_batch_prefill_tokens ({max_batch_prefill_tokens}) must be > 0")
     if max_batch_total_tokens is not None:
-        if max_sequence_length is not None and max_batch_total_tokens < max_sequence_length:
-            raise ValueError(
-                f"max_batch_total_tokens ({max_batch_total_tokens}) must be >= "
-                f"max_sequence_length ({max_sequence_length}): one request of the maximum "
-                "length must fit"
-            )
-        if max_batch_prefill_tokens is not None and max_batch_prefill_tokens > (
-            max_batch_total_tokens
-        ):
-            raise ValueError(
-                f"max_batch_prefill_tokens ({max_batch_prefill_tokens}) must be <= "
-                f"max_batch_total_tokens ({max_batch_total_tokens})"
-            )
+        _check_total_tokens(max_batch_total_tokens, max_sequence_length, max_batch_prefill_tokens)
     if max_client_batch_size is not None and max_client_batch_size < 1:
         raise ValueError(f"max_client_batch_size ({max_client_batch_size}) must be > 0")
     if max_input_tokens is not None:
-        if max_input_tokens < 1:
-            raise ValueError(f"max_input_tokens ({max_input_tokens}) must be > 0")
-        if max_sequence_length is not None and max_input_tokens >= max_sequence_length:
-            raise ValueError(
-                f"max_input_tokens ({max_input_tokens}) must be < max_sequence_length "
-                f"({max_sequence_length})"
-            )
+        _check_input_tokens(max_input_tokens, max_sequence_length)
+
+
+def _check_total_tokens(
+    max_batch_total_tokens: int,
+    max_sequence_length: int | None,
+    max_batch_prefill_tokens: int | None,
+) -> None:
+    if max_sequence_length is not None and max_batch_total_tokens < max_sequence_length:
+        raise ValueError(
+            f"max_batch_total_tokens ({max_batch_total_tokens}) must be >= "
+            f"max_sequence_length ({max_sequence_length}): one request of the maximum "
+            "length must fit"
+        )
+    if max_batch_prefill_tokens is not None and max_batch_prefill_tokens > (max_batch_total_tokens):
+        raise ValueError(
+            f"max_batch_prefill_tokens ({max_batch_prefill_tokens}) must be <= "
+            f"max_batch_total_tokens ({max_batch_total_tokens})"
+        )
+
+
+def _check_input_tokens(max_input_tokens: int, max_sequence_length: int | None) -> None:
+    if max_input_tokens < 1:
+        raise ValueError(f"max_input_tokens ({max_input_tokens}) must be > 0")
+    if max_sequence_length is not None and max_input_tokens >= max_sequence_length:
+        raise ValueError(
+            f"max_input_tokens ({max_input_tokens}) must be < max_sequence_length "
+            f"({max_sequence_length})"
+        )
