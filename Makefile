@@ -52,10 +52,14 @@ prometheus-tools:
 		echo "prometheus-tools: apt-get install prometheus failed" >&2; \
 		if [ "$${CI:-}" = true ]; then exit 1; fi; }
 
+# Style, types, import contracts (pyproject's [tool.importlinter]) and the size rules
+# (scripts/check_structure.py). tests/test_structure.py runs all but mypy in `make test`.
 lint: install
 	$(BIN)/ruff check tgis tests scripts benchmarks examples
 	$(BIN)/ruff format --check tgis tests scripts benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/python scripts/check_structure.py
 
 format: install
 	$(BIN)/ruff format tgis tests scripts
