@@ -283,14 +283,39 @@ def plan_storm(rng: random.Random) -> tuple[list[StormStream], list[StormUnary]]
 
 
 def plan_prefill_cancels(rng: random.Random) -> list[StormStream]:
-    """Streams with a prompt of about 210 tokens (7 prefill chunks of 32), cancelled a few
-    milliseconds after their first message: run alone, each is admitted at once, so most
-    are cancelled while their prompt is being prefilled (the storm, where the queue wait
-    is long and varied, hits that short window only by chance)."""
+    """Streams with a prompt of about 210 tokens (7 prefill chunks of 32), to be cancelled
+    at a random point of their prefill: run alone, each is admitted at once, so most are
+    cancelled while their prompt is being prefilled (the storm, where the queue wait is long
+    and varied, hits that short window only by chance). Their ``cancel_delay`` is a fraction
+    of the time a lone prompt of that length takes to its first token, which
+    ``scale_to_prefill`` turns into seconds on the machine at hand."""
     return [
-        StormStream(prompt(rng, 105, 20_000 + i), 16, rng.uniform(0.001, 0.02), None)
+        StormStream(prompt(rng, 105, 20_000 + i), 16, rng.uniform(0.05, 0.9), None)
         for i in range(PREFILL_CANCELS)
     ]
+
+
+async def time_to_first_token(stub: Any, text: str) -> float:
+    """Seconds from the call to the first generated token of ``text`` alone on the server."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    call = stub.GenerateStream(stream_request(text, greedy(1)), timeout=60)
+    async for message in call:
+        if message.generated_token_count >= 1:
+            return loop.time() - started
+    raise AssertionError(f"no token for {text!r}")
+
+
+async def scale_to_prefill(stub: Any, streams: list[StormStream]) -> float:
+    """Turn the streams' cancel fractions into seconds of this machine's prefill (the
+    median of three lone runs of a prompt as long as theirs); returns that time."""
+    rng = random.Random(99)
+    lone = sorted([await time_to_first_token(stub, prompt(rng, 105, 30_000)) for _ in range(3)])
+    ttft = lone[1]
+    for stream in streams:
+        assert stream.cancel_delay is not None
+        stream.cancel_delay *= ttft
+    return ttft
 
 
 class InputPermits:
@@ -409,6 +434,7 @@ def test_a_thousand_cancelled_streams_leak_nothing(server: LauncherProcess) -> N
             await sampler
             await asyncio.to_thread(wait_idle, server)
             checkpoints.append(await asyncio.to_thread(scrape, server))
+            await scale_to_prefill(stub, prefill_streams)
             for stream in prefill_streams:  # one at a time, each alone on the server
                 await run_storm_stream(stub, stream, permits)
             await asyncio.to_thread(wait_idle, server)
