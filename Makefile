@@ -6,8 +6,12 @@ BIN := $(VENV)/bin
 # The CPU build of torch; an unpinned `torch` would pull several GB of CUDA packages.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The suite runs on two workers, one per core (pytest-xdist; --dist loadfile keeps a module's
+# tests, and the server its fixtures launch, on one worker). TEST_WORKERS=0: serially.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install run test lint format protos tiny-model clean prometheus-tools image
+.PHONY: install run test test-fast lint format protos tiny-model clean prometheus-tools image
 
 install: $(VENV)/.installed tgis/pb/generation_pb2.py
 
@@ -29,7 +33,13 @@ run: install
 	$(BIN)/text-generation-launcher
 
 test: install prometheus-tools
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+# The unit layer: all but the launched-server tests (tests/e2e, tests/deploy) and the
+# modules marked slow; under two minutes on two cores (README.md, "Testing").
+test-fast: install
+	$(BIN)/python -m pytest $(XDIST) -m "not slow" --ignore=tests/e2e --ignore=tests/deploy \
+		$(PYTEST_ARGS)
 
 # promtool and prometheus for tests/e2e/test_prometheus.py: Debian's `prometheus` package,
 # installed only when either binary is missing (as root, else with passwordless sudo). Without

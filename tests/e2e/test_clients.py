@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from tests.e2e.certs import make_pki
-from tests.e2e.server import BIN_DIR, LauncherProcess, healthy_launcher, start_launcher
+from tests.e2e.server import BIN_DIR, LauncherProcess, start_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -44,9 +43,8 @@ def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
-    with healthy_launcher(tmp_path_factory.mktemp("clients")) as launcher:
-        yield launcher
+def server(embedded_server: LauncherProcess) -> LauncherProcess:
+    return embedded_server
 
 
 def unary_text(target: str, max_new_tokens: int) -> pb.GenerationResponse:

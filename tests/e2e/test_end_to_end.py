@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from tests.e2e.probes import metric_sample
-from tests.e2e.server import BIN_DIR, LauncherProcess, healthy_launcher, start_launcher
+from tests.e2e.server import BIN_DIR, LauncherProcess, start_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -30,9 +30,8 @@ PROMPT = "Return the number of"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
-    with healthy_launcher(tmp_path_factory.mktemp("e2e")) as launcher:
-        yield launcher
+def server(embedded_server: LauncherProcess) -> LauncherProcess:
+    return embedded_server
 
 
 @pytest.fixture(scope="module")

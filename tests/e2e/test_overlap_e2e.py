@@ -41,9 +41,8 @@ STOPS = [[" the"], ["."], [" a", ","], [" of"]]
 
 
 @pytest.fixture(scope="module")
-def overlapped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
-    with healthy_launcher(tmp_path_factory.mktemp("overlapped")) as launcher:
-        yield launcher
+def overlapped(embedded_server: LauncherProcess) -> LauncherProcess:
+    return embedded_server
 
 
 @pytest.fixture(scope="module")

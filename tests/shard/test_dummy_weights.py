@@ -263,6 +263,7 @@ def test_unknown_load_format_is_refused() -> None:
         ShardConfig(load_format="npz").validate()
 
 
+@pytest.mark.slow  # starts tensor-parallel rank processes
 def test_two_ranks_serve_dummy_weights_in_lock_step(tmp_path: Path) -> None:
     """Two real gloo ranks on dummy weights from config.json alone: nothing is read, and the
     replicas agree at every Step (the lock-step check stops both ranks on any difference)."""

@@ -386,6 +386,7 @@ TP_VARIANTS = {
 TP_DETAILS = DetailOptions(logprobs=True, ranks=True, top_n=2, generated_tokens=True)
 
 
+@pytest.mark.slow  # starts tensor-parallel rank processes
 @pytest.mark.parametrize("name", sorted(TP_VARIANTS))
 def test_two_ranks_match_one(name: str, tmp_path: Path) -> None:
     from tp_utils import Request, assert_same_outputs, make_plans, run_plans

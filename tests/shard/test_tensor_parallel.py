@@ -83,6 +83,7 @@ def check_reads(path: Path, reports: list[RankReport], kv_heads: int) -> None:
         assert report.world_size == 2
 
 
+@pytest.mark.slow  # starts tensor-parallel rank processes
 @pytest.mark.parametrize(
     ("overrides", "kv_heads"),
     [
@@ -103,6 +104,7 @@ def test_two_ranks_match_one(overrides: dict[str, object], kv_heads: int, tmp_pa
     check_reads(path, reports, kv_heads)
 
 
+@pytest.mark.slow  # starts tensor-parallel rank processes
 def test_prompt_prefixes_on_two_ranks_match_one(tmp_path: Path) -> None:
     """Every rank loads the prefix from its own store (the lookup runs on all of them) and
     puts the same virtual tokens before the input; a missing prefix fails alike."""
@@ -129,6 +131,7 @@ def test_prompt_prefixes_on_two_ranks_match_one(tmp_path: Path) -> None:
     assert reports[1].worker_error is None
 
 
+@pytest.mark.slow  # starts tensor-parallel rank processes
 def test_lora_adapters_on_two_ranks_match_one(tmp_path: Path) -> None:
     """Each rank keeps its slice of every adapter, split as the base weights are (q/k/v and
     gate/up by output rows, o and down by input columns, summed by the same all-reduce):
@@ -163,6 +166,7 @@ def test_lora_adapters_on_two_ranks_match_one(tmp_path: Path) -> None:
     assert reports[1].worker_error is None
 
 
+@pytest.mark.slow  # starts tensor-parallel rank processes
 def test_diverged_rank_stops_every_rank(tmp_path: Path) -> None:
     path = model_dir(tmp_path)
     plans = make_plans([Request(1, PROMPT, 6)])
@@ -203,6 +207,7 @@ def test_sharded_flag_and_world_size_must_agree(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow  # starts tensor-parallel rank processes
 def test_rank_that_cannot_join_fails_in_one_line(tmp_path: Path) -> None:
     port = free_port()
     message = cli_failure(

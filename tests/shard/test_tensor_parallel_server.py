@@ -22,6 +22,8 @@ from tp_utils import free_port
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
 
+pytestmark = pytest.mark.slow  # starts tensor-parallel shard servers
+
 SERVER = str(Path(sys.executable).parent / "text-generation-server")
 PROMPT = list(range(5, 25))
 

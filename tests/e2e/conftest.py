@@ -1,0 +1,18 @@
+"""Fixtures the end-to-end modules share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.server import LauncherProcess, healthy_launcher
+
+
+@pytest.fixture(scope="session")
+def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
+    """The embedded model served with the launcher's defaults, launched once per test
+    process for every module that needs no server of its own (its tests read counters as
+    differences and wait for the server to be idle, so they do not see one another)."""
+    with healthy_launcher(tmp_path_factory.mktemp("embedded")) as launcher:
+        yield launcher
