@@ -279,15 +279,25 @@ def test_health_reports_a_shard_whose_steps_fail(tmp_path: Path) -> None:
         )
         # The shard recovers: /health generates again and says so; the first token
         # turns gRPC health to SERVING.
-        shard.send_signal(signal.SIGUSR1)
+        toggle_fault(shard, tmp_path / "fake-shard.log", failing=False)
         assert http_status(health_url) == 200
         wait_until(lambda: health_status(channel) == SERVING)
         assert stub.Generate(request, timeout=30).responses[0].generated_token_count == 3
         # It fails again: the failed step makes /health check generation again.
-        shard.send_signal(signal.SIGUSR1)
+        toggle_fault(shard, tmp_path / "fake-shard.log", failing=True)
         with pytest.raises(grpc.RpcError):
             stub.Generate(request, timeout=30)
         assert http_status(health_url) == 503
+
+
+def toggle_fault(shard: subprocess.Popen[bytes], log: Path, failing: bool) -> None:
+    """SIGUSR1 to the fake shard, then wait until it says it switched: its event loop
+    handles the signal when it next runs, which on a busy machine can be after the next
+    request arrives."""
+    line = f"fake shard: fail_steps={failing}"
+    before = log.read_text().count(line)
+    shard.send_signal(signal.SIGUSR1)
+    wait_until(lambda: log.read_text().count(line) > before, timeout=30)
 
 
 def _answers(channel: grpc.Channel) -> bool:
