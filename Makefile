@@ -7,9 +7,10 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # The suite runs on two workers, one per core (pytest-xdist; --dist loadfile keeps a module's
-# tests, and the server its fixtures launch, on one worker). TEST_WORKERS=0: serially.
+# tests, and the server its fixtures launch, on one worker; --no-loadscope-reorder keeps the
+# longest-first order of tests/conftest.py). TEST_WORKERS=0: serially.
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadfile
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install run test test-fast lint format protos tiny-model clean prometheus-tools image
 

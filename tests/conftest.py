@@ -28,15 +28,23 @@ if importlib.util.find_spec("triton") is not None and not _has_cuda():
 
 
 # The longest modules first: with two workers (`make test`: pytest-xdist, --dist loadfile,
-# whole modules to a worker in collection order) the suite then ends with short modules on
-# both workers instead of one long module alone. Measured with `--durations=0`, seconds on
-# the 2-core host (README.md, "Testing").
+# whole modules to a worker in this order, --no-loadscope-reorder) the two-minute soak and
+# the compilations start at once, beside each other, and the short modules fill in after;
+# left to xdist's default order (most tests first) the soak ran last, alone, and the suite
+# took 272 s instead of 227 s on the 2-core host. Seconds from `--durations=0`, fresh clone.
 LONGEST_FIRST = (
     "tests/e2e/test_soak_e2e.py",  # 122 s: a fixed two-minute load
-    "tests/shard/test_compiled.py",  # 74 s: torch.compile of every family
-    "tests/e2e/test_faults_e2e.py",  # 21 s
-    "tests/e2e/test_fuzz_e2e.py",  # 19 s
-    "tests/e2e/test_operations_e2e.py",  # 18 s
+    "tests/shard/test_compiled.py",  # 74-90 s: torch.compile of every family
+    "tests/e2e/test_fuzz_e2e.py",  # 19-27 s
+    "tests/e2e/test_faults_e2e.py",  # 21-25 s
+    "tests/e2e/test_operations_e2e.py",  # 18-23 s
+    "tests/shard/test_model_families.py",  # 11-18 s
+    "tests/shard/test_tensor_parallel.py",  # 14-17 s
+    "tests/shard/test_weights_cli.py",  # 12-15 s
+    "tests/e2e/test_slow_clients_e2e.py",  # 11-12 s
+    "tests/launcher/test_launcher_validation.py",  # 9-12 s
+    "tests/e2e/test_prometheus.py",  # 10-11 s
+    "tests/e2e/test_cancellation_e2e.py",  # 8-11 s
 )
 
 
