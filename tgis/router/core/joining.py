@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Sequence
 
 from tgis.router.core.batching import SchedulerLimits
 from tgis.router.core.block_allocator import BlockAllocator
 from tgis.router.core.request_state import RequestState
 
-__all__ = ["Joiners", "admission_blocks", "choose_joiners", "may_join"]
+__all__ = ["NONE_JOIN", "Joiners", "admission_blocks", "choose_joiners", "may_join"]
 
 
 def admission_blocks(state: RequestState, allocator: BlockAllocator, preemption: bool) -> int:
@@ -41,23 +41,24 @@ def may_join(
 
 
 class Joiners:
-    """The requests chosen at one step, and whether the head of the queue waited only
-    because the prefill budget ran out (``budget_hold``)."""
+    """The requests chosen at one step, whether any of them is fresh (never admitted
+    before: the joining rule's clock restarts), and whether the head of the queue waited
+    only because the prefill budget ran out (``budget_hold``)."""
 
-    __slots__ = ("budget_hold", "chosen")
+    __slots__ = ("budget_hold", "chosen", "fresh")
 
-    def __init__(self, chosen: list[RequestState], budget_hold: bool) -> None:
+    def __init__(self, chosen: Sequence[RequestState], fresh: bool, budget_hold: bool) -> None:
         self.chosen = chosen
+        self.fresh = fresh
         self.budget_hold = budget_hold
 
-    @property
-    def fresh(self) -> bool:
-        """Whether any was never admitted before (not a resumed one)."""
-        return any(s.preemptions == 0 for s in self.chosen)
+
+NONE_JOIN = Joiners((), False, False)
+"""Nothing to admit (an empty queue)."""
 
 
 def choose_joiners(
-    waiting: Iterable[RequestState],
+    waiting: Collection[RequestState],
     running: Collection[RequestState],
     allocator: BlockAllocator,
     limits: SchedulerLimits,
@@ -66,6 +67,8 @@ def choose_joiners(
     steps_since_admission: int,
 ) -> Joiners:
     """The requests to admit this step, in queue order (the allocator is only read)."""
+    if not waiting:
+        return NONE_JOIN
     slots = limits.max_batch_size - len(running)
     max_loras = limits.max_loras
     loras = {s.request.lora_id for s in running if s.request.lora_id}
@@ -105,5 +108,5 @@ def choose_joiners(
             limits.waiting_served_ratio,
         )
     ):
-        return Joiners(resumed, budget_hold)
-    return Joiners(chosen, budget_hold)
+        return Joiners(resumed, False, budget_hold)
+    return Joiners(chosen, fresh > 0, budget_hold)
