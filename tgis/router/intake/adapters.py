@@ -6,7 +6,8 @@ reads the adapter's ``adapter_config.json``, loads it into host memory and answe
 kind, LoRA or prompt tuning (with its number of virtual tokens). :class:`AdapterKinds`
 caches those answers in the router like prefix lengths (``lookup_cache.py``: 256 ids for
 an hour, failures not cached, concurrent misses share one lookup). Refusals and their
-messages are built in ``validation.py``; the servicer applies them (``_adapters``).
+messages are built in ``validation.py``; admission applies them
+(``admission.py: Admission.resolve_adapters``).
 
 How a request uses an adapter:
 

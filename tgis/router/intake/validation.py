@@ -1,6 +1,6 @@
 """Parameter conversion and request validation (spec §1.3, §1.4 "Seeds", §1.6, §2).
 
-Two steps on plain types, called by the servicer after ``public_api.convert_params`` (proto
+Two steps on plain types, called at admission after ``edge/fmaas.py: convert_params`` (proto
 ``Parameters`` -> :class:`GenerationParams`, TGIS's "zero means default" rules):
 
 1. :func:`validate_params` -- the request-wide rules 1-11 of §2, first failure wins.

@@ -1,8 +1,9 @@
 """The request's correlation id (``x-correlation-id`` metadata) on every log line about it.
 
-The servicer binds it for the RPC's task (``tgis.log`` contextvar fields), so whatever is
-logged there, or in tasks started from there, carries ``correlation_id``; the engine, which
-runs in its own task, reads the id captured on the RequestState (``request_log_extra``).
+The call gate (``edge/calls.py``) binds it for the RPC's task (``tgis.log`` contextvar
+fields), so whatever is logged there, or in tasks started from there, carries
+``correlation_id``; the engine, which runs in its own task, reads the id captured on the
+RequestState (``request_log_extra``).
 A request without the header logs ``<none>``, as TGIS does.
 """
 
