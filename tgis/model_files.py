@@ -11,6 +11,18 @@ from pathlib import Path
 
 from tgis.embedded_model import MODEL_DIR as EMBEDDED_MODEL_DIR
 
+MAX_SEQUENCE_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+"""config.json keys holding the model's context length, in the order TGIS tries them (the
+launcher's default ``--max-sequence-length`` and the shard's ``max_position_embeddings``)."""
+
 
 class ModelNotFoundError(ValueError):
     """The model is neither a local directory nor in the local Hugging Face cache."""

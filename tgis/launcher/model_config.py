@@ -10,18 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from tgis.launcher.config import ConfigError
-from tgis.model_files import ModelNotFoundError, resolve_model_dir
+from tgis.model_files import MAX_SEQUENCE_LENGTH_KEYS, ModelNotFoundError, resolve_model_dir
 
-# config.json keys holding the model's context length, in the order TGIS tries them.
-MAX_SEQUENCE_LENGTH_KEYS = (
-    "max_position_embeddings",
-    "n_positions",
-    "max_seq_len",
-    "seq_length",
-    "max_sequence_length",
-    "max_seq_length",
-    "seq_len",
-)
 DEFAULT_MAX_SEQUENCE_LENGTH = 2048
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tgis.model_files import MAX_SEQUENCE_LENGTH_KEYS
 from tgis.shard.errors import StartupError
 
 
@@ -58,21 +59,9 @@ class ModelConfig:
         )
 
 
-# Keys that hold the longest supported sequence, in TGIS's order of preference.
-_POSITION_KEYS = (
-    "max_position_embeddings",
-    "n_positions",
-    "max_seq_len",
-    "seq_length",
-    "max_sequence_length",
-    "max_seq_length",
-    "seq_len",
-)
-
-
 def _max_positions(raw: dict[str, Any]) -> int:
     """The first integer among TGIS's max-sequence-length keys (0 if none)."""
-    for key in _POSITION_KEYS:
+    for key in MAX_SEQUENCE_LENGTH_KEYS:
         value = raw.get(key)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
