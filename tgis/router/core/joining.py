@@ -71,9 +71,12 @@ def choose_joiners(
         return NONE_JOIN
     slots = limits.max_batch_size - len(running)
     max_loras = limits.max_loras
-    loras = {s.request.lora_id for s in running if s.request.lora_id}
-    if max_loras is None:
-        loras = set()
+    # The running batch's distinct LoRA adapters, only when their number is limited.
+    loras = (
+        {s.request.lora_id for s in running if s.request.lora_id}
+        if max_loras is not None
+        else set()
+    )
     chosen: list[RequestState] = []
     blocks = 0
     budget_hold = False
