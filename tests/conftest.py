@@ -12,6 +12,18 @@ import pytest
 # and so do the servers they launch (the variable is inherited).
 os.environ.setdefault("TGIS_COMPILE", "0")
 
+# float32 is the exact-oracle path (token for token against transformers in float32). On a
+# processor with native bfloat16 `--dtype auto` serves bfloat16 (tgis/shard/device.py), so
+# the servers tests launch are pinned to float32 through the launcher's (and the shard
+# CLI's) DTYPE variable, and shards loaded in the test process see no native bfloat16
+# (`_auto_dtype_is_float32`). Tests of the dtype rule and of bfloat16 ask for it.
+os.environ.setdefault("DTYPE", "float32")
+
+
+@pytest.fixture(autouse=True)
+def _auto_dtype_is_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tgis.shard.device.cpu_bf16_flags", lambda *args: ())
+
 
 def _has_cuda() -> bool:
     import torch

@@ -72,7 +72,7 @@ CASES = [
         "dtype-unknown",
         ["--dtype", "int4"],
         {},
-        "unknown dtype 'int4': expected one of float32, fp32, float, float16, fp16, half, "
+        "unknown dtype 'int4': expected auto or one of float32, fp32, float, float16, fp16, half, "
         "bfloat16, bf16",
     ),
     Case(

@@ -44,16 +44,17 @@ def normalize_deployment_framework(value: str, log: logging.Logger) -> str:
 
 
 def resolve_dtype(dtype: str | None, dtype_str: str | None) -> str | None:
-    """The canonical torch dtype name from --dtype / --dtype-str (aliases allowed), or None."""
+    """The canonical torch dtype name from --dtype / --dtype-str (aliases allowed), or None
+    (unset, or ``auto``: the shard's rule, bfloat16 on a CPU with native bfloat16)."""
     canonical: list[str] = []
     for value in (dtype, dtype_str):
-        if blank(value):
+        if blank(value) or (value or "").strip().lower() == "auto":
             continue
         assert value is not None
         name = DTYPE_ALIASES.get(value.strip().lower())
         if name is None:
             raise ConfigError(
-                f"unknown dtype '{value}': expected one of " + ", ".join(DTYPE_ALIASES)
+                f"unknown dtype '{value}': expected auto or one of " + ", ".join(DTYPE_ALIASES)
             )
         canonical.append(name)
     if len(canonical) == 2 and canonical[0] != canonical[1]:

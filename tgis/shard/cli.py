@@ -34,7 +34,10 @@ def main() -> None:
 @click.argument("model_name", default="")
 @click.argument("deployment_framework", required=False)
 @click.option(
-    "--dtype", default=None, help="float32, float16 or bfloat16 (or fp32/float, fp16/half, bf16)."
+    "--dtype",
+    envvar="DTYPE",
+    default=None,
+    help="auto (default), float32, float16 or bfloat16 (or fp32/float, fp16/half, bf16).",
 )
 @click.option("--max-sequence-length", type=int, default=2048, show_default=True)
 @click.option("--max-new-tokens", type=int, default=1024, show_default=True)

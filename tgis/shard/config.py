@@ -40,7 +40,7 @@ class ShardConfig:
     model_name: str = ""
     revision: str | None = None
     deployment_framework: str | None = None  # accepted for TGIS compatibility; unused
-    dtype: str | None = None  # None: float32 on CPU, the config's dtype on GPU
+    dtype: str | None = None  # None (auto): device.select_dtype's rule
     max_sequence_length: int = 2048
     max_new_tokens: int = 1024  # the router enforces it; validated only
     max_batch_size: int | None = None  # None: by capacity (capacity.py)
@@ -136,10 +136,13 @@ class ShardConfig:
 
 
 def canonical_dtype(value: str | None) -> str | None:
-    """``fp16`` → ``float16``; canonical names pass; unknown values are left for validate()."""
+    """``fp16`` → ``float16``; canonical names pass; ``auto`` is None (the device's rule);
+    unknown values are left for validate()."""
     if value is None:
         return None
     name = value.strip().lower()
+    if name == "auto":
+        return None
     return DTYPE_ALIASES.get(name, name if name in DTYPE_NAMES else value)
 
 

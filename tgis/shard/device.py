@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+import logging
+from pathlib import Path
 
 import torch
 
+from tgis.shard.cpu_threads import cpu_threads
 from tgis.shard.errors import StartupError
 
 _DTYPES = {
@@ -15,6 +15,13 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+log = logging.getLogger(__name__)
+
+# /proc/cpuinfo flags of processors that compute bfloat16 natively (dot products of
+# bfloat16 pairs into float32: AVX512-BF16, AMX), where oneDNN runs bfloat16 GEMMs at 2-4x
+# the float32 rate (BENCHMARKS.md); without them bfloat16 is emulated, slower than float32.
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+_CPUINFO = Path("/proc/cpuinfo")
 _CONFIG_DTYPE_ALIASES = {
     "fp32": "float32",
     "fp16": "float16",
@@ -25,7 +32,7 @@ _CONFIG_DTYPE_ALIASES = {
 
 def select_device(rank: int, world_size: int, memory_fraction: float = 1.0) -> torch.device:
     """``cuda:{rank % count}`` when CUDA is available, else the CPU (whose intra-op threads
-    are then set by ``cpu_threads``)."""
+    are then set by ``cpu_threads.py``)."""
     if not torch.cuda.is_available():
         torch.set_num_threads(cpu_threads(world_size).small)
         return torch.device("cpu")
@@ -39,15 +46,39 @@ def select_device(rank: int, world_size: int, memory_fraction: float = 1.0) -> t
     return device
 
 
+def cpu_bf16_flags(cpuinfo: Path = _CPUINFO) -> tuple[str, ...]:
+    """The native-bfloat16 flags (``NATIVE_BF16_FLAGS``) this processor reports; empty
+    where it reports none or ``/proc/cpuinfo`` cannot be read (not Linux)."""
+    try:
+        text = cpuinfo.read_text(errors="ignore")
+    except OSError:
+        return ()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            return tuple(flag for flag in NATIVE_BF16_FLAGS if flag in flags)
+    return ()
+
+
 def select_dtype(
     requested: str | None, config_dtype: str | None, device: torch.device
 ) -> torch.dtype:
-    """The requested dtype; by default float32 on CPU and the checkpoint's dtype on GPU."""
+    """The requested dtype, else (``--dtype auto``): on GPU the checkpoint's dtype (float16
+    when it names none); on CPU bfloat16 where the processor computes it natively
+    (``cpu_bf16_flags``), else float32, whatever the checkpoint's dtype (vLLM's CPU rule)."""
     if requested is not None:
         if requested not in _DTYPES:
             raise StartupError(f"unsupported dtype '{requested}'")
         return _DTYPES[requested]
     if device.type == "cpu":
+        flags = cpu_bf16_flags()
+        if flags:
+            log.info("dtype auto on CPU: bfloat16 (native: %s)", ", ".join(flags))
+            return torch.bfloat16
+        log.info(
+            "dtype auto on CPU: float32 (the processor has no native bfloat16: none of %s)",
+            ", ".join(NATIVE_BF16_FLAGS),
+        )
         return torch.float32
     name = _CONFIG_DTYPE_ALIASES.get(config_dtype or "", config_dtype or "float16")
     return _DTYPES.get(name, torch.float16)
@@ -56,36 +87,3 @@ def select_dtype(
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float16`` → ``"float16"``."""
     return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class CpuThreads:
-    """Intra-op threads of a CPU shard, by step size.
-
-    The router works while the shard computes (steps overlap), so a small step (decodes)
-    leaves it a core: one intra-op thread per spare core, as a second thread that the
-    router preempts holds every GEMM back. A large step (a prefill of ``large_from_tokens``
-    tokens or more) is long enough to use every core. ``OMP_NUM_THREADS`` fixes both.
-    """
-
-    small: int
-    large: int
-    large_from_tokens: int = 512
-
-    def for_step(self, tokens: int) -> int:
-        return self.large if tokens >= self.large_from_tokens else self.small
-
-
-def cpu_threads(world_size: int, env: Mapping[str, str] | None = None) -> CpuThreads:
-    """The CPU thread policy of one of ``world_size`` ranks (BENCHMARKS.md measures one
-    thread per decode step 1.15-1.25x faster end to end on 2 cores than two)."""
-    environ = os.environ if env is None else env
-    configured = environ.get("OMP_NUM_THREADS", "").strip()
-    if configured.isdigit() and int(configured) > 0:
-        return CpuThreads(int(configured), int(configured))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    ranks = max(world_size, 1)
-    return CpuThreads(
-        small=max(1, ((cores or 1) - 1) // ranks),
-        large=max(1, (cores or 1) // ranks),
-    )

@@ -27,6 +27,7 @@ from tgis.shard.checkpoints.dummy_weights import DummyWeights, parameter_count
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.config import ShardConfig
+from tgis.shard.cpu_threads import MIN_PARALLEL_SECONDS
 from tgis.shard.device import dtype_name, select_device, select_dtype
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
@@ -85,6 +86,17 @@ def load_native_runner(
     if isinstance(forward, CompiledForward):
         _compile(runner, model)
     _capture_decode_graphs(runner, config, tp)
+    timing = runner.calibrate_cpu_threads()
+    if timing is not None and runner.threads is not None:
+        log.info(
+            "CPU threads: %d for a step under %.1f ms (or short next to the router's work "
+            "for it), else %d; a one-token step takes %.1f ms, each further token %.2f ms",
+            runner.threads.small,
+            MIN_PARALLEL_SECONDS * 1e3,
+            runner.threads.large,
+            timing.one_token_s * 1e3,
+            timing.per_token_s * 1e3,
+        )
     return runner
 
 

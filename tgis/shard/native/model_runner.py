@@ -12,6 +12,7 @@ the forgetting of finished sequences and the preemptions (applied first).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,7 +21,7 @@ import torch
 
 from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
-from tgis.shard.device import cpu_threads
+from tgis.shard.cpu_threads import StepTiming, cpu_threads
 from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
 from tgis.shard.native.block_tables import BlockTables, flatten
 from tgis.shard.native.kv_cache import KVCache
@@ -116,6 +117,46 @@ class ModelRunner(SequenceRunner):
         self.step(StepPlan(2, (), (ScheduledSequence(1, 1),)))
         self.reset()
 
+    def calibrate_cpu_threads(self) -> StepTiming | None:
+        """On the CPU, measure this model's step cost for the thread policy
+        (``cpu_threads.py``) and return it; None where there is no choice to make."""
+        if self.threads is None or self.threads.small == self.threads.large:
+            return None
+        timing = self._measure_step_timing()
+        self.threads = self.threads.calibrated(timing)
+        return timing
+
+    def _measure_step_timing(self) -> StepTiming:
+        """Time, on the reduced thread count, a prompt of up to 32 tokens (as many as two
+        blocks of the cache hold) and a one-token decode after it (each the faster of two
+        runs, the first also warming up), and forget them."""
+        assert self.threads is not None
+        blocks = tuple(range(min(2, self.kv_cache.num_blocks)))
+        length = min(32, len(blocks) * self.kv_cache.block_size - 1)
+        prompt = tuple(3 + i % 64 for i in range(length))
+        torch.set_num_threads(self.threads.small)
+        saved, self.threads = self.threads, None  # no switching while measuring
+        prompt_s, decode_s = float("inf"), float("inf")
+        try:
+            for attempt in range(2):
+                first = 1 + 2 * attempt
+                started = time.perf_counter()
+                self.step(
+                    StepPlan(
+                        first,
+                        (NewSequence(first, prompt),),
+                        (ScheduledSequence(first, length, blocks),),
+                    )
+                )
+                prompt_s = min(prompt_s, time.perf_counter() - started)
+                started = time.perf_counter()
+                self.step(StepPlan(first + 1, (), (ScheduledSequence(first, 1),)))
+                decode_s = min(decode_s, time.perf_counter() - started)
+                self.reset()
+        finally:
+            self.threads = saved
+        return StepTiming.from_two_steps(decode_s, length, prompt_s)
+
     def _forget(self, request_id: int) -> None:
         super()._forget(request_id)
         self.block_tables.release(request_id)
@@ -125,7 +166,8 @@ class ModelRunner(SequenceRunner):
         sequence gets a token and score the prompt positions asked for."""
         if self.threads is not None:
             tokens = sum(item.num_tokens for item in resolved.work)
-            wanted = self.threads.for_step(tokens)
+            rows = sum(1 for item in resolved.work if item.samples)
+            wanted = self.threads.for_step(tokens, rows)
             if torch.get_num_threads() != wanted:
                 torch.set_num_threads(wanted)
         try:

@@ -6,8 +6,8 @@ more than the attention itself: a step of 32 sequences at 150 tokens copies ~10 
 layer. The kernel instead walks each sequence's blocks, reading each key and value row once
 for the query heads that share it, with a numerically stable softmax in float32. Prompts
 and prompt chunks still go through the reference (``TorchPagedAttention``). Used for
-float32 caches when the extension was built (``setup.py``; it needs a C compiler at install
-time), else the reference runs alone.
+float32 and bfloat16 caches (queries, softmax and output in float32) when the extension was
+built (``setup.py``; it needs a C compiler at install time), else the reference runs alone.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ import torch
 
 from tgis.shard.native.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 
+# Cache dtypes the kernel reads, and the code it takes for each.
+_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
 
 def load_kernel() -> ModuleType | None:
     """The compiled extension, or None when it was not built."""
@@ -30,7 +33,7 @@ def load_kernel() -> ModuleType | None:
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """``TorchPagedAttention`` with decodes in the C kernel (float32 CPU caches)."""
+    """``TorchPagedAttention`` with decodes in the C kernel (float32 or bfloat16 CPU caches)."""
 
     name = "cpu_paged"
     masks_decodes = False  # the kernel bounds each sequence by its context length
@@ -51,13 +54,12 @@ class CpuPagedAttention(TorchPagedAttention):
         if (
             metadata.decode_tables is None
             or metadata.decode_context is None
-            or q.dtype != torch.float32
-            or cache_dtype != torch.float32
+            or cache_dtype not in _CACHE_DTYPES
             or q.device.type != "cpu"
         ):
             return super()._decode(q, k_blocks, v_blocks, metadata, scale, cache_dtype)
         assert metadata.decode_rows is not None
-        queries = q[metadata.decode_rows].contiguous()  # [decodes, heads, dim]
+        queries = q[metadata.decode_rows].float().contiguous()  # [decodes, heads, dim]
         seqs, heads, head_dim = queries.shape
         kv_heads = k_blocks.shape[1] // (self.block_size * head_dim)
         out = torch.empty_like(queries)
@@ -78,5 +80,6 @@ class CpuPagedAttention(TorchPagedAttention):
             k_blocks.shape[0],
             metadata.max_context,
             1.0 / math.sqrt(head_dim) if scale is None else scale,
+            _CACHE_DTYPES[cache_dtype],
         )
-        return out
+        return out.to(q.dtype)

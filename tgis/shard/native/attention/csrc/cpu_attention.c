@@ -1,6 +1,6 @@
 /*
  * Paged decode attention on the CPU, reading keys and values in place through the block
- * table (no gather), for float32 caches: tgis.shard.native.attention._cpu_attention.
+ * table (no gather), for float32 and bfloat16 caches: tgis.shard.native.attention._cpu_attention.
  *
  * For each sequence s (one query token each) and each KV head h, the G = heads / kv_heads
  * query heads that share h attend to the sequence's first context_lens[s] cached tokens:
@@ -10,7 +10,9 @@
  *
  * where token t lives in block block_tables[s, t / block_size] at offset t % block_size of a
  * cache laid out [num_blocks, block_size, kv_heads, head_dim]. Each key and value row is
- * read once for the G heads that use it. Plain C with no Python objects in the loop (the
+ * read once for the G heads that use it. Queries, scores, the softmax and the output are
+ * float32; a bfloat16 cache is widened row by row as it is read (a bfloat16 is the top half
+ * of a float32). Plain C with no Python objects in the loop (the
  * GIL is released); built by setup.py as an optional extension, compiled for AVX-512, AVX2
  * and baseline x86-64, chosen at load time (target_clones); tgis/shard/native/attention/cpu_paged.py
  * falls back to the torch reference when it is missing.
@@ -31,8 +33,8 @@
 
 typedef struct {
     const float *q;           /* [seqs, heads, head_dim] */
-    const float *k_cache;     /* [num_blocks, block_size, kv_heads, head_dim] */
-    const float *v_cache;
+    const void *k_cache;      /* [num_blocks, block_size, kv_heads, head_dim], float or bf16 */
+    const void *v_cache;
     float *out;               /* [seqs, heads, head_dim] */
     const int64_t *tables;    /* [seqs, table_stride] */
     const int64_t *context;   /* [seqs] */
@@ -52,72 +54,97 @@ static inline void axpy(float *restrict y, float alpha, const float *restrict x,
     for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
 }
 
+static inline float widen(uint16_t bits) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {(uint32_t)bits << 16};
+    return v.f;
+}
+
+static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int64_t n) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) sum += a[i] * widen(b[i]);
+    return sum;
+}
+
+static inline void axpy_bf16(float *restrict y, float alpha, const uint16_t *restrict x,
+                             int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] += alpha * widen(x[i]);
+}
+
 /* Returns 0, or -1 when a sequence's context is empty, longer than max_context or its table,
  * or names a block out of range (nothing is written for that sequence). ``scores`` holds
  * heads * max_context floats. Keys and values are read in cache order, each row once for
  * every head: one pass over the keys (scores), a softmax per head, one pass over the values. */
-TGIS_CLONES
-static int decode(const DecodeArgs *a, float *scores) {
-    const int64_t heads = a->heads, group = a->heads / a->kv_heads, dim = a->head_dim;
-    const int64_t bs = a->block_size;
-    const int64_t row = a->kv_heads * dim; /* floats between consecutive tokens of a block */
-    int status = 0;
-    for (int64_t s = 0; s < a->seqs; s++) {
-        const int64_t length = a->context[s];
-        const int64_t *table = a->tables + s * a->table_stride;
-        const int64_t blocks = (length + bs - 1) / bs;
-        if (length <= 0 || length > a->max_context || blocks > a->table_stride) {
-            status = -1;
-            continue;
-        }
-        int bad = 0;
-        for (int64_t b = 0; b < blocks; b++) {
-            if (table[b] < 0 || table[b] >= a->num_blocks) bad = 1;
-        }
-        if (bad) {
-            status = -1;
-            continue;
-        }
-        const float *q = a->q + s * heads * dim;
-        float *out = a->out + s * heads * dim;
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t first = b * bs;
-            const int64_t n = length - first < bs ? length - first : bs;
-            const float *k = a->k_cache + table[b] * bs * row;
-            for (int64_t i = 0; i < n; i++, k += row) {
-                for (int64_t hq = 0; hq < heads; hq++) {
-                    const float *kh = k + (hq / group) * dim;
-                    scores[hq * length + first + i] = a->scale * dot(q + hq * dim, kh, dim);
-                }
-            }
-        }
-        for (int64_t hq = 0; hq < heads; hq++) {
-            float *sc = scores + hq * length;
-            float max = sc[0];
-            for (int64_t t = 1; t < length; t++) max = sc[t] > max ? sc[t] : max;
-            float total = 0.0f;
-            for (int64_t t = 0; t < length; t++) {
-                sc[t] = expf(sc[t] - max);
-                total += sc[t];
-            }
-            const float inv = 1.0f / total;
-            for (int64_t t = 0; t < length; t++) sc[t] *= inv;
-        }
-        memset(out, 0, (size_t)(heads * dim) * sizeof(float));
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t first = b * bs;
-            const int64_t n = length - first < bs ? length - first : bs;
-            const float *v = a->v_cache + table[b] * bs * row;
-            for (int64_t i = 0; i < n; i++, v += row) {
-                for (int64_t hq = 0; hq < heads; hq++) {
-                    axpy(out + hq * dim, scores[hq * length + first + i], v + (hq / group) * dim,
-                         dim);
-                }
-            }
-        }
-    }
-    return status;
+#define DEFINE_DECODE(NAME, ELEM, DOT, AXPY)                                          \
+TGIS_CLONES \
+static int NAME(const DecodeArgs *a, float *scores) { \
+    const int64_t heads = a->heads, group = a->heads / a->kv_heads, dim = a->head_dim; \
+    const int64_t bs = a->block_size; \
+    const int64_t row = a->kv_heads * dim; /* elements between consecutive tokens of a block */ \
+    int status = 0; \
+    for (int64_t s = 0; s < a->seqs; s++) { \
+        const int64_t length = a->context[s]; \
+        const int64_t *table = a->tables + s * a->table_stride; \
+        const int64_t blocks = (length + bs - 1) / bs; \
+        if (length <= 0 || length > a->max_context || blocks > a->table_stride) { \
+            status = -1; \
+            continue; \
+        } \
+        int bad = 0; \
+        for (int64_t b = 0; b < blocks; b++) { \
+            if (table[b] < 0 || table[b] >= a->num_blocks) bad = 1; \
+        } \
+        if (bad) { \
+            status = -1; \
+            continue; \
+        } \
+        const float *q = a->q + s * heads * dim; \
+        float *out = a->out + s * heads * dim; \
+        for (int64_t b = 0; b < blocks; b++) { \
+            const int64_t first = b * bs; \
+            const int64_t n = length - first < bs ? length - first : bs; \
+            const ELEM *k = (const ELEM *)a->k_cache + table[b] * bs * row; \
+            for (int64_t i = 0; i < n; i++, k += row) { \
+                for (int64_t hq = 0; hq < heads; hq++) { \
+                    const ELEM *kh = k + (hq / group) * dim; \
+                    scores[hq * length + first + i] = a->scale * DOT(q + hq * dim, kh, dim); \
+                } \
+            } \
+        } \
+        for (int64_t hq = 0; hq < heads; hq++) { \
+            float *sc = scores + hq * length; \
+            float max = sc[0]; \
+            for (int64_t t = 1; t < length; t++) max = sc[t] > max ? sc[t] : max; \
+            float total = 0.0f; \
+            for (int64_t t = 0; t < length; t++) { \
+                sc[t] = expf(sc[t] - max); \
+                total += sc[t]; \
+            } \
+            const float inv = 1.0f / total; \
+            for (int64_t t = 0; t < length; t++) sc[t] *= inv; \
+        } \
+        memset(out, 0, (size_t)(heads * dim) * sizeof(float)); \
+        for (int64_t b = 0; b < blocks; b++) { \
+            const int64_t first = b * bs; \
+            const int64_t n = length - first < bs ? length - first : bs; \
+            const ELEM *v = (const ELEM *)a->v_cache + table[b] * bs * row; \
+            for (int64_t i = 0; i < n; i++, v += row) { \
+                for (int64_t hq = 0; hq < heads; hq++) { \
+                    AXPY(out + hq * dim, scores[hq * length + first + i], v + (hq / group) * dim, \
+                         dim); \
+                } \
+            } \
+        } \
+    } \
+    return status; \
 }
+
+DEFINE_DECODE(decode_f32, float, dot, axpy)
+DEFINE_DECODE(decode_bf16, uint16_t, dot_bf16, axpy_bf16)
 
 static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     (void)self;
@@ -125,9 +152,10 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     DecodeArgs a;
     long long seqs, heads, kv_heads, head_dim, block_size, table_stride, num_blocks, max_context;
     double scale;
-    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd", &q, &k_cache, &v_cache, &out, &tables,
+    int bf16 = 0;
+    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|i", &q, &k_cache, &v_cache, &out, &tables,
                           &context, &seqs, &heads, &kv_heads, &head_dim, &block_size,
-                          &table_stride, &num_blocks, &max_context, &scale)) {
+                          &table_stride, &num_blocks, &max_context, &scale, &bf16)) {
         return NULL;
     }
     if (seqs < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 ||
@@ -136,8 +164,8 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
         return NULL;
     }
     a.q = (const float *)q;
-    a.k_cache = (const float *)k_cache;
-    a.v_cache = (const float *)v_cache;
+    a.k_cache = (const void *)k_cache;
+    a.v_cache = (const void *)v_cache;
     a.out = (float *)out;
     a.tables = (const int64_t *)tables;
     a.context = (const int64_t *)context;
@@ -155,7 +183,7 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     if (scores == NULL) return PyErr_NoMemory();
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = decode(&a, scores);
+    status = bf16 ? decode_bf16(&a, scores) : decode_f32(&a, scores);
     Py_END_ALLOW_THREADS
     free(scores);
     if (status != 0) {
@@ -170,15 +198,16 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_decode_attention", paged_decode_attention, METH_VARARGS,
      "paged_decode_attention(q, k_cache, v_cache, out, block_tables, context_lens, seqs, heads, "
-     "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale): float32 "
-     "decode attention over a paged cache, by data pointers (see cpu_attention.py)."},
+     "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale[, bf16]): "
+     "decode attention (float32 queries and output) over a float32 cache, or a bfloat16 one "
+     "when bf16 is 1, by data pointers (see cpu_paged.py)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_cpu_attention",
-    .m_doc = "Paged decode attention on the CPU (float32), reading the cache in place.",
+    .m_doc = "Paged decode attention on the CPU (float32 or bfloat16 cache), reading it in place.",
     .m_size = -1,
     .m_methods = methods,
 };
