@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+import tgis.shard.device as device_module
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
@@ -407,6 +408,8 @@ def _sabotage(runner: ModelRunner, diverge_at: int | None) -> None:
 def _main() -> None:
     spec_path, rank = Path(sys.argv[1]), int(sys.argv[2])
     torch.set_num_threads(1)
+    # As in the test process (tests/conftest.py): `--dtype auto` is float32 here.
+    device_module.cpu_bf16_flags = lambda *args: ()
     spec = pickle.loads(spec_path.read_bytes())
     report = _run_rank(spec, rank, int(os.environ["WORLD_SIZE"]))
     (spec_path.parent / f"rank-{rank}.pkl").write_bytes(pickle.dumps(report))
