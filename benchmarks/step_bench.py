@@ -2,7 +2,8 @@
 
 For each context length ``C`` (``--contexts``) and batch size ``B`` (``--batches``): ``B``
 sequences with ``C``-token prompts are prefilled (in steps of at most ``--prefill-chunk``
-tokens, not timed), then ``--steps`` decode steps of all ``B`` are timed after
+tokens, timed as a whole: **prefill tok/s**, the first case's including first-call costs),
+then ``--steps`` decode steps of all ``B`` are timed after
 ``--warmup`` untimed ones. Reported per (B, C):
 
 - **ms per step**: wall time of ``ModelRunner.step`` (the plan's host work, the forward,
@@ -64,6 +65,7 @@ class Result:
     min_bytes_per_step: int
     roofline_ms: float | None
     roofline_pct: float | None
+    prefill_tokens_per_s: float
 
 
 def parse_ints(text: str) -> list[int]:
@@ -199,8 +201,10 @@ def run_case(
 ) -> Result:
     runner.reset()
     plans = Plans(runner.info.block_size, runner.info.vocab_size)
+    prefill_started = time.perf_counter()
     for plan in plans.prefill(batch, context, args.prefill_chunk):
         runner.step(plan)
+    prefill_s = time.perf_counter() - prefill_started
     for _ in range(args.warmup):
         runner.step(plans.decode())
     walls: list[float] = []
@@ -228,6 +232,7 @@ def run_case(
         min_bytes_per_step=needed,
         roofline_ms=None if roofline_ms is None else round(roofline_ms, 3),
         roofline_pct=None if roofline_ms is None else round(100 * roofline_ms / p50, 1),
+        prefill_tokens_per_s=round(batch * context / prefill_s, 1),
     )
 
 
@@ -288,13 +293,16 @@ def main() -> None:
     }
     print("\n".join(f"- **{k}**: {v}" for k, v in env.items()))
     print()
-    print("| B | context | ms/step p50 | p90 | forward ms | tok/s | kernels | roofline ms | % |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| B | context | ms/step p50 | p90 | forward ms | tok/s | kernels | roofline ms | % "
+        "| prefill tok/s |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(
             f"| {r.batch} | {r.context} | {r.ms_per_step_p50} | {r.ms_per_step_p90} | "
             f"{r.forward_ms_p50} | {r.tokens_per_s} | {r.kernels_per_step} | "
-            f"{r.roofline_ms} | {r.roofline_pct} |"
+            f"{r.roofline_ms} | {r.roofline_pct} | {r.prefill_tokens_per_s} |"
         )
     if args.json:
         args.json.write_text(

@@ -13,7 +13,8 @@
  * read once for the G heads that use it. Queries, scores, the softmax and the output are
  * float32; a bfloat16 cache is widened row by row as it is read (a bfloat16 is the top half
  * of a float32). Plain C with no Python objects in the loop (the
- * GIL is released); built by setup.py as an optional extension, compiled for AVX-512, AVX2
+ * GIL is released; with threads > 1 the sequences are split into that many ranges of about
+ * equal total context, one POSIX thread each); built by setup.py as an optional extension, compiled for AVX-512, AVX2
  * and baseline x86-64, chosen at load time (target_clones); tgis/shard/native/attention/cpu_paged.py
  * falls back to the torch reference when it is missing.
  */
@@ -21,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -146,20 +148,87 @@ static int NAME(const DecodeArgs *a, float *scores) { \
 DEFINE_DECODE(decode_f32, float, dot, axpy)
 DEFINE_DECODE(decode_bf16, uint16_t, dot_bf16, axpy_bf16)
 
+#define MAX_THREADS 64
+
+typedef struct {
+    DecodeArgs args; /* this range's sequences */
+    int bf16;
+    float *scores;
+    int status;
+} Range;
+
+static void *run_range(void *arg) {
+    Range *r = (Range *)arg;
+    r->status = r->bf16 ? decode_bf16(&r->args, r->scores) : decode_f32(&r->args, r->scores);
+    return NULL;
+}
+
+/* Split a's sequences into up to ``threads`` ranges of about equal total context (the work
+ * of a sequence is proportional to its context) and run them on that many threads, the
+ * calling one included. Returns decode's status, or -2 when memory or a thread could not
+ * be had (nothing partial: a range whose thread failed to start runs on this one). */
+static int decode_parallel(const DecodeArgs *a, int bf16, int threads) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < a->seqs; s++) total += a->context[s] > 0 ? a->context[s] : 1;
+    if (threads > a->seqs) threads = (int)a->seqs;
+    if (threads < 1) threads = 1;
+    Range ranges[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    const size_t per_range = (size_t)(a->max_context > 0 ? a->max_context : 1) * (size_t)a->heads;
+    float *scores = malloc(per_range * (size_t)threads * sizeof(float));
+    if (scores == NULL) return -2;
+    int64_t first = 0, seen = 0;
+    int count = 0;
+    for (int t = 0; t < threads && first < a->seqs; t++) {
+        int64_t last = first;
+        const int64_t goal = total * (t + 1) / threads;
+        while (last < a->seqs && (seen < goal || last == first)) {
+            seen += a->context[last] > 0 ? a->context[last] : 1;
+            last++;
+        }
+        if (t == threads - 1) last = a->seqs;
+        Range *r = &ranges[count++];
+        r->args = *a;
+        r->args.q = a->q + first * a->heads * a->head_dim;
+        r->args.out = a->out + first * a->heads * a->head_dim;
+        r->args.tables = a->tables + first * a->table_stride;
+        r->args.context = a->context + first;
+        r->args.seqs = last - first;
+        r->bf16 = bf16;
+        r->scores = scores + per_range * (size_t)t;
+        r->status = 0;
+        first = last;
+    }
+    for (int i = 1; i < count; i++) {
+        started[i] = pthread_create(&ids[i], NULL, run_range, &ranges[i]) == 0;
+        if (!started[i]) run_range(&ranges[i]);
+    }
+    run_range(&ranges[0]);
+    int status = 0;
+    for (int i = 0; i < count; i++) {
+        if (i > 0 && started[i]) pthread_join(ids[i], NULL);
+        if (ranges[i].status != 0) status = ranges[i].status;
+    }
+    free(scores);
+    return status;
+}
+
 static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t q, k_cache, v_cache, out, tables, context;
     DecodeArgs a;
     long long seqs, heads, kv_heads, head_dim, block_size, table_stride, num_blocks, max_context;
     double scale;
-    int bf16 = 0;
-    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|i", &q, &k_cache, &v_cache, &out, &tables,
+    int bf16 = 0, threads = 1;
+    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|ii", &q, &k_cache, &v_cache, &out, &tables,
                           &context, &seqs, &heads, &kv_heads, &head_dim, &block_size,
-                          &table_stride, &num_blocks, &max_context, &scale, &bf16)) {
+                          &table_stride, &num_blocks, &max_context, &scale, &bf16, &threads)) {
         return NULL;
     }
     if (seqs < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 ||
-        block_size <= 0 || table_stride < 0 || num_blocks <= 0 || max_context < 0) {
+        block_size <= 0 || table_stride < 0 || num_blocks <= 0 || max_context < 0 ||
+        threads < 1 || threads > MAX_THREADS) {
         PyErr_SetString(PyExc_ValueError, "paged_decode_attention: bad shape arguments");
         return NULL;
     }
@@ -178,14 +247,11 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     a.num_blocks = num_blocks;
     a.max_context = max_context;
     a.scale = (float)scale;
-    float *scores =
-        malloc((size_t)(max_context > 0 ? max_context : 1) * (size_t)heads * sizeof(float));
-    if (scores == NULL) return PyErr_NoMemory();
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = bf16 ? decode_bf16(&a, scores) : decode_f32(&a, scores);
+    status = decode_parallel(&a, bf16, threads);
     Py_END_ALLOW_THREADS
-    free(scores);
+    if (status == -2) return PyErr_NoMemory();
     if (status != 0) {
         PyErr_SetString(PyExc_ValueError,
                         "paged_decode_attention: a context is empty or too long, or a block id "
@@ -198,9 +264,10 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_decode_attention", paged_decode_attention, METH_VARARGS,
      "paged_decode_attention(q, k_cache, v_cache, out, block_tables, context_lens, seqs, heads, "
-     "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale[, bf16]): "
-     "decode attention (float32 queries and output) over a float32 cache, or a bfloat16 one "
-     "when bf16 is 1, by data pointers (see cpu_paged.py)."},
+     "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale[, bf16[, "
+     "threads]]): decode attention (float32 queries and output) over a float32 cache, or a "
+     "bfloat16 one when bf16 is 1, on up to `threads` threads, by data pointers (see "
+     "cpu_paged.py)."},
     {NULL, NULL, 0, NULL},
 };
 
