@@ -19,8 +19,7 @@ class BuildWithProtos(build_py):
 CPU_ATTENTION = Extension(
     "tgis.shard.native.attention._cpu_attention",
     sources=["tgis/shard/native/attention/csrc/cpu_attention.c"],
-    extra_compile_args=["-O3", "-fopenmp-simd", "-std=c11", "-pthread"],
-    extra_link_args=["-pthread"],
+    extra_compile_args=["-O3", "-fopenmp-simd", "-std=c11", "-ffp-contract=fast", "-Wno-psabi"],
     optional=True,
 )
 

@@ -202,25 +202,11 @@ def test_cpu_paged_decodes_random_batches(
         q, k, v, *(c.float() for c in caches), reference.prepare(layout, torch.device("cpu"))
     )
     kernel = CpuPagedAttention(block, KERNEL)
-    outs = []
-    threads = torch.get_num_threads()
-    try:
-        for count in (1, 3):  # the kernel splits the sequences between torch's threads
-            torch.set_num_threads(count)
-            outs.append(
-                kernel.forward(
-                    q,
-                    k,
-                    v,
-                    *(c.clone() for c in caches),
-                    kernel.prepare(layout, torch.device("cpu")),
-                )
-            )
-    finally:
-        torch.set_num_threads(threads)
-    assert outs[0].dtype == torch.float32
-    torch.testing.assert_close(outs[0], expected, atol=2e-5, rtol=2e-5)
-    assert torch.equal(outs[1], outs[0])  # each sequence computed the same way on any thread
+    got = kernel.forward(
+        q, k, v, *(c.clone() for c in caches), kernel.prepare(layout, torch.device("cpu"))
+    )
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
 
 
 @needs_kernel
@@ -237,11 +223,6 @@ def test_cpu_kernel_refuses_out_of_range_blocks_and_contexts() -> None:
             KERNEL.paged_decode_attention(
                 *(t.data_ptr() for t in args), 1, 2, 1, 8, 4, 2, 4, max_context, 1.0
             )
-    with pytest.raises(ValueError, match="bad shape arguments"):  # threads out of range
-        KERNEL.paged_decode_attention(
-            *(t.data_ptr() for t in (q, cache, cache, out, tables, context)),
-            *(1, 2, 1, 8, 4, 2, 4, 5, 1.0, 0, 0),
-        )
 
 
 def test_selection_on_cpu_and_by_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,8 +4,7 @@ keys and values in place through the block table (``csrc/cpu_attention.c``).
 On the CPU, gathering every decoding sequence's context out of the cache before SDPA costs
 more than the attention itself: a step of 32 sequences at 150 tokens copies ~10 MB per
 layer. The kernel instead walks each sequence's blocks, reading each key and value row once
-for the query heads that share it, with a numerically stable softmax in float32, the
-sequences split between as many threads as torch uses for the step. Prompts
+for the query heads that share it, with a numerically stable softmax in float32. Prompts
 and prompt chunks still go through the reference (``TorchPagedAttention``). Used for
 float32 and bfloat16 caches (queries, softmax and output in float32) when the extension was
 built (``setup.py``; it needs a C compiler at install time), else the reference runs alone.
@@ -21,9 +20,6 @@ import torch
 
 from tgis.shard.native.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 
-# The kernel splits the sequences between the step's intra-op threads (as many as torch
-# uses for the step, cpu_threads.py), each on a POSIX thread of its own, up to this many.
-MAX_KERNEL_THREADS = 64
 # Cache dtypes the kernel reads, and the code it takes for each.
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -85,6 +81,5 @@ class CpuPagedAttention(TorchPagedAttention):
             metadata.max_context,
             1.0 / math.sqrt(head_dim) if scale is None else scale,
             _CACHE_DTYPES[cache_dtype],
-            min(torch.get_num_threads(), seqs, MAX_KERNEL_THREADS),
         )
         return out.to(q.dtype)

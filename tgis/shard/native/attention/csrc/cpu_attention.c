@@ -9,26 +9,27 @@
  *   out[s, h*G + g] = sum_t softmax(score[g])[t] * V[t, h]
  *
  * where token t lives in block block_tables[s, t / block_size] at offset t % block_size of a
- * cache laid out [num_blocks, block_size, kv_heads, head_dim]. Each key and value row is
- * read once for the G heads that use it. Queries, scores, the softmax and the output are
- * float32; a bfloat16 cache is widened row by row as it is read (a bfloat16 is the top half
- * of a float32). Plain C with no Python objects in the loop (the
- * GIL is released; with threads > 1 the sequences are split into that many ranges of about
- * equal total context, one POSIX thread each); built by setup.py as an optional extension, compiled for AVX-512, AVX2
- * and baseline x86-64, chosen at load time (target_clones); tgis/shard/native/attention/cpu_paged.py
- * falls back to the torch reference when it is missing.
+ * cache laid out [num_blocks, block_size, kv_heads, head_dim]. Queries, scores, the softmax
+ * and the output are float32; a bfloat16 cache is widened as it is read (a bfloat16 is the
+ * top half of a float32). The loops are written with GCC's generic 16-lane vectors, so each
+ * compiled variant keeps them in registers: 16 dot products reduced together, a polynomial
+ * exp, 64 output lanes accumulated over every value row (see decode below). Plain C with no
+ * Python objects in the loop (the GIL is released); built by setup.py as an optional
+ * extension, compiled for x86-64-v4 (AVX-512), v3 (AVX2, FMA) and baseline x86-64, chosen
+ * at load time (target_clones); tgis/shard/native/attention/cpu_paged.py falls back to the
+ * torch reference when it is missing.
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TGIS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define TGIS_CLONES \
+    __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TGIS_CLONES
 #endif
@@ -44,16 +45,42 @@ typedef struct {
     float scale;
 } DecodeArgs;
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
-    return sum;
+/* 16 lanes in one vector (GCC's generic vectors: one AVX-512, two AVX2 or four SSE registers,
+ * as each clone compiles them). */
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+
+static inline vec16 load16_f32(const float *p) { return *(const vec16 *)p; }
+
+/* bfloat16 is the top half of a float32: widen by shifting into place. */
+static inline vec16 load16_bf16(const uint16_t *p) {
+    return (vec16)(__builtin_convertvector(*(const u16x16 *)p, u32x16) << 16);
 }
 
-static inline void axpy(float *restrict y, float alpha, const float *restrict x, int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
+/* Lane t of the result is the sum of the 16 lanes of v[t] (a transposing reduction tree:
+ * 15 adds for 16 sums, instead of 15 per sum). */
+static inline vec16 sum_each16(const vec16 v[16]) {
+    vec16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                       19, 20, 21, 22, 23) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                       25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17,
+                                       18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                       22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17,
+                                       20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                       22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                   28, 30) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                   29, 31);
 }
 
 static inline float widen(uint16_t bits) {
@@ -64,24 +91,104 @@ static inline float widen(uint16_t bits) {
     return v.f;
 }
 
-static inline float dot_bf16(const float *restrict a, const uint16_t *restrict b, int64_t n) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++) sum += a[i] * widen(b[i]);
-    return sum;
+/* Lane-wise partial products of dot(a, b) (their 16 lanes sum to it). */
+static inline vec16 dot_lanes_f32(const float *restrict a, const float *restrict b, int64_t n) {
+    vec16 acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc += load16_f32(a + i) * load16_f32(b + i);
+    for (; i < n; i++) acc[0] += a[i] * b[i];
+    return acc;
 }
 
-static inline void axpy_bf16(float *restrict y, float alpha, const uint16_t *restrict x,
-                             int64_t n) {
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) y[i] += alpha * widen(x[i]);
+static inline vec16 dot_lanes_bf16(const float *restrict a, const uint16_t *restrict b,
+                                   int64_t n) {
+    vec16 acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc += load16_f32(a + i) * load16_bf16(b + i);
+    for (; i < n; i++) acc[0] += a[i] * widen(b[i]);
+    return acc;
+}
+
+/* e^x for x <= 0 (a score minus its row's maximum), in a form the compiler vectorizes:
+ * x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error
+ * below 2e-7, about one float32 rounding), 2^n built in the exponent bits. Below -87 the
+ * result is e^-87 (~1e-38) instead of smaller: nothing next to the row's maximum term, 1. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504f + 0.5f);
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } two_n = {((int32_t)n + 127) * (1 << 23)};
+    return p * two_n.f;
+}
+
+typedef int32_t i32x16 __attribute__((vector_size(64), aligned(4)));
+
+/* exp_nonpositive on 16 lanes: the same polynomial, n rounded to nearest by adding and
+ * subtracting 1.5 * 2^23 (exact for |x| < 2^22; the compiler may not fold it away without
+ * -ffast-math), 2^n through the exponent bits. */
+static inline vec16 exp16_nonpositive(vec16 x) {
+    const i32x16 low = x < -87.0f;
+    x = (vec16)(((i32x16)x & ~low) | ((i32x16)((vec16){0} - 87.0f) & low));
+    const vec16 n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+    const vec16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
+    vec16 p = (vec16){0} + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    return p * (vec16)bits;
+}
+
+/* sc[0 .. n) <- softmax(sc), n >= 1: 16 lanes at a time, the rest one by one. */
+static inline void softmax_in_place(float *restrict sc, int64_t n) {
+    float max = sc[0];
+    int64_t t = 0;
+    if (n >= 16) {
+        vec16 top = load16_f32(sc);
+        for (t = 16; t + 16 <= n; t += 16) {
+            const vec16 x = load16_f32(sc + t);
+            const i32x16 more = x > top;
+            top = (vec16)(((i32x16)x & more) | ((i32x16)top & ~more));
+        }
+        for (int i = 0; i < 16; i++) max = top[i] > max ? top[i] : max;
+    }
+    for (; t < n; t++) max = sc[t] > max ? sc[t] : max;
+    vec16 sum = {0};
+    float total = 0.0f;
+    for (t = 0; t + 16 <= n; t += 16) {
+        const vec16 e = exp16_nonpositive(load16_f32(sc + t) - max);
+        *(vec16 *)(sc + t) = e;
+        sum += e;
+    }
+    for (; t < n; t++) {
+        sc[t] = exp_nonpositive(sc[t] - max);
+        total += sc[t];
+    }
+    for (int i = 0; i < 16; i++) total += sum[i];
+    const float inv = 1.0f / total;
+    for (t = 0; t + 16 <= n; t += 16) *(vec16 *)(sc + t) = load16_f32(sc + t) * inv;
+    for (; t < n; t++) sc[t] *= inv;
 }
 
 /* Returns 0, or -1 when a sequence's context is empty, longer than max_context or its table,
  * or names a block out of range (nothing is written for that sequence). ``scores`` holds
- * heads * max_context floats. Keys and values are read in cache order, each row once for
- * every head: one pass over the keys (scores), a softmax per head, one pass over the values. */
-#define DEFINE_DECODE(NAME, ELEM, DOT, AXPY)                                          \
+ * heads * max_context floats. Scores: for each block, 16 keys at a time, each query head's
+ * 16 dot products reduced together (sum_each16). Softmax per head. Values: per query head,
+ * 64 output lanes at a time held in four vector accumulators over every key. */
+#define DEFINE_DECODE(NAME, ELEM, DOT, LOAD16, TO_FLOAT)                                          \
 TGIS_CLONES \
 static int NAME(const DecodeArgs *a, float *scores) { \
     const int64_t heads = a->heads, group = a->heads / a->kv_heads, dim = a->head_dim; \
@@ -110,109 +217,71 @@ static int NAME(const DecodeArgs *a, float *scores) { \
             const int64_t first = b * bs; \
             const int64_t n = length - first < bs ? length - first : bs; \
             const ELEM *k = (const ELEM *)a->k_cache + table[b] * bs * row; \
-            for (int64_t i = 0; i < n; i++, k += row) { \
+            for (int64_t t0 = 0; t0 < n; t0 += 16) { \
+                const int64_t m = n - t0 < 16 ? n - t0 : 16; \
                 for (int64_t hq = 0; hq < heads; hq++) { \
-                    const ELEM *kh = k + (hq / group) * dim; \
-                    scores[hq * length + first + i] = a->scale * DOT(q + hq * dim, kh, dim); \
+                    const ELEM *kh = k + t0 * row + (hq / group) * dim; \
+                    vec16 lanes[16]; \
+                    for (int64_t t = 0; t < 16; t++) \
+                        lanes[t] = t < m ? DOT(q + hq * dim, kh + t * row, dim) : (vec16){0}; \
+                    const vec16 sums = sum_each16(lanes); \
+                    float *dst = scores + hq * length + first + t0; \
+                    for (int64_t t = 0; t < m; t++) dst[t] = a->scale * sums[t]; \
                 } \
             } \
         } \
+        for (int64_t hq = 0; hq < heads; hq++) softmax_in_place(scores + hq * length, length); \
         for (int64_t hq = 0; hq < heads; hq++) { \
-            float *sc = scores + hq * length; \
-            float max = sc[0]; \
-            for (int64_t t = 1; t < length; t++) max = sc[t] > max ? sc[t] : max; \
-            float total = 0.0f; \
-            for (int64_t t = 0; t < length; t++) { \
-                sc[t] = expf(sc[t] - max); \
-                total += sc[t]; \
-            } \
-            const float inv = 1.0f / total; \
-            for (int64_t t = 0; t < length; t++) sc[t] *= inv; \
-        } \
-        memset(out, 0, (size_t)(heads * dim) * sizeof(float)); \
-        for (int64_t b = 0; b < blocks; b++) { \
-            const int64_t first = b * bs; \
-            const int64_t n = length - first < bs ? length - first : bs; \
-            const ELEM *v = (const ELEM *)a->v_cache + table[b] * bs * row; \
-            for (int64_t i = 0; i < n; i++, v += row) { \
-                for (int64_t hq = 0; hq < heads; hq++) { \
-                    AXPY(out + hq * dim, scores[hq * length + first + i], v + (hq / group) * dim, \
-                         dim); \
+            const float *w = scores + hq * length; \
+            float *o = out + hq * dim; \
+            const ELEM *v_head = (const ELEM *)a->v_cache + (hq / group) * dim; \
+            int64_t d = 0; \
+            for (; d + 64 <= dim; d += 64) { \
+                vec16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}; \
+                for (int64_t b = 0; b < blocks; b++) { \
+                    const int64_t first = b * bs; \
+                    const int64_t n = length - first < bs ? length - first : bs; \
+                    const ELEM *v = v_head + table[b] * bs * row + d; \
+                    for (int64_t i = 0; i < n; i++, v += row) { \
+                        const float p = w[first + i]; \
+                        acc0 += p * LOAD16(v); \
+                        acc1 += p * LOAD16(v + 16); \
+                        acc2 += p * LOAD16(v + 32); \
+                        acc3 += p * LOAD16(v + 48); \
+                    } \
                 } \
+                *(vec16 *)(o + d) = acc0; \
+                *(vec16 *)(o + d + 16) = acc1; \
+                *(vec16 *)(o + d + 32) = acc2; \
+                *(vec16 *)(o + d + 48) = acc3; \
+            } \
+            for (; d + 16 <= dim; d += 16) { \
+                vec16 acc = {0}; \
+                for (int64_t b = 0; b < blocks; b++) { \
+                    const int64_t first = b * bs; \
+                    const int64_t n = length - first < bs ? length - first : bs; \
+                    const ELEM *v = v_head + table[b] * bs * row + d; \
+                    for (int64_t i = 0; i < n; i++, v += row) acc += w[first + i] * LOAD16(v); \
+                } \
+                *(vec16 *)(o + d) = acc; \
+            } \
+            for (; d < dim; d++) { \
+                float acc = 0.0f; \
+                for (int64_t b = 0; b < blocks; b++) { \
+                    const int64_t first = b * bs; \
+                    const int64_t n = length - first < bs ? length - first : bs; \
+                    const ELEM *v = v_head + table[b] * bs * row + d; \
+                    for (int64_t i = 0; i < n; i++, v += row) acc += w[first + i] * TO_FLOAT(*v); \
+                } \
+                o[d] = acc; \
             } \
         } \
     } \
     return status; \
 }
 
-DEFINE_DECODE(decode_f32, float, dot, axpy)
-DEFINE_DECODE(decode_bf16, uint16_t, dot_bf16, axpy_bf16)
-
-#define MAX_THREADS 64
-
-typedef struct {
-    DecodeArgs args; /* this range's sequences */
-    int bf16;
-    float *scores;
-    int status;
-} Range;
-
-static void *run_range(void *arg) {
-    Range *r = (Range *)arg;
-    r->status = r->bf16 ? decode_bf16(&r->args, r->scores) : decode_f32(&r->args, r->scores);
-    return NULL;
-}
-
-/* Split a's sequences into up to ``threads`` ranges of about equal total context (the work
- * of a sequence is proportional to its context) and run them on that many threads, the
- * calling one included. Returns decode's status, or -2 when memory or a thread could not
- * be had (nothing partial: a range whose thread failed to start runs on this one). */
-static int decode_parallel(const DecodeArgs *a, int bf16, int threads) {
-    int64_t total = 0;
-    for (int64_t s = 0; s < a->seqs; s++) total += a->context[s] > 0 ? a->context[s] : 1;
-    if (threads > a->seqs) threads = (int)a->seqs;
-    if (threads < 1) threads = 1;
-    Range ranges[MAX_THREADS];
-    pthread_t ids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
-    const size_t per_range = (size_t)(a->max_context > 0 ? a->max_context : 1) * (size_t)a->heads;
-    float *scores = malloc(per_range * (size_t)threads * sizeof(float));
-    if (scores == NULL) return -2;
-    int64_t first = 0, seen = 0;
-    int count = 0;
-    for (int t = 0; t < threads && first < a->seqs; t++) {
-        int64_t last = first;
-        const int64_t goal = total * (t + 1) / threads;
-        while (last < a->seqs && (seen < goal || last == first)) {
-            seen += a->context[last] > 0 ? a->context[last] : 1;
-            last++;
-        }
-        if (t == threads - 1) last = a->seqs;
-        Range *r = &ranges[count++];
-        r->args = *a;
-        r->args.q = a->q + first * a->heads * a->head_dim;
-        r->args.out = a->out + first * a->heads * a->head_dim;
-        r->args.tables = a->tables + first * a->table_stride;
-        r->args.context = a->context + first;
-        r->args.seqs = last - first;
-        r->bf16 = bf16;
-        r->scores = scores + per_range * (size_t)t;
-        r->status = 0;
-        first = last;
-    }
-    for (int i = 1; i < count; i++) {
-        started[i] = pthread_create(&ids[i], NULL, run_range, &ranges[i]) == 0;
-        if (!started[i]) run_range(&ranges[i]);
-    }
-    run_range(&ranges[0]);
-    int status = 0;
-    for (int i = 0; i < count; i++) {
-        if (i > 0 && started[i]) pthread_join(ids[i], NULL);
-        if (ranges[i].status != 0) status = ranges[i].status;
-    }
-    free(scores);
-    return status;
-}
+DEFINE_DECODE(decode_f32, float, dot_lanes_f32, load16_f32, (float))
+DEFINE_DECODE(decode_bf16, uint16_t, dot_lanes_bf16, load16_bf16, widen)
 
 static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     (void)self;
@@ -220,15 +289,14 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     DecodeArgs a;
     long long seqs, heads, kv_heads, head_dim, block_size, table_stride, num_blocks, max_context;
     double scale;
-    int bf16 = 0, threads = 1;
-    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|ii", &q, &k_cache, &v_cache, &out, &tables,
+    int bf16 = 0;
+    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|i", &q, &k_cache, &v_cache, &out, &tables,
                           &context, &seqs, &heads, &kv_heads, &head_dim, &block_size,
-                          &table_stride, &num_blocks, &max_context, &scale, &bf16, &threads)) {
+                          &table_stride, &num_blocks, &max_context, &scale, &bf16)) {
         return NULL;
     }
     if (seqs < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 ||
-        block_size <= 0 || table_stride < 0 || num_blocks <= 0 || max_context < 0 ||
-        threads < 1 || threads > MAX_THREADS) {
+        block_size <= 0 || table_stride < 0 || num_blocks <= 0 || max_context < 0) {
         PyErr_SetString(PyExc_ValueError, "paged_decode_attention: bad shape arguments");
         return NULL;
     }
@@ -247,11 +315,14 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     a.num_blocks = num_blocks;
     a.max_context = max_context;
     a.scale = (float)scale;
+    float *scores =
+        malloc((size_t)(max_context > 0 ? max_context : 1) * (size_t)heads * sizeof(float));
+    if (scores == NULL) return PyErr_NoMemory();
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = decode_parallel(&a, bf16, threads);
+    status = bf16 ? decode_bf16(&a, scores) : decode_f32(&a, scores);
     Py_END_ALLOW_THREADS
-    if (status == -2) return PyErr_NoMemory();
+    free(scores);
     if (status != 0) {
         PyErr_SetString(PyExc_ValueError,
                         "paged_decode_attention: a context is empty or too long, or a block id "
@@ -264,10 +335,9 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_decode_attention", paged_decode_attention, METH_VARARGS,
      "paged_decode_attention(q, k_cache, v_cache, out, block_tables, context_lens, seqs, heads, "
-     "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale[, bf16[, "
-     "threads]]): decode attention (float32 queries and output) over a float32 cache, or a "
-     "bfloat16 one when bf16 is 1, on up to `threads` threads, by data pointers (see "
-     "cpu_paged.py)."},
+     "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale[, bf16]): "
+     "decode attention (float32 queries and output) over a float32 cache, or a bfloat16 one "
+     "when bf16 is 1, by data pointers (see cpu_paged.py)."},
     {NULL, NULL, 0, NULL},
 };
 
