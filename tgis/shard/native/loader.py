@@ -33,6 +33,7 @@ from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.attention.selection import start_attention_backend
 from tgis.shard.native.compiled import CompiledForward, compile_mode, should_compile
+from tgis.shard.native.cpu_gemm import packing_available
 from tgis.shard.native.cuda_capacity import measure_cuda_blocks
 from tgis.shard.native.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.native.model_runner import ModelRunner
@@ -63,6 +64,7 @@ def load_native_runner(
     spec = model.kv_cache_spec
     info = _info(config, model_config, spec, attention, device, dtype)
     forward = _forward(model, tp, device)
+    _pack_cpu_weights(model, forward, device, dtype)
     num_blocks = min_over_ranks(
         tp, _kv_cache_blocks(config, model, spec, attention, info, device, forward)
     )
@@ -151,6 +153,26 @@ def _stores(
         )
         adapters = build_adapters(config, model.lora_sites(), prompt_tuning, device, dtype)
     return prefixes, adapters
+
+
+def _pack_cpu_weights(
+    model: CausalLM, forward: object, device: torch.device, dtype: torch.dtype
+) -> None:
+    """On the CPU, with the eager forward, put the linear layers' weights in oneDNN's
+    layout (``cpu_gemm.py``)."""
+    if device.type != "cpu" or isinstance(forward, CompiledForward):
+        return
+    if not isinstance(model, DecoderLM) or not packing_available(dtype):
+        log.info("Linear layers: dense %s weights (no oneDNN packing for them)", dtype_name(dtype))
+        return
+    started = time.monotonic()
+    count = model.pack_linear_weights()
+    log.info(
+        "Linear layers: %d weights packed for oneDNN (%s) in %.1f s",
+        count,
+        dtype_name(dtype),
+        time.monotonic() - started,
+    )
 
 
 def _compile(runner: ModelRunner, model: CausalLM) -> None:

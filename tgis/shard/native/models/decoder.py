@@ -158,13 +158,26 @@ class DecoderLM:
             linear.lora_index = index
         return [linear.lora_site for linear in linears if linear.lora_site is not None]
 
+    def pack_linear_weights(self) -> int:
+        """Put every linear layer's weight, the LM head's included, in oneDNN's layout
+        (``cpu_gemm.py``: CPU, eager forward); returns how many were packed."""
+        linears: list[ColumnLinear | RowLinear] = []
+        for layer in self.layers:
+            _collect_linears(layer, linears, every=True)
+        for linear in linears:
+            linear.pack_weight()
+        self.lm_head.pack_weight()
+        return len(linears) + 1
 
-def _collect_linears(obj: object, found: list[ColumnLinear | RowLinear]) -> None:
-    """Every linear layer with a LoRA site reachable from ``obj``'s attributes, in
-    attribute order."""
+
+def _collect_linears(
+    obj: object, found: list[ColumnLinear | RowLinear], every: bool = False
+) -> None:
+    """Every linear layer with a LoRA site (``every``: every linear layer) reachable from
+    ``obj``'s attributes, in attribute order."""
     for value in vars(obj).values():
         if isinstance(value, ColumnLinear | RowLinear):
-            if value.lora_site is not None:
+            if every or value.lora_site is not None:
                 found.append(value)
         elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor | type):
-            _collect_linears(value, found)
+            _collect_linears(value, found, every)

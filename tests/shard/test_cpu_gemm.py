@@ -1,0 +1,56 @@
+"""Linear layers with oneDNN-packed weights on the CPU (tgis/shard/native/cpu_gemm.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import NUM_BLOCKS, TinyModel
+
+from tgis.shard.config import ShardConfig
+from tgis.shard.loader import load_runner
+from tgis.shard.native.cpu_gemm import pack, packed_linear, packing_available
+from tgis.shard.native.parallel.layers import ColumnLinear, LMHead, RowLinear
+
+needs_packing = pytest.mark.skipif(
+    not packing_available(torch.float32), reason="this PyTorch build has no oneDNN packing"
+)
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_packed_float32_is_float32_rounding_away_from_dense(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(384, 256, generator=gen)
+    bias = torch.randn(384, generator=gen)
+    x = torch.randn(rows, 256, generator=gen)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    got = packed_linear(x, pack(weight), bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, 384)
+    torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=1e-5)
+
+
+@needs_packing
+def test_packed_bfloat16_matches_dense_bfloat16() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 128, generator=gen).bfloat16()
+    x = torch.randn(16, 128, generator=gen).bfloat16()
+    got = packed_linear(x, pack(weight), None)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), F.linear(x, weight).float(), atol=0.1, rtol=0.02)
+
+
+@needs_packing
+def test_the_cpu_loader_packs_every_linear_layer(tiny_model: TinyModel) -> None:
+    runner = load_runner(ShardConfig(model_name=str(tiny_model.path), kv_cache_blocks=NUM_BLOCKS))
+    layer = runner.model.layers[0]  # type: ignore[attr-defined]
+    linears = [v for v in vars(layer.attn).values() if isinstance(v, ColumnLinear | RowLinear)]
+    linears += [layer.gate_up, layer.down]
+    assert len(linears) >= 3 and all(linear.packed for linear in linears)
+    head = runner.model.lm_head  # type: ignore[attr-defined]
+    assert isinstance(head, LMHead) and head.packed
+    # float16 has no packed path: dense weights.
+    half = load_runner(
+        ShardConfig(model_name=str(tiny_model.path), dtype="float16", kv_cache_blocks=8)
+    )
+    assert not half.model.lm_head.packed  # type: ignore[attr-defined]

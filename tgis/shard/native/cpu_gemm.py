@@ -1,0 +1,37 @@
+"""Linear layers' weights packed once for oneDNN on the CPU.
+
+``F.linear`` on a CPU runs MKL's sgemm for float32 and oneDNN's matmul for bfloat16 with the
+weight reordered into oneDNN's blocked layout on every call. Reordered once at start-up
+(``torch.ops.mkldnn._reorder_linear_weight``, what inductor's frozen CPU graphs use) and
+multiplied with ``torch.ops.mkldnn._linear_pointwise``, the same GEMMs run 2-3x faster on
+a 2-core AVX-512 host at 32 and 512 rows in float32 and 2-4x at 1-32 rows in bfloat16
+(BENCHMARKS.md), with float32 results within float32 rounding of the dense ones. Only the
+eager forward uses packed weights (a compiled step keeps dense ones); float16 is left dense.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packing_available(dtype: torch.dtype) -> bool:
+    """Whether this PyTorch build can pack weights of ``dtype`` for oneDNN."""
+    return (
+        dtype in PACKED_DTYPES
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in oneDNN's layout (a new tensor; the dense one can be freed)."""
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+    return packed
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with the weight as ``pack`` returned it."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out
