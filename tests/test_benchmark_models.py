@@ -39,6 +39,7 @@ SHIPPED = {
     "llama-3.1-8b": (8_030_261_248, 131072, 128000, (128001, 128008, 128009)),
     "llama-3.1-70b": (70_553_706_496, 131072, 128000, (128001, 128008, 128009)),
     "granite-3-8b": (8_170_848_256, 4096, None, (0,)),
+    "llama-3.2-1b": (1_235_814_400, 131072, 128000, (128001, 128008, 128009)),
 }
 
 
@@ -67,7 +68,12 @@ def test_shipped_config_parses_with_the_published_parameter_count(name: str) -> 
     check_config(config, positions)
     shapes = model_class(config).checkpoint_shapes(config, positions)
     assert parameter_count(shapes) == parameters
-    billions = {"llama-3.1-8b": 8.0, "llama-3.1-70b": 70.6, "granite-3-8b": 8.2}[name]
+    billions = {
+        "llama-3.1-8b": 8.0,
+        "llama-3.1-70b": 70.6,
+        "granite-3-8b": 8.2,
+        "llama-3.2-1b": 1.2,
+    }[name]
     assert round(parameters / 1e9, 1) == billions
 
 
