@@ -18,7 +18,7 @@ _DTYPES = {
 log = logging.getLogger(__name__)
 
 # /proc/cpuinfo flags of processors that compute bfloat16 natively (dot products of
-# bfloat16 pairs into float32: AVX512-BF16, AMX), where oneDNN runs bfloat16 GEMMs at 2-4x
+# bfloat16 pairs into float32: AVX512-BF16, AMX), where oneDNN runs bfloat16 GEMMs at 2-3x
 # the float32 rate (BENCHMARKS.md); without them bfloat16 is emulated, slower than float32.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _CPUINFO = Path("/proc/cpuinfo")
