@@ -9,7 +9,7 @@ from conftest import NUM_BLOCKS, TinyModel
 
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.native.cpu_gemm import pack, packed_linear, packing_available
+from tgis.shard.native.cpu_gemm import linear, pack, packing_available
 from tgis.shard.native.parallel.layers import ColumnLinear, LMHead, RowLinear
 
 needs_packing = pytest.mark.skipif(
@@ -25,7 +25,7 @@ def test_packed_float32_is_float32_rounding_away_from_dense(rows: int) -> None:
     bias = torch.randn(384, generator=gen)
     x = torch.randn(rows, 256, generator=gen)
     exact = F.linear(x.double(), weight.double(), bias.double())
-    got = packed_linear(x, pack(weight), bias)
+    got = linear(x, pack(weight), bias)
     assert got.dtype == torch.float32 and got.shape == (rows, 384)
     torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=1e-5)
 
@@ -35,7 +35,7 @@ def test_packed_bfloat16_matches_dense_bfloat16() -> None:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(256, 128, generator=gen).bfloat16()
     x = torch.randn(16, 128, generator=gen).bfloat16()
-    got = packed_linear(x, pack(weight), None)
+    got = linear(x, pack(weight))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), F.linear(x, weight).float(), atol=0.1, rtol=0.02)
 
@@ -46,11 +46,11 @@ def test_the_cpu_loader_packs_every_linear_layer(tiny_model: TinyModel) -> None:
     layer = runner.model.layers[0]  # type: ignore[attr-defined]
     linears = [v for v in vars(layer.attn).values() if isinstance(v, ColumnLinear | RowLinear)]
     linears += [layer.gate_up, layer.down]
-    assert len(linears) >= 3 and all(linear.packed for linear in linears)
+    assert len(linears) >= 3 and all(lin.weight.is_mkldnn for lin in linears)
     head = runner.model.lm_head  # type: ignore[attr-defined]
-    assert isinstance(head, LMHead) and head.packed
+    assert isinstance(head, LMHead) and head.weight.is_mkldnn
     # float16 has no packed path: dense weights.
     half = load_runner(
         ShardConfig(model_name=str(tiny_model.path), dtype="float16", kv_cache_blocks=8)
     )
-    assert not half.model.lm_head.packed  # type: ignore[attr-defined]
+    assert not half.model.lm_head.weight.is_mkldnn  # type: ignore[attr-defined]

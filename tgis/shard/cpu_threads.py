@@ -9,11 +9,11 @@ detokenizes and streams one token per row) keeps one core free for the router in
 second thread that the router keeps preempting holds back every GEMM of the step.
 
 The step's length is not guessed from token counts: ``StepTiming`` is measured at start-up
-on the loaded model, dtype and machine (``ModelRunner.warm_up``: a one-token decode and a
-prompt, on the reduced thread count), and a step is estimated as the one-token time plus
-the per-token time for every further token. ``OMP_NUM_THREADS`` fixes the count for every
-step. Tensor-parallel ranks on the CPU split the cores between them, each rank deciding for
-itself.
+on the loaded model, dtype and machine (``ModelRunner.calibrate_cpu_threads``: a one-token
+decode and a prompt, on the reduced thread count), and a step is estimated as the
+one-token time plus the per-token time for every further token. ``OMP_NUM_THREADS`` fixes
+the count for every step. Tensor-parallel ranks on the CPU split the cores between them,
+each rank deciding for itself.
 """
 
 from __future__ import annotations

@@ -7,11 +7,13 @@ multiplied with ``torch.ops.mkldnn._linear_pointwise``, the same GEMMs run 2-3x 
 a 2-core AVX-512 host at 32 and 512 rows in float32 and 2-4x at 1-32 rows in bfloat16
 (BENCHMARKS.md), with float32 results within float32 rounding of the dense ones. Only the
 eager forward uses packed weights (a compiled step keeps dense ones); float16 is left dense.
+A packed weight is an mkldnn tensor, so ``linear`` tells the two apart by the tensor alone.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -31,7 +33,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` with the weight as ``pack`` returned it."""
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through oneDNN when ``weight`` is as ``pack`` returned."""
+    if not weight.is_mkldnn:
+        return F.linear(x, weight, bias)
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+        x.contiguous(), weight, bias, "none", [], ""
+    )
     return out

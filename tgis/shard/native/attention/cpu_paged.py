@@ -3,11 +3,12 @@ keys and values in place through the block table (``csrc/cpu_attention.c``).
 
 On the CPU, gathering every decoding sequence's context out of the cache before SDPA costs
 more than the attention itself: a step of 32 sequences at 150 tokens copies ~10 MB per
-layer. The kernel instead walks each sequence's blocks, reading each key and value row once
-for the query heads that share it, with a numerically stable softmax in float32. Prompts
-and prompt chunks still go through the reference (``TorchPagedAttention``). Used for
-float32 and bfloat16 caches (queries, softmax and output in float32) when the extension was
-built (``setup.py``; it needs a C compiler at install time), else the reference runs alone.
+layer. The kernel instead walks each sequence's blocks in place: 16 keys at a time for each
+query head, a numerically stable softmax in float32, then every value row for each query
+head's output (csrc/cpu_attention.c). Prompts and prompt chunks still go through the
+reference (``TorchPagedAttention``). Used for float32 and bfloat16 caches (queries, softmax
+and output in float32) when the extension was built (``setup.py``; it needs a C compiler at
+install time), else the reference runs alone.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 from tgis.shard.adapters.lora_layout import LoraSite
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.native.attention.interface import AttentionBackend
+from tgis.shard.native.cpu_gemm import pack
 from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.native.lora_rows import LoraRows
 from tgis.shard.native.models.layers import AttendFn, Heads, StepContext
@@ -160,13 +161,14 @@ class DecoderLM:
 
     def pack_linear_weights(self) -> int:
         """Put every linear layer's weight, the LM head's included, in oneDNN's layout
-        (``cpu_gemm.py``: CPU, eager forward); returns how many were packed."""
+        (``cpu_gemm.py``: CPU, eager forward; a tied embedding keeps its own); returns how
+        many were packed."""
         linears: list[ColumnLinear | RowLinear] = []
         for layer in self.layers:
             _collect_linears(layer, linears, every=True)
         for linear in linears:
-            linear.pack_weight()
-        self.lm_head.pack_weight()
+            linear.weight = pack(linear.weight)
+        self.lm_head.weight = pack(self.lm_head.weight)
         return len(linears) + 1
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tgis.shard.adapters.lora_layout import LoraPart, LoraSite
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
-from tgis.shard.native.cpu_gemm import pack, packed_linear
+from tgis.shard.native.cpu_gemm import linear
 from tgis.shard.native.lora_rows import LoraRows
 from tgis.shard.parallel.group import TensorParallel
 
@@ -34,19 +34,11 @@ class ColumnLinear:
     ) -> None:
         self.weight = weight
         self.bias = bias
-        self.packed = False  # weight in oneDNN's layout (cpu_gemm.py)
         self.lora_site = lora_site
         self.lora_index = -1  # its place in the model's LoRA sites (DecoderLM.lora_sites)
 
-    def pack_weight(self) -> None:
-        """Replace the weight by its oneDNN-packed form (CPU, eager forward only)."""
-        self.weight, self.packed = pack(self.weight), True
-
     def __call__(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
-        if self.packed:
-            y = packed_linear(x, self.weight, self.bias)
-        else:
-            y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         if lora is not None:
             lora.add(self.lora_index, x, y)
         return y
@@ -67,17 +59,12 @@ class RowLinear:
     ):
         self.weight = weight
         self.bias = bias
-        self.packed = False  # weight in oneDNN's layout (cpu_gemm.py)
         self.tp = tp
         self.lora_site = lora_site
         self.lora_index = -1
 
-    def pack_weight(self) -> None:
-        """Replace the weight by its oneDNN-packed form (CPU, eager forward only)."""
-        self.weight, self.packed = pack(self.weight), True
-
     def __call__(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
-        y = packed_linear(x, self.weight, None) if self.packed else F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if lora is not None:
             lora.add(self.lora_index, x, y)
         y = self.tp.all_reduce(y)
@@ -178,11 +165,6 @@ class LMHead:
             pad = weight.new_zeros(part - weight.shape[0], weight.shape[1])
             weight = torch.cat([weight, pad])
         self.weight = weight
-        self.packed = False  # weight in oneDNN's layout (cpu_gemm.py)
-
-    def pack_weight(self) -> None:
-        """Replace the weight by its oneDNN-packed form (a tied embedding keeps its own)."""
-        self.weight, self.packed = pack(self.weight), True
 
     @classmethod
     def load(cls, weights: Weights, name: str) -> LMHead:
@@ -196,9 +178,5 @@ class LMHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab]."""
-        if self.packed:
-            local = packed_linear(hidden.contiguous(), self.weight, None)
-        else:
-            local = F.linear(hidden, self.weight)
-        logits = self.tp.all_gather(local.float())
+        logits = self.tp.all_gather(linear(hidden, self.weight).float())
         return logits[:, : self.vocab_size]

@@ -109,33 +109,14 @@ static inline vec16 dot_lanes_bf16(const float *restrict a, const uint16_t *rest
     return acc;
 }
 
-/* e^x for x <= 0 (a score minus its row's maximum), in a form the compiler vectorizes:
- * x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6 (relative error
- * below 2e-7, about one float32 rounding), 2^n built in the exponent bits. Below -87 the
- * result is e^-87 (~1e-38) instead of smaller: nothing next to the row's maximum term, 1. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504f + 0.5f);
-    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } two_n = {((int32_t)n + 127) * (1 << 23)};
-    return p * two_n.f;
-}
-
 typedef int32_t i32x16 __attribute__((vector_size(64), aligned(4)));
 
-/* exp_nonpositive on 16 lanes: the same polynomial, n rounded to nearest by adding and
- * subtracting 1.5 * 2^23 (exact for |x| < 2^22; the compiler may not fold it away without
- * -ffast-math), 2^n through the exponent bits. */
+/* e^x for x <= 0 (a score minus its row's maximum) on 16 lanes: x = n ln2 + r with
+ * |r| <= ln2 / 2 (n rounded to nearest by adding and subtracting 1.5 * 2^23, which the
+ * compiler may not fold away without -ffast-math), e^r by its Taylor polynomial to r^6
+ * (relative error below 2e-7, about one float32 rounding), 2^n built in the exponent bits.
+ * Below -87 the result is e^-87 (~1e-38) instead of smaller: nothing next to the row's
+ * maximum term, 1. */
 static inline vec16 exp16_nonpositive(vec16 x) {
     const i32x16 low = x < -87.0f;
     x = (vec16)(((i32x16)x & ~low) | ((i32x16)((vec16){0} - 87.0f) & low));
@@ -151,6 +132,9 @@ static inline vec16 exp16_nonpositive(vec16 x) {
     const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
     return p * (vec16)bits;
 }
+
+/* The same for one value (the lanes past a multiple of 16). */
+static inline float exp_nonpositive(float x) { return exp16_nonpositive((vec16){0} + x)[0]; }
 
 /* sc[0 .. n) <- softmax(sc), n >= 1: 16 lanes at a time, the rest one by one. */
 static inline void softmax_in_place(float *restrict sc, int64_t n) {
