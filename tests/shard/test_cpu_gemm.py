@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +14,14 @@ from conftest import NUM_BLOCKS, TinyModel
 
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.native.cpu_gemm import linear, pack, packing_available
+from tgis.shard.native.cpu_gemm import (
+    PRIMITIVE_CACHE_ENTRIES,
+    PRIMITIVE_CACHE_VARIABLES,
+    bound_primitive_caches,
+    linear,
+    pack,
+    packing_available,
+)
 from tgis.shard.native.parallel.layers import ColumnLinear, LMHead, RowLinear
 
 needs_packing = pytest.mark.skipif(
@@ -54,3 +66,51 @@ def test_the_cpu_loader_packs_every_linear_layer(tiny_model: TinyModel) -> None:
         ShardConfig(model_name=str(tiny_model.path), dtype="float16", kv_cache_blocks=8)
     )
     assert not half.model.lm_head.weight.is_mkldnn  # type: ignore[attr-defined]
+
+
+def test_primitive_caches_are_capped_unless_the_environment_sets_them() -> None:
+    environ = {"LRU_CACHE_CAPACITY": "200", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": " "}
+    got = bound_primitive_caches(environ)
+    assert got == {
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(PRIMITIVE_CACHE_ENTRIES),
+        "LRU_CACHE_CAPACITY": "200",
+    }
+    assert environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(PRIMITIVE_CACHE_ENTRIES)
+
+
+# GEMMs over 250 row counts and four weight shapes: 1,000 primitives, as a server meets them.
+_MANY_ROW_COUNTS = """
+import sys
+from tgis.shard.native.cpu_gemm import bound_primitive_caches, linear, pack
+import torch
+if sys.argv[1] == "capped":
+    bound_primitive_caches()
+def rss_mib():
+    status = open("/proc/self/status").read()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+shapes = [(768, 256), (256, 256), (1408, 256), (256, 704)]
+weights = [pack(torch.randn(out, inp)) for out, inp in shapes]
+before = rss_mib()
+for rows in range(1, 251):
+    for weight, (_, inp) in zip(weights, shapes):
+        linear(torch.randn(rows, inp), weight)
+print(rss_mib() - before)
+"""
+
+
+@needs_packing
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmRSS from /proc")
+def test_capped_primitive_caches_bound_the_memory_of_many_row_counts() -> None:
+    def growth_mib(mode: str, **env: str) -> float:
+        environ = {k: v for k, v in os.environ.items() if k not in PRIMITIVE_CACHE_VARIABLES} | env
+        result = subprocess.run(
+            [sys.executable, "-c", _MANY_ROW_COUNTS, mode],
+            capture_output=True, text=True, env=environ, timeout=120, check=True,
+        )  # fmt: skip
+        return float(result.stdout.split()[-1])
+
+    default = growth_mib("default")  # oneDNN's and ideep's 1,024 entries each
+    capped = growth_mib("capped")
+    # Measured: ~580 MiB against ~75 MiB.
+    assert default > 200, default
+    assert capped < default / 3, (capped, default)

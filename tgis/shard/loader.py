@@ -9,6 +9,7 @@ from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import ShardConfig
 from tgis.shard.engines import dummy_needs_native, select_engine
 from tgis.shard.errors import StartupError
+from tgis.shard.native.cpu_gemm import bound_primitive_caches
 from tgis.shard.native.loader import load_native_runner
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 from tgis.shard.step.runner import Runner
@@ -21,9 +22,13 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     rank reads only its slice of each tensor and every rank gets the same number of KV
     blocks (the smallest that fits on all of them).
 
+    oneDNN's primitive caches are capped first (``native/cpu_gemm.py``): they fill with one
+    entry per GEMM shape and row count and would otherwise grow for minutes under load.
+
     Raises StartupError (or ModelNotFoundError) with a one-line message on any problem.
     """
     config.validate()
+    bound_primitive_caches()
     model_dir = resolve_model_dir(config.model_name, config.revision)
     model_config = ModelConfig.from_dir(model_dir)
     engine = select_engine(

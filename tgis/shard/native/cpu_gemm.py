@@ -8,14 +8,38 @@ a 2-core AVX-512 host at 32 and 512 rows in float32 and 2-4x at 1-32 rows in bfl
 (BENCHMARKS.md), with float32 results within float32 rounding of the dense ones. Only the
 eager forward uses packed weights (a compiled step keeps dense ones); float16 is left dense.
 A packed weight is an mkldnn tensor, so ``linear`` tells the two apart by the tensor alone.
+
+oneDNN builds one primitive per weight shape and row count and keeps it in two caches (its
+own and PyTorch's ideep one), 1,024 entries each by default; a primitive holds ~0.5 MB of
+generated code plus, for some shapes, a rows x outputs float32 buffer. A server meets every
+row count from 1 to the prefill budget, so with the defaults the shard's memory grew by
+hundreds of MB over minutes. ``bound_primitive_caches`` caps both before the first GEMM.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
 
 import torch
 import torch.nn.functional as F
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Primitives kept per cache: the decode shapes of ~a dozen recent batch sizes (4-5 weight
+# shapes each) stay hot; a miss costs ~0.3-0.5 ms per weight shape (BENCHMARKS.md).
+PRIMITIVE_CACHE_ENTRIES = 64
+# oneDNN's own primitive cache, and PyTorch's ideep cache in front of it; both read once, at
+# the first primitive, so setting them in the process before any GEMM is enough.
+PRIMITIVE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_primitive_caches(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Cap oneDNN's primitive caches at ``PRIMITIVE_CACHE_ENTRIES`` unless the environment
+    already sets them; the capacities in effect."""
+    for name in PRIMITIVE_CACHE_VARIABLES:
+        if not environ.get(name, "").strip():
+            environ[name] = str(PRIMITIVE_CACHE_ENTRIES)
+    return {name: environ[name] for name in PRIMITIVE_CACHE_VARIABLES}
 
 
 def packing_available(dtype: torch.dtype) -> bool:

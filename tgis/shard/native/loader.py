@@ -8,6 +8,7 @@ native engine serves the model.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.attention.selection import start_attention_backend
 from tgis.shard.native.compiled import CompiledForward, compile_mode, should_compile
-from tgis.shard.native.cpu_gemm import packing_available
+from tgis.shard.native.cpu_gemm import PRIMITIVE_CACHE_VARIABLES, packing_available
 from tgis.shard.native.cuda_capacity import measure_cuda_blocks
 from tgis.shard.native.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.native.model_runner import ModelRunner
@@ -168,10 +169,11 @@ def _pack_cpu_weights(
     started = time.monotonic()
     count = model.pack_linear_weights()
     log.info(
-        "Linear layers: %d weights packed for oneDNN (%s) in %.1f s",
+        "Linear layers: %d weights packed for oneDNN (%s) in %.1f s; primitive caches of %s",
         count,
         dtype_name(dtype),
         time.monotonic() - started,
+        " and ".join(f"{name}={os.environ.get(name)}" for name in PRIMITIVE_CACHE_VARIABLES),
     )
 
 
