@@ -19,7 +19,9 @@ class BuildWithProtos(build_py):
 CPU_ATTENTION = Extension(
     "tgis.shard.native.attention._cpu_attention",
     sources=["tgis/shard/native/attention/csrc/cpu_attention.c"],
-    extra_compile_args=["-O3", "-fopenmp-simd", "-std=c11", "-ffp-contract=fast", "-Wno-psabi"],
+    extra_compile_args=["-O3", "-fopenmp", "-std=c11", "-ffp-contract=fast", "-Wno-psabi"],
+    # libgomp by soname: at run time it binds to the copy torch has already loaded.
+    extra_link_args=["-fopenmp"],
     optional=True,
 )
 

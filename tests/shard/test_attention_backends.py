@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -167,18 +168,29 @@ def test_cpu_paged_equals_reference(scale: float | None) -> None:
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
 
 
+@pytest.fixture(params=[1, 3], ids=["1-thread", "3-threads"])
+def torch_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's intra-op threads for the test (the C kernel shares its (sequence, KV head)
+    items out between that many OpenMP threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @needs_kernel
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads,kv_heads,dim,block", [(8, 2, 64, 16), (4, 4, 128, 4), (6, 1, 32, 1)]
 )
 def test_cpu_paged_decodes_random_batches(
-    heads: int, kv_heads: int, dim: int, block: int, cache_dtype: torch.dtype
+    heads: int, kv_heads: int, dim: int, block: int, cache_dtype: torch.dtype, torch_threads: int
 ) -> None:
     """Many decoding sequences of random lengths (block boundaries, one token, long) with
-    shuffled tables over a cache full of garbage, against the reference. A bfloat16 cache
-    is checked against the float32 reference over the same (bfloat16-rounded) values: the
-    kernel widens them exactly, so only float32 rounding separates the two."""
+    shuffled tables over a cache full of garbage, against the reference, on one thread and
+    on three. A bfloat16 cache is checked against the float32 reference over the same
+    (bfloat16-rounded) values: the kernel widens them exactly, so only float32 rounding
+    separates the two."""
     assert KERNEL is not None
     rng = random.Random(heads * 1000 + dim)
     gen = torch.Generator().manual_seed(dim)
@@ -210,18 +222,20 @@ def test_cpu_paged_decodes_random_batches(
 
 
 @needs_kernel
-def test_cpu_kernel_refuses_out_of_range_blocks_and_contexts() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_kernel_refuses_out_of_range_blocks_and_contexts(threads: int) -> None:
     assert KERNEL is not None
-    q = torch.zeros(1, 2, 8)
-    out = torch.empty_like(q)
     cache = torch.zeros(4, 4, 1, 8)
-    context = torch.tensor([5], dtype=torch.int64)
-    for table, max_context in (([0, 4], 5), ([0, 1], 4)):  # block 4 of 4; context > max
-        tables = torch.tensor([table], dtype=torch.int64)
+    context = torch.tensor([5, 5, 5], dtype=torch.int64)
+    q = torch.zeros(3, 2, 8)
+    # The middle sequence is bad: block 4 of 4, or a context above max_context.
+    for table, max_context in (([0, 4], 5), ([0, 1], 4)):
+        out = torch.empty_like(q)
+        tables = torch.tensor([[0, 1], table, [2, 3]], dtype=torch.int64)
         args = (q, cache, cache, out, tables, context)
         with pytest.raises(ValueError, match=r"out of range|too long"):
             KERNEL.paged_decode_attention(
-                *(t.data_ptr() for t in args), 1, 2, 1, 8, 4, 2, 4, max_context, 1.0
+                *(t.data_ptr() for t in args), 3, 2, 1, 8, 4, 2, 4, max_context, 1.0, 0, threads
             )
 
 

@@ -82,5 +82,6 @@ class CpuPagedAttention(TorchPagedAttention):
             metadata.max_context,
             1.0 / math.sqrt(head_dim) if scale is None else scale,
             _CACHE_DTYPES[cache_dtype],
+            torch.get_num_threads(),
         )
         return out.to(q.dtype)

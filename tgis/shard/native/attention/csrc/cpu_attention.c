@@ -13,7 +13,8 @@
  * and the output are float32; a bfloat16 cache is widened as it is read (a bfloat16 is the
  * top half of a float32). The loops are written with GCC's generic 16-lane vectors, so each
  * compiled variant keeps them in registers: 16 dot products reduced together, a polynomial
- * exp, 64 output lanes accumulated over every value row (see decode below). Plain C with no
+ * exp, 64 output lanes accumulated over every value row (see decode below). The (sequence,
+ * KV head) pairs are shared out between OpenMP threads (decode_all). Plain C with no
  * Python objects in the loop (the GIL is released); built by setup.py as an optional
  * extension, compiled for x86-64-v4 (AVX-512), v3 (AVX2, FMA) and baseline x86-64, chosen
  * at load time (target_clones); tgis/shard/native/attention/cpu_paged.py falls back to the
@@ -26,6 +27,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define TGIS_CLONES \
@@ -167,105 +171,127 @@ static inline void softmax_in_place(float *restrict sc, int64_t n) {
     for (; t < n; t++) sc[t] *= inv;
 }
 
-/* Returns 0, or -1 when a sequence's context is empty, longer than max_context or its table,
- * or names a block out of range (nothing is written for that sequence). ``scores`` holds
- * heads * max_context floats. Scores: for each block, 16 keys at a time, each query head's
+/* One work item: sequence s and KV head h, i.e. the ``group`` query heads that read h.
+ * Returns 0, or -1 when the sequence's context is empty, longer than max_context or its
+ * table, or names a block out of range (nothing is written for it). ``scores`` holds
+ * group * max_context floats. Scores: for each block, 16 keys at a time, each query head's
  * 16 dot products reduced together (sum_each16). Softmax per head. Values: per query head,
  * 64 output lanes at a time held in four vector accumulators over every key. */
 #define DEFINE_DECODE(NAME, ELEM, DOT, LOAD16, TO_FLOAT)                                          \
 TGIS_CLONES \
-static int NAME(const DecodeArgs *a, float *scores) { \
+static int NAME(const DecodeArgs *a, int64_t s, int64_t h, float *scores) { \
     const int64_t heads = a->heads, group = a->heads / a->kv_heads, dim = a->head_dim; \
     const int64_t bs = a->block_size; \
     const int64_t row = a->kv_heads * dim; /* elements between consecutive tokens of a block */ \
-    int status = 0; \
-    for (int64_t s = 0; s < a->seqs; s++) { \
-        const int64_t length = a->context[s]; \
-        const int64_t *table = a->tables + s * a->table_stride; \
-        const int64_t blocks = (length + bs - 1) / bs; \
-        if (length <= 0 || length > a->max_context || blocks > a->table_stride) { \
-            status = -1; \
-            continue; \
-        } \
-        int bad = 0; \
-        for (int64_t b = 0; b < blocks; b++) { \
-            if (table[b] < 0 || table[b] >= a->num_blocks) bad = 1; \
-        } \
-        if (bad) { \
-            status = -1; \
-            continue; \
-        } \
-        const float *q = a->q + s * heads * dim; \
-        float *out = a->out + s * heads * dim; \
-        for (int64_t b = 0; b < blocks; b++) { \
-            const int64_t first = b * bs; \
-            const int64_t n = length - first < bs ? length - first : bs; \
-            const ELEM *k = (const ELEM *)a->k_cache + table[b] * bs * row; \
-            for (int64_t t0 = 0; t0 < n; t0 += 16) { \
-                const int64_t m = n - t0 < 16 ? n - t0 : 16; \
-                for (int64_t hq = 0; hq < heads; hq++) { \
-                    const ELEM *kh = k + t0 * row + (hq / group) * dim; \
-                    vec16 lanes[16]; \
-                    for (int64_t t = 0; t < 16; t++) \
-                        lanes[t] = t < m ? DOT(q + hq * dim, kh + t * row, dim) : (vec16){0}; \
-                    const vec16 sums = sum_each16(lanes); \
-                    float *dst = scores + hq * length + first + t0; \
-                    for (int64_t t = 0; t < m; t++) dst[t] = a->scale * sums[t]; \
-                } \
-            } \
-        } \
-        for (int64_t hq = 0; hq < heads; hq++) softmax_in_place(scores + hq * length, length); \
-        for (int64_t hq = 0; hq < heads; hq++) { \
-            const float *w = scores + hq * length; \
-            float *o = out + hq * dim; \
-            const ELEM *v_head = (const ELEM *)a->v_cache + (hq / group) * dim; \
-            int64_t d = 0; \
-            for (; d + 64 <= dim; d += 64) { \
-                vec16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}; \
-                for (int64_t b = 0; b < blocks; b++) { \
-                    const int64_t first = b * bs; \
-                    const int64_t n = length - first < bs ? length - first : bs; \
-                    const ELEM *v = v_head + table[b] * bs * row + d; \
-                    for (int64_t i = 0; i < n; i++, v += row) { \
-                        const float p = w[first + i]; \
-                        acc0 += p * LOAD16(v); \
-                        acc1 += p * LOAD16(v + 16); \
-                        acc2 += p * LOAD16(v + 32); \
-                        acc3 += p * LOAD16(v + 48); \
-                    } \
-                } \
-                *(vec16 *)(o + d) = acc0; \
-                *(vec16 *)(o + d + 16) = acc1; \
-                *(vec16 *)(o + d + 32) = acc2; \
-                *(vec16 *)(o + d + 48) = acc3; \
-            } \
-            for (; d + 16 <= dim; d += 16) { \
-                vec16 acc = {0}; \
-                for (int64_t b = 0; b < blocks; b++) { \
-                    const int64_t first = b * bs; \
-                    const int64_t n = length - first < bs ? length - first : bs; \
-                    const ELEM *v = v_head + table[b] * bs * row + d; \
-                    for (int64_t i = 0; i < n; i++, v += row) acc += w[first + i] * LOAD16(v); \
-                } \
-                *(vec16 *)(o + d) = acc; \
-            } \
-            for (; d < dim; d++) { \
-                float acc = 0.0f; \
-                for (int64_t b = 0; b < blocks; b++) { \
-                    const int64_t first = b * bs; \
-                    const int64_t n = length - first < bs ? length - first : bs; \
-                    const ELEM *v = v_head + table[b] * bs * row + d; \
-                    for (int64_t i = 0; i < n; i++, v += row) acc += w[first + i] * TO_FLOAT(*v); \
-                } \
-                o[d] = acc; \
+    const int64_t length = a->context[s]; \
+    const int64_t *table = a->tables + s * a->table_stride; \
+    const int64_t blocks = (length + bs - 1) / bs; \
+    if (length <= 0 || length > a->max_context || blocks > a->table_stride) return -1; \
+    for (int64_t b = 0; b < blocks; b++) { \
+        if (table[b] < 0 || table[b] >= a->num_blocks) return -1; \
+    } \
+    const float *q = a->q + (s * heads + h * group) * dim; \
+    float *out = a->out + (s * heads + h * group) * dim; \
+    for (int64_t b = 0; b < blocks; b++) { \
+        const int64_t first = b * bs; \
+        const int64_t n = length - first < bs ? length - first : bs; \
+        const ELEM *k = (const ELEM *)a->k_cache + table[b] * bs * row + h * dim; \
+        for (int64_t t0 = 0; t0 < n; t0 += 16) { \
+            const int64_t m = n - t0 < 16 ? n - t0 : 16; \
+            for (int64_t g = 0; g < group; g++) { \
+                const ELEM *kh = k + t0 * row; \
+                vec16 lanes[16]; \
+                for (int64_t t = 0; t < 16; t++) \
+                    lanes[t] = t < m ? DOT(q + g * dim, kh + t * row, dim) : (vec16){0}; \
+                const vec16 sums = sum_each16(lanes); \
+                float *dst = scores + g * length + first + t0; \
+                for (int64_t t = 0; t < m; t++) dst[t] = a->scale * sums[t]; \
             } \
         } \
     } \
-    return status; \
+    for (int64_t g = 0; g < group; g++) softmax_in_place(scores + g * length, length); \
+    const ELEM *v_head = (const ELEM *)a->v_cache + h * dim; \
+    for (int64_t g = 0; g < group; g++) { \
+        const float *w = scores + g * length; \
+        float *o = out + g * dim; \
+        int64_t d = 0; \
+        for (; d + 64 <= dim; d += 64) { \
+            vec16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}; \
+            for (int64_t b = 0; b < blocks; b++) { \
+                const int64_t first = b * bs; \
+                const int64_t n = length - first < bs ? length - first : bs; \
+                const ELEM *v = v_head + table[b] * bs * row + d; \
+                for (int64_t i = 0; i < n; i++, v += row) { \
+                    const float p = w[first + i]; \
+                    acc0 += p * LOAD16(v); \
+                    acc1 += p * LOAD16(v + 16); \
+                    acc2 += p * LOAD16(v + 32); \
+                    acc3 += p * LOAD16(v + 48); \
+                } \
+            } \
+            *(vec16 *)(o + d) = acc0; \
+            *(vec16 *)(o + d + 16) = acc1; \
+            *(vec16 *)(o + d + 32) = acc2; \
+            *(vec16 *)(o + d + 48) = acc3; \
+        } \
+        for (; d + 16 <= dim; d += 16) { \
+            vec16 acc = {0}; \
+            for (int64_t b = 0; b < blocks; b++) { \
+                const int64_t first = b * bs; \
+                const int64_t n = length - first < bs ? length - first : bs; \
+                const ELEM *v = v_head + table[b] * bs * row + d; \
+                for (int64_t i = 0; i < n; i++, v += row) acc += w[first + i] * LOAD16(v); \
+            } \
+            *(vec16 *)(o + d) = acc; \
+        } \
+        for (; d < dim; d++) { \
+            float acc = 0.0f; \
+            for (int64_t b = 0; b < blocks; b++) { \
+                const int64_t first = b * bs; \
+                const int64_t n = length - first < bs ? length - first : bs; \
+                const ELEM *v = v_head + table[b] * bs * row + d; \
+                for (int64_t i = 0; i < n; i++, v += row) acc += w[first + i] * TO_FLOAT(*v); \
+            } \
+            o[d] = acc; \
+        } \
+    } \
+    return 0; \
 }
 
 DEFINE_DECODE(decode_f32, float, dot_lanes_f32, load16_f32, (float))
 DEFINE_DECODE(decode_bf16, uint16_t, dot_lanes_bf16, load16_bf16, widen)
+
+/* Every (sequence, KV head) item, handed out one at a time (an atomic counter: contexts
+ * differ in length) to ``threads`` OpenMP threads. Loaded after torch, this module binds to
+ * the libgomp torch already loaded (same soname), so the team is torch's own pool, whose
+ * workers are already spinning for the next op, not a second set of threads competing for
+ * the cores. Only GOMP_parallel and omp_get_thread_num are used: any libgomp has them.
+ * ``scores`` holds threads * group * max_context floats. Returns 0, or -1 as above. */
+static int decode_all(const DecodeArgs *a, float *scores, int threads, int bf16) {
+    const int64_t items = a->seqs * a->kv_heads;
+    const int64_t per_thread = (a->heads / a->kv_heads) * (a->max_context > 0 ? a->max_context : 1);
+    int64_t next = 0;
+    int status = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+    {
+#ifdef _OPENMP
+        float *mine = scores + (int64_t)omp_get_thread_num() * per_thread;
+#else
+        float *mine = scores;
+#endif
+        int failed = 0;
+        for (;;) {
+            const int64_t item = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
+            if (item >= items) break;
+            const int64_t s = item / a->kv_heads, h = item % a->kv_heads;
+            failed |= bf16 ? decode_bf16(a, s, h, mine) : decode_f32(a, s, h, mine);
+        }
+        if (failed) __atomic_store_n(&status, -1, __ATOMIC_RELAXED);
+    }
+    return status;
+}
 
 static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     (void)self;
@@ -273,12 +299,16 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     DecodeArgs a;
     long long seqs, heads, kv_heads, head_dim, block_size, table_stride, num_blocks, max_context;
     double scale;
-    int bf16 = 0;
-    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|i", &q, &k_cache, &v_cache, &out, &tables,
+    int bf16 = 0, threads = 1;
+    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|ii", &q, &k_cache, &v_cache, &out, &tables,
                           &context, &seqs, &heads, &kv_heads, &head_dim, &block_size,
-                          &table_stride, &num_blocks, &max_context, &scale, &bf16)) {
+                          &table_stride, &num_blocks, &max_context, &scale, &bf16, &threads)) {
         return NULL;
     }
+#ifndef _OPENMP
+    threads = 1;
+#endif
+    if (threads < 1) threads = 1;
     if (seqs < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 ||
         block_size <= 0 || table_stride < 0 || num_blocks <= 0 || max_context < 0) {
         PyErr_SetString(PyExc_ValueError, "paged_decode_attention: bad shape arguments");
@@ -299,12 +329,12 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     a.num_blocks = num_blocks;
     a.max_context = max_context;
     a.scale = (float)scale;
-    float *scores =
-        malloc((size_t)(max_context > 0 ? max_context : 1) * (size_t)heads * sizeof(float));
+    float *scores = malloc((size_t)(max_context > 0 ? max_context : 1) *
+                           (size_t)(heads / kv_heads) * (size_t)threads * sizeof(float));
     if (scores == NULL) return PyErr_NoMemory();
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = bf16 ? decode_bf16(&a, scores) : decode_f32(&a, scores);
+    status = decode_all(&a, scores, threads, bf16);
     Py_END_ALLOW_THREADS
     free(scores);
     if (status != 0) {
@@ -319,9 +349,10 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"paged_decode_attention", paged_decode_attention, METH_VARARGS,
      "paged_decode_attention(q, k_cache, v_cache, out, block_tables, context_lens, seqs, heads, "
-     "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale[, bf16]): "
-     "decode attention (float32 queries and output) over a float32 cache, or a bfloat16 one "
-     "when bf16 is 1, by data pointers (see cpu_paged.py)."},
+     "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale[, bf16[, "
+     "threads]]): decode attention (float32 queries and output) over a float32 cache, or a "
+     "bfloat16 one when bf16 is 1, by data pointers (see cpu_paged.py), on ``threads`` "
+     "OpenMP threads (1 when built without OpenMP)."},
     {NULL, NULL, 0, NULL},
 };
 
