@@ -6,6 +6,7 @@ import importlib.util
 import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from conftest import Router, TinyModel
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
-from tgis.shard.native.attention.cpu_paged import CpuPagedAttention, load_kernel
+from tgis.shard.native.attention.cpu_paged import CpuPagedAttention, load_kernel, openmp_runtimes
 from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
 from tgis.shard.native.attention.selection import select_attention_backend, start_attention_backend
 from tgis.shard.native.attention.torch_paged import TorchPagedAttention
@@ -296,3 +297,22 @@ def test_a_backend_failing_its_start_up_probe(
     assert start_attention_backend(cuda, BLOCK, torch.bfloat16).name == "sdpa_varlen"
     monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "torch_paged")
     assert start_attention_backend(torch.device("cpu"), BLOCK, torch.float32).name == "torch_paged"
+
+
+@needs_kernel
+def test_the_kernel_shares_the_openmp_runtime_torch_loaded(tmp_path: Path) -> None:
+    """Built with -fopenmp, the extension binds to torch's libgomp (one thread pool)."""
+    assert KERNEL is not None
+    runtimes = openmp_runtimes()
+    assert len(runtimes) <= 1, runtimes
+    assert CpuPagedAttention(BLOCK, KERNEL).shares_torch_threads
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 0 fe:00 1 /opt/a/libgomp.so.1\n"
+        "7f01-7f02 r--p 0 fe:00 1 /opt/a/libgomp.so.1\n"
+        "7f02-7f03 r-xp 0 fe:00 2 /usr/lib64/libgomp-5a1b.so.1\n"
+        "7f06-7f07 r-xp 0 fe:00 4 /usr/lib/libc.so.6\n"
+        "7f08-7f09 rw-p 0 00:00 0\n"
+    )
+    assert openmp_runtimes(maps) == {"/opt/a/libgomp.so.1", "/usr/lib64/libgomp-5a1b.so.1"}
+    assert openmp_runtimes(tmp_path / "missing") == set()

@@ -8,21 +8,39 @@ query head, a numerically stable softmax in float32, then every value row for ea
 head's output (csrc/cpu_attention.c). Prompts and prompt chunks still go through the
 reference (``TorchPagedAttention``). Used for float32 and bfloat16 caches (queries, softmax
 and output in float32) when the extension was built (``setup.py``; it needs a C compiler at
-install time), else the reference runs alone.
+install time), else the reference runs alone. The kernel shares its (sequence, KV head)
+items out between torch's intra-op threads: built with ``-fopenmp``, it binds to the libgomp
+torch has loaded, so both use one thread pool; should a second OpenMP runtime be mapped (a
+torch build whose libgomp has another soname), it runs on one thread instead of competing
+with torch's workers for the cores.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import math
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from tgis.shard.native.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 
+log = logging.getLogger(__name__)
+
 # Cache dtypes the kernel reads, and the code it takes for each.
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def openmp_runtimes(maps: Path = Path("/proc/self/maps")) -> set[str]:
+    """Files of the GNU OpenMP runtimes mapped into this process (empty where /proc is
+    missing)."""
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return set()
+    return {line.split()[-1] for line in lines if "libgomp" in line.rsplit("/", 1)[-1]}
 
 
 def load_kernel() -> ModuleType | None:
@@ -42,6 +60,15 @@ class CpuPagedAttention(TorchPagedAttention):
     def __init__(self, block_size: int, kernel: ModuleType) -> None:
         super().__init__(block_size)
         self.kernel = kernel
+        runtimes = openmp_runtimes()
+        self.shares_torch_threads = len(runtimes) <= 1
+        if not self.shares_torch_threads:
+            log.warning(
+                "cpu_paged: %d OpenMP runtimes are loaded (%s): decode attention runs on one "
+                "thread",
+                len(runtimes),
+                ", ".join(sorted(runtimes)),
+            )
 
     def _decode(
         self,
@@ -82,6 +109,6 @@ class CpuPagedAttention(TorchPagedAttention):
             metadata.max_context,
             1.0 / math.sqrt(head_dim) if scale is None else scale,
             _CACHE_DTYPES[cache_dtype],
-            torch.get_num_threads(),
+            torch.get_num_threads() if self.shares_torch_threads else 1,
         )
         return out.to(q.dtype)
