@@ -17,7 +17,9 @@ Workload (one of):
 * synthetic: a prompt of one word (``--word``) repeated to exactly ``--input-tokens`` tokens
   (calibrated with the Tokenize RPC), and ``--output-tokens`` tokens out. With
   ``--input-range r`` / ``--output-range r`` each request draws its lengths uniformly from
-  ``[n·(1−r), n·(1+r)]`` (seeded by ``--seed``);
+  ``[n·(1−r), n·(1+r)]`` (seeded by ``--seed``). Every prompt of a length is the same
+  text, which a server with prefix caching (vLLM's default) computes once; with
+  ``--distinct-prompts`` each starts with its request number, so none shares a block;
 * ``--dataset FILE``: JSON lines with ``prompt`` and optional ``output_tokens`` (default
   ``--output-tokens``, with ``--output-range``); rows are used in file order, cycled when the
   file has fewer than ``--num-requests`` rows.
@@ -241,29 +243,37 @@ async def token_counts(stub: pb_grpc.GenerationServiceStub, texts: Sequence[str]
 
 
 async def calibrate_prompts(
-    stub: pb_grpc.GenerationServiceStub, word: str, lengths: set[int]
-) -> dict[int, str]:
-    """For each wanted length, ``word`` repeated so that it tokenizes to exactly that many."""
-    guesses = {n: n for n in lengths}
-    found: dict[int, str] = {}
-    last: dict[int, int] = {}
+    stub: pb_grpc.GenerationServiceStub, word: str, wanted: set[tuple[str, int]]
+) -> dict[tuple[str, int], str]:
+    """For each wanted (head, length), ``head`` followed by ``word`` repeated so that the
+    text tokenizes to exactly ``length`` tokens."""
+    guesses = {key: max(1, key[1] - len(key[0].split())) for key in wanted}
+    found: dict[tuple[str, int], str] = {}
+    last: dict[tuple[str, int], int] = {}
+
+    def text_of(key: tuple[str, int]) -> str:
+        words = [word] * guesses[key]
+        return " ".join([key[0], *words] if key[0] else words)
+
     for _ in range(12):
-        pending = sorted(n for n in lengths if n not in found)
+        pending = sorted(key for key in wanted if key not in found)
         if not pending:
             return found
-        texts = [" ".join([word] * guesses[n]) for n in pending]
-        for n, text, count in zip(pending, texts, await token_counts(stub, texts), strict=True):
-            last[n] = count
+        texts = [text_of(key) for key in pending]
+        for key, text, count in zip(pending, texts, await token_counts(stub, texts), strict=True):
+            n = key[1]
+            last[key] = count
             if count == n:
-                found[n] = text
+                found[key] = text
                 continue
-            step = (n - count) * guesses[n] // max(count, 1)
+            step = (n - count) * guesses[key] // max(count, 1)
             step = step or (1 if n > count else -1)
-            guesses[n] = max(1, guesses[n] + step)
-    missing = sorted(n for n in lengths if n not in found)
+            guesses[key] = max(1, guesses[key] + step)
+    missing = sorted(key for key in wanted if key not in found)
     raise SystemExit(
-        f"could not build prompts of exactly {missing[:5]} tokens from {word!r} "
-        f"(last tries: {[last.get(n) for n in missing[:5]]} tokens); pick another --word"
+        f"could not build prompts of exactly {[n for _, n in missing[:5]]} tokens from "
+        f"{word!r} (last tries: {[last.get(k) for k in missing[:5]]} tokens); pick another "
+        "--word or longer prompts"
     )
 
 
@@ -306,8 +316,11 @@ async def build_workload(
             for i, ((p, out), c) in enumerate(zip(picked, counts, strict=True))
         ]
     inputs = sample_lengths(args.input_tokens, args.input_range, n, rng)
-    prompts_by_len = await calibrate_prompts(stub, args.word, set(inputs))
-    return [RequestSpec(prompts_by_len[i], i, o) for i, o in zip(inputs, outputs, strict=True)]
+    # Distinct prompts start with the request's number, so no two share even their first
+    # KV block: a server with prefix caching computes every prompt, as on real traffic.
+    keys = [(f"{i}:" if args.distinct_prompts else "", length) for i, length in enumerate(inputs)]
+    prompts = await calibrate_prompts(stub, args.word, set(keys))
+    return [RequestSpec(prompts[key], key[1], out) for key, out in zip(keys, outputs, strict=True)]
 
 
 def describe_lengths(values: Sequence[int]) -> str:
@@ -788,6 +801,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--dataset", type=Path, help="JSONL with `prompt` and optional `output_tokens` per line"
     )
     work.add_argument("--word", default="the", help="word repeated to build prompts (the)")
+    work.add_argument(
+        "--distinct-prompts",
+        action="store_true",
+        help="start each synthetic prompt with its request number (no prefix shared between "
+        "requests; without it every prompt of a length is the same text)",
+    )
     work.add_argument("--seed", type=int, default=0, help="seed of lengths and arrivals (0)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, help="also write the results here")
@@ -926,6 +945,11 @@ def workload_lines(args: argparse.Namespace, specs: list[RequestSpec]) -> dict[s
         source = f"dataset {args.dataset} (file order, cycled)"
     else:
         source = f"synthetic {args.word!r} x N, {args.input_tokens} ± {args.input_range:.0%}"
+        source += (
+            ", each headed by its request number (no shared prefix)"
+            if args.distinct_prompts
+            else ", the same text for every prompt of a length (a prefix cache reuses it)"
+        )
     return {
         "prompts": f"{source}; prompt tokens {describe_lengths(ins)}",
         "outputs": (
@@ -996,7 +1020,6 @@ def main(argv: list[str] | None = None) -> int:
         env |= {
             "requests per level": f"{args.num_requests} (+{args.warmup} warm-up before the sweep)",
             "arrival": arrival_line(args),
-            "prefix caching": "none in this engine",
         }
         env |= env_time
     except (RuntimeError, TimeoutError) as err:  # the server died or never became healthy

@@ -4,7 +4,10 @@ For every workload (prompt length) and repetition this runs ``benchmarks/serve.p
 once launching tgis with its default flags on ``--model``, once against the peer started by
 ``vllm-peer.sh start`` on the same directory (with the peer's own defaults). The two servers
 run one after the other, never together; repetitions alternate them, so slow drifts of a
-shared host hit both. It prints one Markdown table per workload: each level's output tok/s,
+shared host hit both. Prompts are distinct (``serve.py --distinct-prompts``): the peer
+caches prompt prefixes by default and tgis does not yet, and identical prompts would time
+its cache, not its engine (``--same-prompts`` for the old workload).
+It prints one Markdown table per workload: each level's output tok/s,
 TTFT p50 and TPOT p50 for both servers and their ratio (medians over repetitions), and the
 start-up times; ``--json`` keeps every run.
 
@@ -56,6 +59,8 @@ def serve(args: argparse.Namespace, input_tokens: int, out: Path, target: str | 
         "--json",
         str(out),
     ]
+    if not args.same_prompts:
+        command.append("--distinct-prompts")
     if target:
         command += ["--target", target, "--model-label", f"{args.model} (peer)"]
     else:
@@ -140,6 +145,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,32")
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--reps", type=int, default=1, help="alternating repetitions (1)")
+    parser.add_argument(
+        "--same-prompts",
+        action="store_true",
+        help="every prompt of a length the same text, as before issue 19's last runs (the "
+        "peer's prefix cache then computes it once); default: distinct prompts",
+    )
     parser.add_argument("--json", type=Path, help="write every run here")
     args = parser.parse_args(argv)
     args.input_lengths = [int(x) for x in args.input_tokens.split(",")]

@@ -72,3 +72,45 @@ def test_lora_bench_reports_the_three_cases(tmp_path: Path) -> None:
         assert r["ms_per_step"] > 0
     assert report["results"][0]["vs_plain"] == 1.0
     assert "one adapter" in stdout
+
+
+def test_serve_builds_distinct_prompts_of_exact_lengths() -> None:
+    """``serve.py --distinct-prompts``: every prompt has exactly its token count and none
+    shares its first 16-token KV block with another; without it one text per length."""
+    import asyncio
+    import importlib.util
+
+    from tokenizers import Tokenizer
+
+    from tgis.pb import generation_pb2 as pb
+
+    spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "benchmarks" / "serve.py")
+    assert spec is not None and spec.loader is not None
+    serve = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = serve  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(serve)
+    finally:
+        del sys.modules[spec.name]
+    tokenizer = Tokenizer.from_file(str(EMBEDDED / "tokenizer.json"))
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text).ids)
+
+    class TokenizeOnly:
+        """The one RPC the calibration calls, answered by the model's own tokenizer."""
+
+        async def Tokenize(self, request: object, timeout: float) -> object:
+            texts = [r.text for r in request.requests]  # type: ignore[attr-defined]
+            return pb.BatchedTokenizeResponse(
+                responses=[pb.TokenizeResponse(token_count=count(t)) for t in texts]
+            )
+
+    wanted = {(f"{i}:", n) for i in range(40) for n in (17, 40)} | {("", 40)}
+    prompts = asyncio.run(serve.calibrate_prompts(TokenizeOnly(), "the", wanted))
+    assert set(prompts) == wanted
+    for (head, n), text in prompts.items():
+        assert count(text) == n and text.startswith(head), (head, n, text)
+    first_blocks = {tuple(tokenizer.encode(prompts[f"{i}:", 40]).ids[:16]) for i in range(40)}
+    assert len(first_blocks) == 40
+    assert set(prompts["", 40].split()) == {"the"}
