@@ -114,3 +114,14 @@ def test_serve_builds_distinct_prompts_of_exact_lengths() -> None:
     first_blocks = {tuple(tokenizer.encode(prompts[f"{i}:", 40]).ids[:16]) for i in range(40)}
     assert len(first_blocks) == 40
     assert set(prompts["", 40].split()) == {"the"}
+
+
+def test_sampler_bench_reports_every_configuration() -> None:
+    out = run_script("sampler_bench.py", "--rows", "4", "--vocabs", "300", "--calls", "2")
+    rows = [
+        line for line in out.splitlines() if line.startswith("| ") and "configuration" not in line
+    ]
+    assert len(rows) == 7, out
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        assert len(cells) == 2 and all(float(c) > 0 for c in cells), row

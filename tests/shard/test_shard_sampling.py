@@ -19,9 +19,10 @@ from transformers.generation.logits_process import (
 from tgis.shard.step.sampling import (
     SamplingBatch,
     SamplingRow,
-    exponential_noise,
+    draw_from,
     sample,
     stream_key,
+    uniform_draws,
 )
 from tgis.shard.step.token_details import first_input_detail, token_details
 from tgis.shard_api.messages import DetailOptions, LengthPenalty, SamplingParams
@@ -77,13 +78,68 @@ def test_sampling_follows_the_distribution() -> None:
     assert ((counts - draws * expected).abs() <= 4 * std + 1).all(), (counts, draws * expected)
 
 
-def test_exponential_noise_is_a_fixed_function_of_key_and_index() -> None:
-    keys = torch.tensor([stream_key(3, 0), stream_key(3, 1), stream_key(2**40 + 3, 0)])
-    noise = exponential_noise(keys, 50_000)
-    assert noise.shape == (3, 50_000) and (noise > 0).all() and torch.isfinite(noise).all()
-    assert torch.equal(noise[:1], exponential_noise(keys[:1], 50_000))
-    assert len({tuple(row[:8].tolist()) for row in noise}) == 3  # keys differ, streams differ
-    assert abs(float(noise.mean()) - 1.0) < 0.02  # Exp(1) has mean 1
+def test_uniform_draws_are_a_fixed_function_of_the_key() -> None:
+    keys = torch.tensor([stream_key(seed, step) for seed in (3, 2**40 + 3) for step in range(5000)])
+    draws = uniform_draws(keys)
+    assert draws.dtype == torch.float64 and ((draws > 0) & (draws < 1)).all()
+    assert torch.equal(draws[:7], uniform_draws(keys[:7]))
+    assert len(set(draws.tolist())) == len(keys)
+    assert abs(float(draws.mean()) - 0.5) < 0.01  # U(0, 1): mean 1/2, variance 1/12
+    assert abs(float(draws.var()) - 1 / 12) < 0.005
+
+
+def test_draw_from_inverts_the_cumulative_distribution_across_blocks() -> None:
+    """A vocabulary of two full 1,024-token blocks and a tail, with zeros at block edges:
+    evenly spaced uniform numbers land on each token in proportion to its probability
+    (to within one draw), and never on a zero."""
+    vocab = 2 * 1024 + 452
+    gen = torch.Generator().manual_seed(4)
+    probs = torch.rand(2, vocab, generator=gen) ** 4
+    zeros = [0, 1023, 1024, 2047, 2048, vocab - 1, *range(300, 700)]
+    probs[:, zeros] = 0.0
+    probs[1] *= 7.5  # any total
+    draws = 20_000
+    uniform = (torch.arange(draws, dtype=torch.float64) + 0.5) / draws
+    for row in range(2):
+        tokens = draw_from(probs[row : row + 1].expand(draws, vocab), uniform)
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        expected = probs[row].double() / probs[row].double().sum() * draws
+        assert (counts - expected).abs().max() <= 1.0 + 1e-6
+        assert counts[zeros].sum() == 0
+        assert torch.equal(tokens, tokens.sort().values)  # monotone in u: an inverse CDF
+
+
+def test_a_token_of_probability_zero_is_never_drawn() -> None:
+    """Top-k and top-p leave -inf scores: the draw lands on the kept tokens only, even
+    for the largest and smallest uniform numbers."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 40:] = float("-inf")
+    seen = set()
+    for n in range(400):
+        (token,), _ = run(logits, rows_of(SamplingParams(1.0, seed=5), generated=n))
+        seen.add(int(token))
+    assert seen == set(range(40))
+
+
+@pytest.mark.parametrize("top_p,wider", [(0.5, 2.0), (0.9, 3.5), (0.99, 4.5)])
+def test_top_p_over_a_large_vocabulary_matches_hf(top_p: float, wider: float) -> None:
+    """Rows whose nucleus lies in the top 256, in the top 4,096, and only in the whole
+    vocabulary (flat logits), beside a row without top-p: HF's warper row by row."""
+    vocab = 50_000
+    gen = torch.Generator().manual_seed(int(top_p * 100))
+    logits = torch.randn(4, vocab, generator=gen)
+    logits[0] *= 12.0  # peaked: a nucleus of a few tokens
+    logits[1] *= wider  # a nucleus of 256 to 4,096 tokens
+    logits[2] *= 0.1  # nearly flat: the nucleus is most of the vocabulary
+    params = [SamplingParams(1.0, top_p=top_p, seed=1)] * 3 + [SamplingParams(1.0, seed=2)]
+    _, scores = run(logits, rows_of(*params))
+    widths = []
+    for row in range(3):
+        expected = TopPLogitsWarper(top_p)(None, logits[row : row + 1].clone())
+        torch.testing.assert_close(scores[row : row + 1], expected)
+        widths.append(int(torch.isfinite(expected).sum()))
+    assert widths[0] <= 256 < widths[1] <= 4096 < widths[2], widths  # each path taken
+    torch.testing.assert_close(scores[3], logits[3])
 
 
 def test_sampled_row_does_not_disturb_greedy_row() -> None:

@@ -7,15 +7,16 @@ The logits of each row go through, in this order (TGIS's ``HeterogeneousNextToke
    with ``k = generated - start_index`` when ``k > 0``.
 3. repetition penalty over the prompt and generated ids: ``x * p`` if ``x < 0`` else ``x / p``.
 4. only if some row samples: temperature, top-k, top-p, typical-p (greedy rows untouched).
-5. greedy rows take the argmax (lowest id on ties); sampled rows draw from the softmax by an
-   exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)`` per vocabulary entry.
+5. greedy rows take the argmax (lowest id on ties); sampled rows draw from the softmax by
+   inverting its cumulative distribution at one uniform number.
 
-The random numbers are counter-based: the noise of a row is a fixed function of the
-sequence's seed, the number of tokens it has generated and the vocabulary index (an integer
-hash, ``exponential_noise``). So a seeded sequence draws the same tokens alone, in any batch
-and after a preemption, needs no generator object, and the whole batch's noise is one
-vectorised computation. A batch with only plain greedy rows (no processing at all) is
-``SamplingBatch.plain`` and takes the argmax directly.
+The random numbers are counter-based: a row's uniform number is a fixed function of the
+sequence's seed and the number of tokens it has generated (an integer hash,
+``uniform_draws``). So a seeded sequence draws the same tokens alone, in any batch and
+after a preemption, needs no generator object, and a draw costs one pass over the
+vocabulary (an exponential race needed a hashed number per vocabulary entry: 30-50 ms for
+32 rows of a 128k vocabulary on a CPU core). A batch with only plain greedy rows (no
+processing at all) is ``SamplingBatch.plain`` and takes the argmax directly.
 
 The processed scores are returned too: token details (logprobs, ranks, top-n) are computed
 from them. Building the parameter tensors loops over rows; the processing does not.
@@ -193,12 +194,63 @@ def _top_k(scores: torch.Tensor, top_k: tuple[int, ...]) -> torch.Tensor:
     return scores.masked_fill(scores < kth, NEG_INF)
 
 
+# Top-p looks for each row's nucleus among its most likely tokens first, this many, then
+# this many, and sorts the whole vocabulary only for rows whose nucleus is wider still: a
+# full sort of 32 rows of a 128k vocabulary takes ~150 ms on a CPU core, a top-256 ~3 ms.
+_TOP_P_CANDIDATES = (256, 4096)
+
+
 def _top_p(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's smallest set of most likely tokens whose mass reaches ``top_p``
+    (HF's TopPLogitsWarper: a token goes when the mass of the tokens above it is already
+    at least ``top_p``; the most likely token always stays); rows with ``top_p`` 1 are
+    untouched."""
+    rows = (top_p[:, 0] < 1).nonzero()[:, 0]
+    if rows.numel() == 0:
+        return scores
+    vocab = scores.shape[-1]
+    sub, mass = scores[rows], top_p[rows]
+    probs = sub.softmax(dim=-1)
+    remove = torch.ones_like(sub, dtype=torch.bool)
+    pending = torch.arange(rows.numel(), device=scores.device)
+    counts = [c for c in _TOP_P_CANDIDATES if c < vocab]
+    for stage, count in enumerate(counts):
+        top, ids = probs[pending].topk(count, dim=-1)  # descending
+        above = top.cumsum(dim=-1) - top  # the mass of the tokens ranked above each one
+        # The nucleus ends inside these candidates once they hold at least top_p.
+        held = top.sum(dim=-1)
+        found = held >= mass[pending, 0]
+        done = pending[found]
+        gone = above[found] >= mass[done]
+        gone[:, 0] = False
+        remove[done] = remove[done].scatter(1, ids[found], gone)
+        if stage + 1 < len(counts):
+            # A row the next list cannot cover even if all its extra tokens were as likely
+            # as this list's last goes straight to the sort.
+            reach = held + (counts[stage + 1] - count) * top[:, -1]
+            hopeless = ~found & (reach < mass[pending, 0])
+            if hopeless.any():
+                remove[pending[hopeless]] = _sorted_top_p_removals(
+                    sub[pending[hopeless]], mass[pending[hopeless]]
+                )
+            found |= hopeless
+        pending = pending[~found]
+        if pending.numel() == 0:
+            break
+    if pending.numel():  # a nucleus wider than every candidate list: sort the vocabulary
+        remove[pending] = _sorted_top_p_removals(sub[pending], mass[pending])
+    scores = scores.clone()
+    scores[rows] = sub.masked_fill(remove, NEG_INF)
+    return scores
+
+
+def _sorted_top_p_removals(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The tokens top-p removes, found by sorting each whole row (HF's computation)."""
     sorted_scores, sorted_ids = torch.sort(scores, descending=False, dim=-1)
     cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    remove = (cumulative <= 1 - top_p) & (top_p < 1)
+    remove = cumulative <= 1 - top_p
     remove[:, -1] = False  # always keep the most likely token
-    return scores.masked_fill(remove.scatter(1, sorted_ids, remove), NEG_INF)
+    return remove.scatter(1, sorted_ids, remove)
 
 
 def _typical_p(scores: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -228,9 +280,48 @@ def choose_tokens(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if warpers is None:
         return tokens
     probs = scores[warpers.sample_rows].softmax(dim=-1)
-    noise = exponential_noise(warpers.stream_keys, scores.shape[-1])
-    tokens[warpers.sample_rows] = argmax_rows(probs / noise)
+    drawn = draw_from(probs, uniform_draws(warpers.stream_keys))
+    tokens[warpers.sample_rows] = drawn.to(tokens.dtype)
     return tokens
+
+
+# The inverse-CDF draw sums the vocabulary in blocks of this many tokens, finds the block
+# holding the draw, then accumulates only that block.
+_DRAW_BLOCK = 1024
+
+
+def draw_from(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """For each row of ``probs`` [rows, vocab] (non-negative, any total), the first token
+    whose cumulative probability exceeds ``uniform`` (float64 in (0, 1), one per row) times
+    the row's total: a draw from the row's distribution, in which a token of probability 0
+    is never drawn.
+
+    Two levels, so that no [rows, vocab] prefix sum is written: block totals, the block
+    where the draw lands, then that block's own prefix sum in float64. A block's total
+    and its prefix sum round apart by ~1e-7 of the block's mass, which is all the draw
+    misplaces (to the block's last possible token)."""
+    rows, vocab = probs.shape
+    block = min(_DRAW_BLOCK, vocab)
+    full = vocab // block
+    # Block totals in the probabilities' own dtype (a float64 sum would first copy the
+    # whole [rows, vocab] tensor to float64), accumulated across blocks in float64.
+    totals = probs[:, : full * block].view(rows, full, block).sum(dim=-1).double()
+    if full * block < vocab:
+        tail = probs[:, full * block :].sum(dim=-1, keepdim=True).double()
+        totals = torch.cat((totals, tail), dim=1)
+    cumulative = totals.cumsum(dim=-1)
+    target = uniform[:, None].to(cumulative.dtype) * cumulative[:, -1:]
+    chosen = torch.searchsorted(cumulative, target, right=True).clamp(max=totals.shape[1] - 1)
+    before = cumulative.gather(1, (chosen - 1).clamp(min=0)).masked_fill(chosen == 0, 0.0)
+    ids = chosen * block + torch.arange(block, device=probs.device)
+    inside = ids < vocab
+    weights = probs.gather(1, ids.clamp(max=vocab - 1)).double().masked_fill(~inside, 0.0)
+    within = torch.searchsorted(weights.cumsum(dim=-1), target - before, right=True)
+    # Past the block's end by that rounding: the block's last token of positive probability.
+    positions = torch.arange(block, device=probs.device).expand_as(weights)
+    last_positive = positions.masked_fill(weights <= 0, -1).amax(dim=-1, keepdim=True)
+    within = torch.where(within >= block, last_positive, within)
+    return (chosen * block + within)[:, 0]
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,16 +367,10 @@ def stream_key(seed: int, step: int) -> int:
     return _mix(key ^ (step & _MASK))
 
 
-_VOCAB_HASH: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def exponential_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``Exp(1)`` noise [rows, vocab] (float32): a fixed function of each row's key and the
-    vocabulary index, on the keys' device."""
-    cached = _VOCAB_HASH.get((vocab, keys.device))
-    if cached is None:
-        index = torch.arange(vocab, dtype=torch.long, device=keys.device)
-        cached = _VOCAB_HASH[(vocab, keys.device)] = _mix_tensor(_mix_tensor(index) ^ 0x9E3779B9)
-    bits = _mix_tensor(keys[:, None] ^ cached[None, :])
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
-    return -torch.log(uniform)
+def uniform_draws(keys: torch.Tensor) -> torch.Tensor:
+    """One uniform number in (0, 1) per stream key (float64, 53 random bits): a fixed
+    function of the key, on the keys' device."""
+    high = _mix_tensor(keys ^ 0x9E3779B9)
+    low = _mix_tensor(keys ^ 0x85EBCA6B)
+    bits = (high << 21) | (low >> 11)  # 53 bits
+    return (bits.double() + 0.5) * (1.0 / (1 << 53))
