@@ -89,9 +89,10 @@ CASES = [
     ),
     Case(
         "quantize",
-        ["--quantize", "awq"],
+        ["--quantize", "squeezellm"],
         {},
-        "unknown quantize 'awq': expected one of bitsandbytes, gptq",
+        "unknown quantize 'squeezellm': expected one of gptq, awq, compressed-tensors, fp8, "
+        "int8, bitsandbytes, eetq",
     ),
     Case(
         "max-concurrent",

@@ -138,7 +138,12 @@ def test_startup_failures_are_one_line(tiny_model: TinyModel, tmp_path: Path) ->
     )
     assert "unsupported --dtype 'int4'" in fail([model, "--dtype", "int4"], tmp_path)
     assert fail([model, "--quantize", "gptq"], tmp_path) == (
-        "quantize=gptq is not supported yet; serve unquantized weights"
+        "--quantize gptq needs a gptq checkpoint, and this one is dense (no quantization_config "
+        "in config.json, no quantize_config.json); int8 and fp8 quantize a dense checkpoint at "
+        "load"
+    )
+    assert fail([model, "--quantize", "squeezellm"], tmp_path).startswith(
+        "unknown quantize 'squeezellm': expected one of gptq, awq"
     )
     assert "not found" in fail(["no-such-org/no-such-model"], tmp_path)
     no_weights = tmp_path / "no-weights"

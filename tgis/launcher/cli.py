@@ -101,7 +101,11 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
 )
 @_option("--dtype", envvar="DTYPE", help="float32, float16 or bfloat16 (or fp32/fp16/bf16/...).")
 @_option("--dtype-str", envvar="DTYPE_STR", help="Alias of --dtype.")
-@_option("--quantize", envvar="QUANTIZE", help="gptq or bitsandbytes.")
+@_option(
+    "--quantize",
+    envvar="QUANTIZE",
+    help="gptq, awq, compressed-tensors, fp8, int8 (bitsandbytes, eetq: int8).",
+)
 @_option(
     "--num-shard",
     envvar="NUM_SHARD",

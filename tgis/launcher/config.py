@@ -36,7 +36,9 @@ DTYPE_ALIASES = {
     "bf16": "bfloat16",
 }
 
-QUANTIZE_METHODS = ("bitsandbytes", "gptq")
+# --quantize: the shard's formats (checkpoints/quantization.py), and TGIS's and TGI's names
+# for weight-only int8.
+QUANTIZE_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8", "bitsandbytes", "eetq")
 
 # The name the router reports when no --model-name is given.
 EMBEDDED_MODEL_NAME = "tgis-tiny-llama (embedded)"

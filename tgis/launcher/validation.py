@@ -73,7 +73,8 @@ def resolve_load_format(value: str) -> str:
 
 
 def validate_quantize(quantize: str | None) -> None:
-    """Only the quantization methods TGIS knows."""
+    """Only the quantization methods the shard knows (whether it serves them is the shard's
+    to say, with the model in hand)."""
     if not blank(quantize) and quantize not in QUANTIZE_METHODS:
         raise ConfigError(
             f"unknown quantize '{quantize}': expected one of " + ", ".join(QUANTIZE_METHODS)

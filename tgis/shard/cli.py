@@ -55,7 +55,12 @@ def main() -> None:
     help="Percent of free GPU memory held back when sizing the KV cache.",
 )
 @click.option("--revision", default=None)
-@click.option("--quantize", default=None, help="gptq or bitsandbytes (not supported yet).")
+@click.option(
+    "--quantize",
+    default=None,
+    help="gptq, awq, compressed-tensors, fp8 or int8 (bitsandbytes, eetq: int8); checked "
+    "against the checkpoint's quantization_config",
+)
 @click.option("--sharded", is_flag=True, default=False)
 @click.option(
     "--cuda-process-memory-fraction",
@@ -137,8 +142,6 @@ def _serve(options: ServeOptions) -> None:
     """Load the model, then serve this rank until SIGTERM (rank 0 of a tensor-parallel
     group also drives the others); a start-up failure exits with one line."""
     setup_logging(json_output=False, component="shard")
-    if options.quantize:
-        fail_startup(f"quantize={options.quantize} is not supported yet; serve unquantized weights")
     # Imported here so `--help` does not pay for torch.
     from tgis.model_files import ModelNotFoundError
     from tgis.shard.errors import StartupError
@@ -173,6 +176,7 @@ def _shard_config(options: ServeOptions) -> ShardConfig:
         model_name=options.model_name,
         revision=options.revision,
         deployment_framework=options.deployment_framework,
+        quantize=options.quantize or None,
         dtype=canonical_dtype(options.dtype),
         max_sequence_length=options.max_sequence_length,
         max_new_tokens=options.max_new_tokens,

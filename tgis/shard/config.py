@@ -41,6 +41,7 @@ class ShardConfig:
     revision: str | None = None
     deployment_framework: str | None = None  # accepted for TGIS compatibility; unused
     dtype: str | None = None  # None (auto): device.select_dtype's rule
+    quantize: str | None = None  # --quantize, checked against the checkpoint's
     max_sequence_length: int = 2048
     max_new_tokens: int = 1024  # the router enforces it; validated only
     max_batch_size: int | None = None  # None: by capacity (capacity.py)

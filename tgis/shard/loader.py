@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from tgis.model_files import resolve_model_dir
 from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.checkpoints.quantization import (
+    checkpoint_scheme,
+    require_servable,
+    resolve_quantization,
+)
 from tgis.shard.config import ShardConfig
 from tgis.shard.engines import dummy_needs_native, select_engine
 from tgis.shard.errors import StartupError
@@ -31,6 +36,9 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     bound_primitive_caches()
     model_dir = resolve_model_dir(config.model_name, config.revision)
     model_config = ModelConfig.from_dir(model_dir)
+    require_servable(
+        resolve_quantization(config.quantize, checkpoint_scheme(model_dir, model_config.raw))
+    )
     engine = select_engine(
         config.deployment_framework,
         model_config,
