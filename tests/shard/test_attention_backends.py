@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import random
+import shutil
+import subprocess
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -189,10 +194,22 @@ def test_cpu_paged_decodes_random_batches(
 ) -> None:
     """Many decoding sequences of random lengths (block boundaries, one token, long) with
     shuffled tables over a cache full of garbage, against the reference, on one thread and
-    on three. A bfloat16 cache is checked against the float32 reference over the same
-    (bfloat16-rounded) values: the kernel widens them exactly, so only float32 rounding
-    separates the two."""
+    on three."""
     assert KERNEL is not None
+    check_random_batches(KERNEL, heads, kv_heads, dim, block, cache_dtype)
+
+
+def check_random_batches(
+    kernel_module: ModuleType,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block: int,
+    cache_dtype: torch.dtype,
+) -> None:
+    """The kernel against the reference on random batches. A bfloat16 cache is checked
+    against the float32 reference over the same (bfloat16-rounded) values: the kernel
+    widens them exactly, so only float32 rounding separates the two."""
     rng = random.Random(heads * 1000 + dim)
     gen = torch.Generator().manual_seed(dim)
     lengths = [1, block, block + 1, 2 * block, *(rng.randrange(1, 300) for _ in range(20))]
@@ -214,12 +231,61 @@ def test_cpu_paged_decodes_random_batches(
     expected = reference.forward(
         q, k, v, *(c.float() for c in caches), reference.prepare(layout, torch.device("cpu"))
     )
-    kernel = CpuPagedAttention(block, KERNEL)
+    kernel = CpuPagedAttention(block, kernel_module)
     got = kernel.forward(
         q, k, v, *(c.clone() for c in caches), kernel.prepare(layout, torch.device("cpu"))
     )
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+# The kernel's target_clones variants and the CPU flags each needs to run.
+_VARIANTS = {
+    "x86-64": set(),
+    "x86-64-v3": {"avx2", "fma", "bmi2"},
+    "x86-64-v4": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"},
+}
+
+
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or shutil.which("gcc") is None, reason="x86-64 with gcc"
+)
+@pytest.mark.parametrize("march", list(_VARIANTS))
+def test_every_compiled_variant_of_the_kernel_equals_the_reference(
+    march: str, tmp_path: Path
+) -> None:
+    """The installed module runs the variant the CPU selects (target_clones); each one is
+    built here on its own (TGIS_SINGLE_TARGET) so that all are checked on any host that can
+    run them: the baseline's scalar and SSE code, AVX2 + FMA, AVX-512."""
+    missing = _VARIANTS[march] - _cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)} for {march}")
+    source = Path(load_kernel.__code__.co_filename).parent / "csrc" / "cpu_attention.c"
+    built = tmp_path / f"_cpu_attention{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run(
+        [
+            "gcc", "-shared", "-fPIC", "-O3", "-fopenmp", "-std=c11", "-ffp-contract=fast",
+            "-Wno-psabi", f"-march={march}", "-DTGIS_SINGLE_TARGET",
+            f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(built),
+        ],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    spec = importlib.util.spec_from_file_location("_cpu_attention", built)
+    assert spec is not None and spec.loader is not None
+    variant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variant)
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        check_random_batches(variant, 8, 2, 64, 16, cache_dtype)
+        check_random_batches(variant, 4, 2, 72, 4, cache_dtype)  # 64 lanes + a scalar tail
 
 
 @needs_kernel

@@ -31,7 +31,8 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* TGIS_SINGLE_TARGET builds one variant for the -march given (the tests build each one). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(TGIS_SINGLE_TARGET)
 #define TGIS_CLONES \
     __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
