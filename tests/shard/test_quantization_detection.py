@@ -1,5 +1,6 @@
-"""Which quantization a model would be served with (tgis/shard/checkpoints/quantization.py),
-and the refusal, in one line at start-up, of every quantized scheme until tgis serves it."""
+"""Which quantization a model is served with (tgis/shard/checkpoints/quantized/scheme.py),
+the one-line refusal of variants tgis does not read, and of quantized values whose scales
+are missing."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TinyModel
+from safetensors.torch import load_file, save_file
 
-from tgis.shard.checkpoints.quantization import (
+from tgis.shard.checkpoints.quantized.readers import layout_reader
+from tgis.shard.checkpoints.quantized.scheme import (
     QuantScheme,
     canonical_quantize_flag,
     checkpoint_scheme,
-    require_servable,
     resolve_quantization,
 )
 from tgis.shard.config import ShardConfig
@@ -90,7 +93,7 @@ def test_unknown_and_foreign_checkpoint_formats_fail_naming_them(
 def test_flags_aliases_and_unknown_values(caplog: pytest.LogCaptureFixture) -> None:
     assert canonical_quantize_flag(None) is None and canonical_quantize_flag(" ") is None
     assert canonical_quantize_flag("GPTQ") == "gptq"
-    with caplog.at_level(logging.INFO, logger="tgis.shard.checkpoints.quantization"):
+    with caplog.at_level(logging.INFO, logger="tgis.shard.checkpoints.quantized.scheme"):
         assert canonical_quantize_flag("bitsandbytes") == "int8"
         assert canonical_quantize_flag("eetq") == "int8"
     assert "TGIS's name for weight-only int8" in caplog.text
@@ -114,27 +117,57 @@ def test_a_flag_may_repeat_the_checkpoint_but_not_contradict_it() -> None:
     assert resolve_quantization(None, None) is None
 
 
-def test_every_scheme_is_refused_until_served() -> None:
-    require_servable(None)
-    with pytest.raises(StartupError, match=r"^fp8 \(at load\): tgis does not serve fp8 quant"):
-        require_servable(QuantScheme("fp8", pre_quantized=False))
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (GPTQ | {"bits": 3}, "gptq with 3-bit weights is not supported; tgis reads 4- and 8-bit"),
+        (GPTQ | {"checkpoint_format": "marlin"}, "gptq checkpoint_format 'marlin' is not"),
+        (
+            {"quant_method": "awq", "bits": 4, "version": "gemv"},
+            "awq version 'gemv' is not supported",
+        ),
+        (
+            FP8_CT | {"format": "marlin-24"},
+            "compressed-tensors format 'marlin-24' is not supported; tgis reads pack-quantized",
+        ),
+        (
+            FP8_CT | {"config_groups": {"g": {"weights": {"num_bits": 4, "type": "float"}}}},
+            "float 4-bit weights are not supported",
+        ),
+    ],
+)
+def test_unsupported_variants_fail_in_one_line_naming_them(config: object, message: str) -> None:
+    scheme = checkpoint_scheme(Path("."), {"quantization_config": config})
+    with pytest.raises(StartupError, match=message) as failure:
+        layout_reader(scheme)
+    assert "\n" not in str(failure.value)
 
 
 @pytest.mark.parametrize("load_format", ["auto", "dummy"])
-def test_a_quantized_checkpoint_is_refused_at_load_not_served_as_dense(
+def test_fp8_values_without_their_scales_are_refused_not_served_as_dense(
     tiny_model: TinyModel, tmp_path: Path, load_format: str
 ) -> None:
-    """The tiny model's weights under a config.json that says FP8: before this check it was
-    served as if dense (the scales never read), with wrong tokens."""
+    """A compressed-tensors FP8 config over FP8 weights whose scales are missing: the
+    values alone are not the model's, so loading fails naming the missing tensor. (With
+    the dummy load format every layer is quantized as configured, so it loads.)"""
     model = tmp_path / "fp8"
     shutil.copytree(tiny_model.path, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(config | {"quantization_config": FP8_CT}))
+    tensors = load_file(model / "model.safetensors")
+    tensors = {
+        k: v.to(torch.float8_e4m3fn) if k.endswith("q_proj.weight") else v
+        for k, v in tensors.items()
+    }
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    if load_format == "dummy":
+        load_runner(ShardConfig(model_name=str(model), load_format=load_format))
+        return
     with pytest.raises(StartupError) as failure:
         load_runner(ShardConfig(model_name=str(model), load_format=load_format))
     message = str(failure.value)
-    assert message.startswith(
-        "compressed-tensors, float-quantized (in config.json quantization_config): tgis does "
-        "not serve compressed-tensors checkpoints yet"
+    assert message == (
+        "model.layers.0.self_attn.q_proj.weight is stored as float8_e4m3fn but "
+        "model.layers.0.self_attn.q_proj.weight_scale is missing: its values cannot be read "
+        "without their scale"
     )
-    assert "\n" not in message

@@ -36,7 +36,7 @@ DTYPE_ALIASES = {
     "bf16": "bfloat16",
 }
 
-# --quantize: the shard's formats (checkpoints/quantization.py), and TGIS's and TGI's names
+# --quantize: the shard's formats (checkpoints/quantized/scheme.py), and TGIS's and TGI's names
 # for weight-only int8.
 QUANTIZE_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8", "bitsandbytes", "eetq")
 

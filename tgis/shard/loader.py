@@ -6,11 +6,8 @@ from __future__ import annotations
 
 from tgis.model_files import resolve_model_dir
 from tgis.shard.checkpoints.model_config import ModelConfig
-from tgis.shard.checkpoints.quantization import (
-    checkpoint_scheme,
-    require_servable,
-    resolve_quantization,
-)
+from tgis.shard.checkpoints.quantized.readers import layout_reader
+from tgis.shard.checkpoints.quantized.scheme import checkpoint_scheme, resolve_quantization
 from tgis.shard.config import ShardConfig
 from tgis.shard.engines import dummy_needs_native, select_engine
 from tgis.shard.errors import StartupError
@@ -36,9 +33,10 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     bound_primitive_caches()
     model_dir = resolve_model_dir(config.model_name, config.revision)
     model_config = ModelConfig.from_dir(model_dir)
-    require_servable(
-        resolve_quantization(config.quantize, checkpoint_scheme(model_dir, model_config.raw))
+    quantization = resolve_quantization(
+        config.quantize, checkpoint_scheme(model_dir, model_config.raw)
     )
+    layout_reader(quantization)  # a variant tgis does not read fails here, in one line
     engine = select_engine(
         config.deployment_framework,
         model_config,
@@ -46,7 +44,13 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         max_sequence_length=config.max_sequence_length,
     )
     if engine == "native":
-        return load_native_runner(config, model_dir, model_config, tp)
+        return load_native_runner(config, model_dir, model_config, tp, quantization)
+    if quantization is not None:
+        raise StartupError(
+            f"{quantization.describe()}: quantized weights are served by the native engine "
+            f"only, and {model_config.model_type or model_config.architecture} runs on the "
+            "transformers engine"
+        )
     if config.load_format == "dummy":
         raise StartupError(dummy_needs_native(model_config, config.max_sequence_length))
     from tgis.shard.fallback.loader import load_hf_runner  # imports transformers

@@ -11,6 +11,12 @@ Values are a fixed function of (seed, tensor name, requested slice), drawn from 
 on the target device: a rank gets the same weights at every start, and ranks that hold the
 same slice (norms, biases, replicated KV heads) hold the same values, so tensor-parallel
 replicas agree.
+
+With a ``quantization_config`` in config.json (or ``--quantize``) the linear layers are
+quantized too: random integers of the format's width and group size
+(``RandomQuantizedLayout``: GPTQ, AWQ, compressed-tensors integer schemes), or a random
+dense layer quantized as at load (FP8, int8), so that the kernels and the memory of a
+quantized model can be measured without its checkpoint.
 """
 
 from __future__ import annotations
@@ -18,10 +24,15 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tgis.shard.checkpoints.quantized.at_load import AtLoadReader
+from tgis.shard.checkpoints.quantized.matrix import GroupQuantized, groups_in_order
+from tgis.shard.checkpoints.quantized.scheme import QuantScheme
+from tgis.shard.checkpoints.quantized.source import LayoutReader, TensorSource
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.parallel.group import SINGLE, TensorParallel
@@ -47,10 +58,12 @@ class DummyWeights(Weights):
         dtype: torch.dtype,
         tp: TensorParallel = SINGLE,
         seed: int = DEFAULT_SEED,
+        quantization: QuantScheme | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.tp = tp
+        self.layout = random_layout(quantization, device)
         self.shapes = dict(shapes)
         self.seed = seed
         self.created = 0
@@ -82,6 +95,65 @@ class DummyWeights(Weights):
         else:  # norm weights
             tensor.fill_(1.0)
         return tensor
+
+
+@dataclass(frozen=True)
+class RandomQuantizedLayout:
+    """Linear layers as random ``bits``-bit integers in groups of ``group_size`` input
+    columns (-1: per channel), zero point at mid-range, scales near ``MATRIX_STD``'s."""
+
+    bits: int
+    group_size: int
+    device: torch.device
+    seed: int = DEFAULT_SEED
+
+    def holds(self, source: TensorSource, module: str) -> bool:
+        return f"{module}.weight" in source
+
+    def shape(self, source: TensorSource, module: str) -> tuple[int, int]:
+        out, in_ = source.shape(f"{module}.weight")[:2]
+        return out, in_
+
+    def read(self, source: TensorSource, module: str, compute_dtype: torch.dtype) -> GroupQuantized:
+        out, in_ = self.shape(source, module)
+        device = self.device
+        generator = torch.Generator(device=device)
+        generator.manual_seed(_seed(self.seed, module, "quantized"))
+        levels = 1 << self.bits
+        q = torch.randint(0, levels, (out, in_), generator=generator, device=device)
+        groups = 1 if self.group_size <= 0 else math.ceil(in_ / self.group_size)
+        # uniform integers have std levels / sqrt(12); scale them to MATRIX_STD
+        scale = MATRIX_STD * math.sqrt(12) / levels
+        scales = torch.full((out, groups), scale, device=device)
+        return GroupQuantized(
+            q.to(torch.uint8),
+            scales,
+            torch.full_like(scales, levels / 2),
+            groups_in_order(in_, self.group_size, device),
+            self.bits,
+            compute_dtype,
+        )
+
+
+def random_layout(quantization: QuantScheme | None, device: torch.device) -> LayoutReader | None:
+    """The dummy counterpart of ``quantization``'s layout (None: dense)."""
+    if quantization is None:
+        return None
+    if not quantization.pre_quantized:
+        return AtLoadReader(quantization.method)
+    if quantization.method == "fp8":
+        return AtLoadReader("fp8")
+    bits, group_size = quantization.bits or 4, quantization.group_size or 128
+    if quantization.method == "compressed-tensors":
+        groups: Mapping[str, Any] = quantization.config.get("config_groups") or {}
+        first: Mapping[str, Any] = next(iter(groups.values()), {})
+        weights: Mapping[str, Any] = first.get("weights") or {}
+        if weights.get("type") == "float":
+            return AtLoadReader("fp8")
+        bits = int(weights.get("num_bits", 4))
+        per_channel = weights.get("strategy", "group") in ("channel", "tensor")
+        group_size = -1 if per_channel else int(weights.get("group_size") or 128)
+    return RandomQuantizedLayout(bits, group_size, device)
 
 
 def _seed(seed: int, name: str, region: str) -> int:

@@ -4,6 +4,10 @@ Handles a single ``model.safetensors`` and sharded checkpoints with
 ``model.safetensors.index.json``. Tensors are read lazily (memory-mapped) straight onto
 the target device and cast to the target dtype. With tensor parallelism each rank reads
 only its slice of a sharded tensor (``get_sharded``, ``get_rows``).
+
+Linear layers are read by module (``linear``): dense, or, in a quantized checkpoint, in
+the layout its format stores (``quantized/``: GPTQ, AWQ, compressed-tensors, FP8) or
+quantized as read (int8, fp8 at load), so the model families never see the format.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from tgis.shard.checkpoints.quantized.matrix import GroupQuantized
+from tgis.shard.checkpoints.quantized.readers import layout_reader
+from tgis.shard.checkpoints.quantized.scheme import QuantScheme
+from tgis.shard.checkpoints.quantized.source import LayoutReader, LinearMatrix
 from tgis.shard.errors import StartupError
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 
@@ -31,10 +39,12 @@ class Weights:
         device: torch.device,
         dtype: torch.dtype,
         tp: TensorParallel = SINGLE,
+        quantization: QuantScheme | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.tp = tp
+        self.layout: LayoutReader | None = layout_reader(quantization)
         self._file_of = _index(model_dir)
         self._handles: dict[Path, Any] = {}
 
@@ -59,6 +69,11 @@ class Weights:
     def shape(self, name: str) -> tuple[int, ...]:
         """The full (unsharded) shape of ``name``, read from the file header."""
         return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as stored (no cast) on the target device."""
+        tensor: torch.Tensor = self._handle(name).get_tensor(name)
+        return tensor
 
     def get(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` on the target device; floating tensors cast to the dtype."""
@@ -90,9 +105,75 @@ class Weights:
         view = self._handle(name).get_slice(name)
         return self._cast(view[start:stop] if dim == 0 else view[:, start:stop])
 
+    def linear_shape(self, module: str) -> tuple[int, int]:
+        """The full [out, in] shape of linear layer ``module``'s weight."""
+        if self.layout is not None and self.layout.holds(self, module):
+            return self.layout.shape(self, module)
+        out, in_ = self.shape(f"{module}.weight")[:2]
+        return out, in_
+
+    def linear(
+        self,
+        module: str,
+        rows: Sequence[tuple[int, int]] | None = None,
+        cols: tuple[int, int] | None = None,
+    ) -> LinearMatrix:
+        """Linear layer ``module``'s weight: the output rows of every [start, stop) in
+        ``rows`` (in that order), or input columns [start, stop) (``cols``), or all of it.
+        Dense in the model's dtype, or group-quantized (``quantized/matrix.py``)."""
+        if self.layout is None or not self.layout.holds(self, module):
+            return self._dense_linear(f"{module}.weight", rows, cols)
+        matrix = self.layout.read(self, module, self.dtype)
+        if isinstance(matrix, torch.Tensor):  # a dense read of a float format (FP8)
+            return _slice_dense(matrix.to(self.dtype), rows, cols)
+        if rows is not None:
+            return matrix.rows(rows)
+        if cols is not None:
+            check_group_split(module, matrix, cols, self.tp.world_size)
+            return matrix.cols(*cols)
+        return matrix
+
+    def _dense_linear(
+        self, name: str, rows: Sequence[tuple[int, int]] | None, cols: tuple[int, int] | None
+    ) -> torch.Tensor:
+        """A dense weight's rows or columns, reading only those."""
+        if rows is not None:
+            return self.get_row_ranges(name, rows)
+        if cols is not None:
+            return self._cast(self._handle(name).get_slice(name)[:, cols[0] : cols[1]])
+        return self.get(name)
+
     def close(self) -> None:
         """Drop the file handles (the loaded tensors stay valid)."""
         self._handles.clear()
+
+
+def _slice_dense(
+    matrix: torch.Tensor, rows: Sequence[tuple[int, int]] | None, cols: tuple[int, int] | None
+) -> torch.Tensor:
+    if rows is not None:
+        return torch.cat([matrix[a:b] for a, b in rows])
+    return matrix if cols is None else matrix[:, cols[0] : cols[1]].contiguous()
+
+
+def check_group_split(
+    module: str, matrix: GroupQuantized, cols: tuple[int, int], world_size: int
+) -> None:
+    """StartupError, naming the ``--num-shard`` values that work, when this rank's input
+    columns ``cols`` of a layer quantized in column order cut one of its groups (a layer
+    in activation order keeps every group's scales on every rank instead)."""
+    if not matrix.in_order() or matrix.num_groups <= 1:
+        return
+    in_features = matrix.shape[1]
+    size = int((matrix.g_idx == 0).sum())  # the group size (the last group may be short)
+    if cols[0] % size == 0 and (cols[1] % size == 0 or cols[1] == in_features):
+        return
+    working = [n for n in range(1, 65) if in_features % n == 0 and (in_features // n) % size == 0]
+    raise StartupError(
+        f"{module}: {in_features} input features in groups of {size} cannot be split "
+        f"between {world_size} shards (each would cut a group); --num-shard values that "
+        f"work: {', '.join(map(str, working[:8]))}"
+    )
 
 
 def _index(model_dir: Path) -> dict[str, Path]:

@@ -26,6 +26,7 @@ from tgis.shard.adapters.startup import (
 from tgis.shard.capacity import blocks_for, check_fits, configured_blocks
 from tgis.shard.checkpoints.dummy_weights import DummyWeights, parameter_count
 from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.checkpoints.quantized.scheme import QuantScheme
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.config import ShardConfig
 from tgis.shard.cpu_threads import MIN_PARALLEL_SECONDS
@@ -48,12 +49,17 @@ log = logging.getLogger(__name__)
 
 
 def load_native_runner(
-    config: ShardConfig, model_dir: Path, model_config: ModelConfig, tp: TensorParallel
+    config: ShardConfig,
+    model_dir: Path,
+    model_config: ModelConfig,
+    tp: TensorParallel,
+    quantization: QuantScheme | None = None,
 ) -> ModelRunner:
     """Load ``model_config``'s model onto this rank's device and size its KV cache.
 
     With tensor parallelism this rank reads only its slice of each tensor and every rank
     gets the same number of KV blocks (the smallest that fits on all of them).
+    ``quantization``: the checkpoint's quantization or the one applied at load.
     """
     factory = model_class(model_config)  # fail on the architecture before touching devices
     device = select_device(config.rank, config.world_size, config.cuda_process_memory_fraction)
@@ -61,7 +67,8 @@ def load_native_runner(
     attention = start_attention_backend(device, BLOCK_SIZE, dtype)
     if tp.world_size != config.world_size:
         raise StartupError(f"{tp.world_size} ranks joined but WORLD_SIZE={config.world_size}")
-    model = _build_model(config, factory, model_config, attention, device, dtype, tp)
+    model = _build_model(config, factory, model_config, attention, device, dtype, tp, quantization)
+    _log_quantization(model, quantization)
     spec = model.kv_cache_spec
     info = _info(config, model_config, spec, attention, device, dtype)
     forward = _forward(model, tp, device)
@@ -177,6 +184,23 @@ def _pack_cpu_weights(
     )
 
 
+def _log_quantization(model: CausalLM, quantization: QuantScheme | None) -> None:
+    """Name the quantization and the kernel of the linear layers (how many run each)."""
+    if quantization is None or not isinstance(model, DecoderLM):
+        return
+    kernels = model.linear_kernels()
+    log.info(
+        "Quantization: %s; linear layers: %s",
+        quantization.describe(),
+        ", ".join(f"{count} {kernel}" for kernel, count in sorted(kernels.items())),
+    )
+    if any(kernel.startswith("dequantized") for kernel in kernels):
+        log.info(
+            "Dequantized layers hold dense weights: they compute what the checkpoint's "
+            "values say, without the memory saving (native/quantized_linear.py)"
+        )
+
+
 def _compile(runner: ModelRunner, model: CausalLM) -> None:
     """Compile the runner's step now (``ModelRunner.warm_up``); on failure run it eagerly,
     unless ``TGIS_COMPILE=1`` made compiling a requirement."""
@@ -207,17 +231,19 @@ def _build_model(
     device: torch.device,
     dtype: torch.dtype,
     tp: TensorParallel,
+    quantization: QuantScheme | None,
 ) -> CausalLM:
     """The model with this rank's weights: read from the safetensors files, or with
-    ``--load-format dummy`` created at random on the device (nothing read but config.json)."""
+    ``--load-format dummy`` created at random on the device (nothing read but config.json;
+    a quantized layout's integers at random too)."""
     if config.load_format != "dummy":
-        weights = Weights(model_config.model_dir, device, dtype, tp=tp)
+        weights = Weights(model_config.model_dir, device, dtype, tp=tp, quantization=quantization)
         model = factory(model_config, weights, attention, config.max_sequence_length)
         weights.close()
         return model
     started = time.monotonic()
     shapes = factory.checkpoint_shapes(model_config, config.max_sequence_length)
-    dummy = DummyWeights(shapes, device, dtype, tp=tp)
+    dummy = DummyWeights(shapes, device, dtype, tp=tp, quantization=quantization)
     model = factory(model_config, dummy, attention, config.max_sequence_length)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

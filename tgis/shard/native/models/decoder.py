@@ -8,6 +8,7 @@ the compiled one through ``compiled.py``'s custom op.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -160,16 +161,26 @@ class DecoderLM:
         return [linear.lora_site for linear in linears if linear.lora_site is not None]
 
     def pack_linear_weights(self) -> int:
-        """Put every linear layer's weight, the LM head's included, in oneDNN's layout
-        (``cpu_gemm.py``: CPU, eager forward; a tied embedding keeps its own); returns how
-        many were packed."""
+        """Put every dense linear layer's weight, the LM head's included, in oneDNN's layout
+        (``cpu_gemm.py``: CPU, eager forward; a tied embedding keeps its own; quantized
+        weights keep theirs); returns how many were packed."""
         linears: list[ColumnLinear | RowLinear] = []
         for layer in self.layers:
             _collect_linears(layer, linears, every=True)
+        dense = 0
         for linear in linears:
-            linear.weight = pack(linear.weight)
+            if isinstance(linear.weight, torch.Tensor):
+                linear.weight = pack(linear.weight)
+                dense += 1
         self.lm_head.weight = pack(self.lm_head.weight)
-        return len(linears) + 1
+        return dense + 1
+
+    def linear_kernels(self) -> Counter[str]:
+        """How many linear layers run each kernel (``native/quantized_linear.py``)."""
+        linears: list[ColumnLinear | RowLinear] = []
+        for layer in self.layers:
+            _collect_linears(layer, linears, every=True)
+        return Counter(linear.kernel for linear in linears)
 
 
 def _collect_linears(

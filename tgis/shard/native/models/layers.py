@@ -190,17 +190,17 @@ def grouped_qkv_ranges(heads: Heads) -> list[tuple[int, int]]:
 def fused_qkv_linear(weights: Weights, prefix: str, heads: Heads, bias: bool) -> ColumnLinear:
     """This rank's heads of the fused ``<prefix>.weight`` (see ``grouped_qkv_ranges``), as
     one column-parallel projection whose output is [q | k | v]."""
-    name = f"{prefix}.weight"
     rows = (heads.total + 2 * heads.total_kv) * heads.head_dim
-    if weights.shape(name)[0] != rows:
+    found = weights.linear_shape(prefix)[0]
+    if found != rows:
         raise StartupError(
-            f"{name} has {weights.shape(name)[0]} rows; the config's {heads.total} heads and "
+            f"{prefix}.weight has {found} rows; the config's {heads.total} heads and "
             f"{heads.total_kv} KV heads of size {heads.head_dim} need {rows}"
         )
     ranges = grouped_qkv_ranges(heads)
     b = weights.get_row_ranges(f"{prefix}.bias", ranges) if bias else None
     site = LoraSite((lora_part(weights, prefix, ranges),), row_parallel=False)
-    return ColumnLinear(weights.get_row_ranges(name, ranges), b, site)
+    return ColumnLinear(weights.linear(prefix, rows=ranges), b, site)
 
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tgis.shard.adapters.lora_layout import LoraPart, LoraSite
+from tgis.shard.adapters.lora_layout import LoraSite
 from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.checkpoints.quantized.matrix import fuse_rows
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
@@ -179,18 +180,20 @@ def _separate_qkv(weights: Weights, attn: str, args: LlamaArgs) -> ColumnLinear:
     heads = {"q": args.num_heads, "k": args.num_kv_heads, "v": args.num_kv_heads}
     what = {"q": "num_attention_heads", "k": "num_key_value_heads", "v": "num_key_value_heads"}
 
-    def rows(p: str, kind: str) -> torch.Tensor:
-        name = f"{attn}.{p}_proj.{kind}"
-        return heads_rows(weights, name, heads[p], args.head_dim, what[p])
-
-    def part(p: str) -> LoraPart:
+    def rows(p: str) -> tuple[int, int]:
         first, last = head_range(heads[p], weights.tp, what[p])
-        ranges = ((first * args.head_dim, last * args.head_dim),)
-        return lora_part(weights, f"{attn}.{p}_proj", ranges)
+        return first * args.head_dim, last * args.head_dim
 
-    bias = torch.cat([rows(p, "bias") for p in "qkv"]) if args.qkv_bias else None
-    site = LoraSite(tuple(part(p) for p in "qkv"), row_parallel=False)
-    return ColumnLinear(torch.cat([rows(p, "weight") for p in "qkv"]), bias, site)
+    def bias(p: str) -> torch.Tensor:
+        return heads_rows(weights, f"{attn}.{p}_proj.bias", heads[p], args.head_dim, what[p])
+
+    b = torch.cat([bias(p) for p in "qkv"]) if args.qkv_bias else None
+    site = LoraSite(
+        tuple(lora_part(weights, f"{attn}.{p}_proj", (rows(p),)) for p in "qkv"),
+        row_parallel=False,
+    )
+    weight = fuse_rows([weights.linear(f"{attn}.{p}_proj", rows=[rows(p)]) for p in "qkv"])
+    return ColumnLinear(weight, b, site)
 
 
 class LlamaForCausalLM(DecoderLM):

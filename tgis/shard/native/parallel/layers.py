@@ -4,7 +4,10 @@ Megatron-style: a column-parallel layer splits its output features across ranks 
 communication), a row-parallel layer splits its input features and sums the partial
 results with an all-reduce. Attention splits heads (column-parallel q/k/v, row-parallel
 output projection); the MLP splits its intermediate size the same way. Each rank reads
-only its slice of each checkpoint tensor (`Weights.get_sharded`).
+only its slice of each checkpoint tensor (`Weights.linear`).
+
+A linear layer's weight is dense or quantized (``native/quantized_linear.py`` chooses its
+kernel once, at load); the layers call ``apply`` and never look at the format.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from tgis.shard.adapters.lora_layout import LoraPart, LoraSite
+from tgis.shard.checkpoints.quantized.matrix import fuse_rows
+from tgis.shard.checkpoints.quantized.source import LinearMatrix
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.cpu_gemm import linear
 from tgis.shard.native.lora_rows import LoraRows
+from tgis.shard.native.quantized_linear import LinearWeight, runtime_weight
 from tgis.shard.parallel.group import TensorParallel
 
 
@@ -27,18 +33,19 @@ class ColumnLinear:
     matrices can be fused (e.g. q, k, v) by concatenating each one's slice.
 
     ``lora_site`` describes those matrices and slices for LoRA adapters; with ``lora`` (the
-    step's adapters and their rows) each row also gets its adapter's delta."""
+    step's adapters and their rows) each row also gets its adapter's delta (on top of a
+    quantized weight's output as of a dense one's)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, lora_site: LoraSite | None = None
+        self, weight: LinearMatrix, bias: torch.Tensor | None, lora_site: LoraSite | None = None
     ) -> None:
-        self.weight = weight
+        self.weight, self.kernel = runtime_weight(weight)
         self.bias = bias
         self.lora_site = lora_site
         self.lora_index = -1  # its place in the model's LoRA sites (DecoderLM.lora_sites)
 
     def __call__(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias)
+        y = apply(x, self.weight, self.bias)
         if lora is not None:
             lora.add(self.lora_index, x, y)
         return y
@@ -52,23 +59,30 @@ class RowLinear:
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: LinearMatrix,
         bias: torch.Tensor | None,
         tp: TensorParallel,
         lora_site: LoraSite | None = None,
     ):
-        self.weight = weight
+        self.weight, self.kernel = runtime_weight(weight)
         self.bias = bias
         self.tp = tp
         self.lora_site = lora_site
         self.lora_index = -1
 
     def __call__(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = apply(x, self.weight, None)
         if lora is not None:
             lora.add(self.lora_index, x, y)
         y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+def apply(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x Wᵀ + b`` with a dense weight (oneDNN-packed or not) or a quantized one."""
+    if isinstance(weight, torch.Tensor):
+        return linear(x, weight, bias)
+    return weight.matmul(x, bias)
 
 
 def _bias(weights: Weights, name: str, present: bool, dim: int | None) -> torch.Tensor | None:
@@ -78,20 +92,21 @@ def _bias(weights: Weights, name: str, present: bool, dim: int | None) -> torch.
 
 
 def column_linear(weights: Weights, prefixes: Sequence[str], bias: bool) -> ColumnLinear:
-    """Fuse `<prefix>.weight` of every prefix, each split by output rows across ranks."""
-    w = torch.cat([weights.get_sharded(f"{p}.weight", 0) for p in prefixes])
+    """Fuse the weight of every prefix, each split by output rows across ranks."""
+    ranges = {p: _even_range(weights, p, 0) for p in prefixes}
+    w = fuse_rows([weights.linear(p, rows=[ranges[p]]) for p in prefixes])
     biases = [_bias(weights, f"{p}.bias", bias, 0) for p in prefixes]
     b = torch.cat([t for t in biases if t is not None]) if bias else None
-    parts = [lora_part(weights, p, (_even_range(weights, f"{p}.weight", 0),)) for p in prefixes]
+    parts = [lora_part(weights, p, (ranges[p],)) for p in prefixes]
     return ColumnLinear(w, b, LoraSite(tuple(parts), row_parallel=False))
 
 
 def row_linear(weights: Weights, prefix: str, bias: bool) -> RowLinear:
-    """`<prefix>.weight` split by input columns; the bias is added once, after the sum."""
-    name = f"{prefix}.weight"
-    part = lora_part(weights, prefix, (_even_range(weights, name, 1),))
+    """``prefix``'s weight split by input columns; the bias is added once, after the sum."""
+    cols = _even_range(weights, prefix, 1)
+    part = lora_part(weights, prefix, (cols,))
     return RowLinear(
-        weights.get_sharded(name, 1),
+        weights.linear(prefix, cols=cols),
         _bias(weights, f"{prefix}.bias", bias, None),
         weights.tp,
         LoraSite((part,), row_parallel=True),
@@ -101,16 +116,17 @@ def row_linear(weights: Weights, prefix: str, bias: bool) -> RowLinear:
 def lora_part(weights: Weights, module: str, ranges: Sequence[tuple[int, int]]) -> LoraPart:
     """Checkpoint module ``module`` as part of a LoRA site, this rank holding ``ranges``
     (output rows of a column-parallel site, input columns of a row-parallel one)."""
-    out_features, in_features = weights.shape(f"{module}.weight")[:2]
+    out_features, in_features = weights.linear_shape(module)
     return LoraPart(module, in_features, out_features, tuple(ranges))
 
 
-def _even_range(weights: Weights, name: str, dim: int) -> tuple[int, int]:
-    """This rank's [start, stop) of ``name`` along ``dim``, as ``Weights.get_sharded`` reads."""
-    size = weights.shape(name)[dim]
+def _even_range(weights: Weights, module: str, dim: int) -> tuple[int, int]:
+    """This rank's equal [start, stop) of linear layer ``module``'s weight along ``dim``
+    (0: output rows, 1: input columns)."""
+    size = weights.linear_shape(module)[dim]
     if not weights.tp.is_parallel:
         return 0, size
-    return weights.tp.split(size, f"dimension {dim} of {name}")
+    return weights.tp.split(size, f"dimension {dim} of {module}.weight")
 
 
 def head_range(num_heads: int, tp: TensorParallel, what: str) -> tuple[int, int]:

@@ -4,10 +4,8 @@
 
 Formats named here: ``gptq``, ``awq``, ``compressed-tensors`` and ``fp8`` (pre-quantized
 checkpoints), and ``int8`` / ``fp8`` quantized at load from a dense checkpoint;
-``bitsandbytes`` and ``eetq`` are TGIS's and TGI's names for weight-only int8. tgis does not
-serve any quantized weights yet, so ``require_servable`` refuses every scheme in one line
-that names it: a quantized checkpoint read as if it were dense would be served with wrong
-tokens (an FP8 checkpoint's ``weight_scale`` ignored) instead of failing.
+``bitsandbytes`` and ``eetq`` are TGIS's and TGI's names for weight-only int8. How each
+format's tensors are read is in the layout modules beside this one (``readers.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +57,8 @@ class QuantScheme:
     group_size: int | None = None
     variant: str = ""  # e.g. compressed-tensors' format, GPTQ's checkpoint_format
     source: str = ""  # where it was read: "config.json quantization_config", ...
+    config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    """The checkpoint's quantization config as read (empty for quantization at load)."""
 
     def describe(self) -> str:
         parts = [self.method]
@@ -109,6 +109,7 @@ def checkpoint_scheme(model_dir: Path, config: Mapping[str, Any]) -> QuantScheme
         group_size=_int_or_none(raw.get("group_size")),
         variant=str(raw.get("format") or raw.get("checkpoint_format") or ""),
         source=source,
+        config=raw,
     )
 
 
@@ -149,17 +150,6 @@ def resolve_quantization(flag: str | None, checkpoint: QuantScheme | None) -> Qu
             "quantize a dense checkpoint at load"
         )
     return QuantScheme(method=method, pre_quantized=False)
-
-
-def require_servable(scheme: QuantScheme | None) -> None:
-    """StartupError for a scheme tgis cannot serve (today: every one)."""
-    if scheme is None:
-        return
-    what = "checkpoints" if scheme.pre_quantized else "quantization at load"
-    raise StartupError(
-        f"{scheme.describe()}: tgis does not serve {scheme.method} {what} yet; it serves "
-        "dense float32, float16 and bfloat16 checkpoints"
-    )
 
 
 def _int_or_none(value: object) -> int | None:

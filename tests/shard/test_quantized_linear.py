@@ -1,0 +1,189 @@
+"""The common quantized form (``checkpoints/quantized/matrix.py``) and the CPU kernels each
+layer is given (``native/quantized_linear.py``), against the dense weight the integers
+stand for: ``scales[o, g_idx[i]] * (q[o, i] - zeros[o, g_idx[i]])`` computed here, in
+float64, by indexing alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgis.shard.checkpoints.quantized.at_load import fp8_round_trip, quantize_int8
+from tgis.shard.checkpoints.quantized.matrix import (
+    GroupQuantized,
+    concat,
+    fuse_rows,
+    unpack_int32,
+)
+from tgis.shard.errors import StartupError
+from tgis.shard.native.parallel.layers import apply
+from tgis.shard.native.quantized_linear import (
+    KERNEL_VARIABLE,
+    Int4CpuWeight,
+    Int8CpuWeight,
+    kernel_mode,
+    runtime_weight,
+)
+
+
+def random_matrix(
+    out: int,
+    in_: int,
+    bits: int,
+    group: int,
+    act_order: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> GroupQuantized:
+    """Random integers, scales and zero points (the edges 0 and 2^bits - 1 included)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = 1 if group <= 0 else in_ // group
+    size = in_ if group <= 0 else group
+    g_idx = torch.arange(in_) // size
+    if act_order:
+        g_idx = g_idx[torch.randperm(in_, generator=gen)]
+    levels = 1 << bits
+    zeros = torch.randint(0, levels, (out, groups), generator=gen).float()
+    zeros[0, 0], zeros[-1, -1] = 0, levels - 1
+    return GroupQuantized(
+        torch.randint(0, levels, (out, in_), generator=gen).to(torch.uint8),
+        torch.rand(out, groups, generator=gen) * 0.02 + 0.001,
+        zeros,
+        g_idx,
+        bits,
+        dtype,
+    )
+
+
+def reference(m: GroupQuantized) -> torch.Tensor:
+    """The dense weight, by indexing each column's group (float64)."""
+    out, in_ = m.shape
+    w = torch.empty(out, in_, dtype=torch.float64)
+    for i in range(in_):
+        g = int(m.g_idx[i])
+        w[:, i] = m.scales[:, g].double() * (m.q[:, i].double() - m.zeros[:, g].double())
+    return w
+
+
+def test_dequantize_follows_each_columns_group() -> None:
+    m = random_matrix(32, 96, 4, 32, act_order=True, dtype=torch.float32)
+    torch.testing.assert_close(m.dequantize().double(), reference(m), atol=1e-7, rtol=1e-6)
+
+
+def test_unpack_int32_low_bits_first_along_either_dimension() -> None:
+    words = torch.tensor([[0x76543210, -1], [0x0000FEDC, 0x12345678]], dtype=torch.int32)
+    along_1 = unpack_int32(words, 4, dim=1)
+    assert along_1[0, :8].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert along_1[0, 8:].tolist() == [15] * 8  # a negative word unpacks as unsigned
+    assert along_1[1, :8].tolist() == [12, 13, 14, 15, 0, 0, 0, 0]
+    along_0 = unpack_int32(words, 8, dim=0)
+    assert along_0[:4, 0].tolist() == [0x10, 0x32, 0x54, 0x76]
+    assert along_0[4:, 1].tolist() == [0x78, 0x56, 0x34, 0x12]
+
+
+def test_rows_cols_and_concat_slice_the_dense_weight() -> None:
+    m = random_matrix(48, 128, 4, 32, act_order=True, dtype=torch.float32)
+    dense = reference(m)
+    ranges = [(0, 8), (24, 40)]
+    expected = torch.cat([dense[a:b] for a, b in ranges])
+    torch.testing.assert_close(reference(m.rows(ranges)), expected)
+    part = m.cols(40, 104)  # cuts groups: act order keeps every group it uses
+    torch.testing.assert_close(reference(part), dense[:, 40:104])
+    assert part.num_groups <= m.num_groups and int(part.g_idx.max()) < part.num_groups
+    fused = concat([m.rows([(0, 16)]), m.rows([(16, 48)])])
+    assert fused is not None
+    torch.testing.assert_close(reference(fused), dense)
+    other = random_matrix(16, 128, 4, 32, act_order=True, dtype=torch.float32, seed=1)
+    assert concat([m, other]) is None  # different activation orders
+    mixed = fuse_rows([m, other])
+    assert isinstance(mixed, torch.Tensor)
+    torch.testing.assert_close(mixed.double(), torch.cat([dense, reference(other)]))
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
+@pytest.mark.parametrize(
+    "group,act_order", [(32, False), (128, False), (32, True), (-1, False), (512, False)]
+)
+def test_int4_kernel_equals_the_dense_weight(
+    group: int, act_order: bool, dtype: torch.dtype, tolerance: float
+) -> None:
+    """Groups of 32 and 128, activation order, per channel (one group of 512: the kernel
+    repeats its scale in groups of 256) and a group larger than the kernel takes."""
+    m = random_matrix(64, 512, 4, group, act_order=act_order, dtype=dtype)
+    weight, kernel = runtime_weight(m, "auto")
+    assert isinstance(weight, Int4CpuWeight), kernel
+    assert (weight.order is not None) == act_order
+    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(64).to(dtype)
+    got = apply(x.to(dtype), weight, bias).double()
+    expected = x.to(dtype).double() @ reference(m).t() + bias.double()
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() / scale < tolerance
+
+
+def test_int8_kernel_equals_the_dense_weight() -> None:
+    m = random_matrix(48, 96, 8, -1)
+    m = GroupQuantized(m.q, m.scales, torch.full_like(m.zeros, 128.0), m.g_idx, 8, m.compute_dtype)
+    weight, kernel = runtime_weight(m, "auto")
+    assert isinstance(weight, Int8CpuWeight) and kernel.startswith("int8"), kernel
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    got = apply(x, weight, None).double()
+    expected = x.double() @ reference(m).t()
+    assert (got - expected).abs().max() / expected.abs().max() < 2e-2
+
+
+@pytest.mark.parametrize(
+    "matrix,why",
+    [
+        (random_matrix(40, 64, 4, 32), "40 output features, not a multiple of 16"),
+        (random_matrix(32, 96, 4, 48), "groups of 48 columns"),
+        (random_matrix(32, 96, 8, 32), "8-bit weights with groups"),
+        (random_matrix(32, 64, 8, -1), "zero points put them outside int8"),
+        (random_matrix(32, 64, 4, 32, dtype=torch.float32), "float32 activations"),
+    ],
+)
+def test_layers_the_kernels_cannot_take_are_dequantized_saying_why(
+    matrix: GroupQuantized, why: str
+) -> None:
+    weight, kernel = runtime_weight(matrix, "auto")
+    assert isinstance(weight, torch.Tensor) and weight.dtype == matrix.compute_dtype
+    assert kernel.startswith("dequantized (") and why in kernel, kernel
+    torch.testing.assert_close(weight.double(), reference(matrix).to(weight.dtype).double())
+
+
+def test_unequal_groups_after_a_split_of_an_act_order_layer_are_dequantized() -> None:
+    m = random_matrix(32, 128, 4, 32, act_order=True).cols(0, 64)
+    weight, kernel = runtime_weight(m, "auto")
+    counts = torch.bincount(m.g_idx)
+    if bool((counts == counts[0]).all()):
+        pytest.skip("this seed split the groups evenly")
+    assert isinstance(weight, torch.Tensor) and "groups of unequal size" in kernel
+
+
+def test_the_kernel_variable_forces_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = random_matrix(32, 64, 4, 32, dtype=torch.float32)
+    monkeypatch.setenv(KERNEL_VARIABLE, "torch")
+    weight, _ = runtime_weight(m)
+    assert isinstance(weight, Int4CpuWeight)  # float32 activations through the int4 kernel
+    x = torch.randn(3, 64)
+    expected = x.double() @ reference(m).t()
+    assert (apply(x, weight, None).double() - expected).abs().max() < 1e-4
+    monkeypatch.setenv(KERNEL_VARIABLE, "dequant")
+    weight, kernel = runtime_weight(random_matrix(32, 64, 4, 32))
+    assert isinstance(weight, torch.Tensor) and kernel == f"dequantized ({KERNEL_VARIABLE}=dequant)"
+    monkeypatch.setenv(KERNEL_VARIABLE, "marlin")
+    with pytest.raises(StartupError, match="TGIS_QUANT_KERNEL=marlin: expected one of auto"):
+        kernel_mode()
+
+
+def test_int8_and_fp8_at_load_are_per_output_channel() -> None:
+    w = torch.randn(24, 80, generator=torch.Generator().manual_seed(5)) * 0.1
+    w[3] = 0.0  # an all-zero row keeps a usable scale
+    m = quantize_int8(w, torch.float32)
+    dense = reference(m)
+    step = w.abs().amax(dim=1, keepdim=True).double() / 127
+    assert bool(((dense - w.double()).abs() <= step / 2 + 1e-9).all())
+    assert bool((dense[3] == 0).all())
+    fp8 = fp8_round_trip(w)
+    relative = ((fp8 - w).abs() / w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)).max()
+    assert 0 < relative < 2**-4  # e4m3 keeps 3 mantissa bits

@@ -1,0 +1,167 @@
+"""The kernel each quantized linear layer runs, chosen once at load.
+
+A layer's weight arrives as a dense tensor or a ``GroupQuantized`` (``checkpoints/
+quantized/matrix.py``). ``runtime_weight`` turns it into what the step multiplies with:
+
+- CPU, bfloat16 or float16 activations: 4-bit weights through PyTorch's
+  ``_weight_int4pack_mm_for_cpu`` (its AVX-512/AVX2 kernel; groups of 32-256 columns,
+  activation order by gathering the input's columns in group order), 8-bit weights with
+  one scale per output channel through ``_weight_int8pack_mm``;
+- CPU, float32 activations: dequantized once, here (the weight-only kernels are built for
+  16-bit activations: PyTorch's int4 kernel runs float32 10-20x slower than a dense
+  GEMM), so the model computes exactly what the dequantized checkpoint does and memory is
+  not saved;
+- CUDA: dequantized (no CUDA kernel for quantized weights yet);
+- any layer the kernels' layout limits exclude (output features not a multiple of 16,
+  groups of unequal size after a tensor-parallel split of an activation-ordered layer,
+  8-bit weights with groups): dequantized.
+
+``TGIS_QUANT_KERNEL`` forces a path: ``auto`` (the rules above), ``torch`` (the weight-only
+kernels wherever the layout allows, float32 activations too), ``dequant`` (always dense).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tgis.shard.checkpoints.quantized.matrix import GroupQuantized
+from tgis.shard.checkpoints.quantized.source import LinearMatrix
+from tgis.shard.errors import StartupError
+
+KERNEL_VARIABLE = "TGIS_QUANT_KERNEL"
+KERNEL_MODES = ("auto", "torch", "dequant")
+INT4_GROUP_SIZES = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
+INT4_ROWS_MULTIPLE = 16  # output features, for _convert_weight_to_int4pack_for_cpu
+INT4_INNER_K_TILES = 2
+DENSE = "dense"
+
+
+def kernel_mode() -> str:
+    """``TGIS_QUANT_KERNEL`` (default ``auto``); StartupError for another value."""
+    mode = os.environ.get(KERNEL_VARIABLE, "").strip().lower() or "auto"
+    if mode not in KERNEL_MODES:
+        raise StartupError(f"{KERNEL_VARIABLE}={mode}: expected one of {', '.join(KERNEL_MODES)}")
+    return mode
+
+
+@dataclass(frozen=True)
+class Int4CpuWeight:
+    """4-bit weight for ``_weight_int4pack_mm_for_cpu``: ``packed`` [out, in / 2] uint8,
+    ``scales_zeros`` [in / group, out, 2] in the activations' dtype (the kernel computes
+    ``(q - 8) * scale + zero``), and ``order``, the input columns in group order when the
+    checkpoint was quantized in activation order."""
+
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    group_size: int
+    order: torch.Tensor | None
+    kernel = "int4 (_weight_int4pack_mm_for_cpu)"
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.order is not None:
+            x = x.index_select(-1, self.order)
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, self.group_size, self.scales_zeros
+        )
+        return y if bias is None else y + bias
+
+
+@dataclass(frozen=True)
+class Int8CpuWeight:
+    """8-bit weight for ``_weight_int8pack_mm``: ``q`` int8 [out, in] and one scale per
+    output channel in the activations' dtype."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    kernel = "int8 (_weight_int8pack_mm)"
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x.contiguous(), self.q, self.scales)
+        return y if bias is None else y + bias
+
+
+QuantizedWeight = Int4CpuWeight | Int8CpuWeight
+LinearWeight = torch.Tensor | QuantizedWeight
+"""What a linear layer multiplies with."""
+
+
+def runtime_weight(matrix: LinearMatrix, mode: str | None = None) -> tuple[LinearWeight, str]:
+    """The weight a layer runs with and a description of its kernel (for the start-up
+    log): dense tensors as they are, quantized ones by the rules of this module."""
+    if isinstance(matrix, torch.Tensor):
+        return matrix, DENSE
+    mode = mode or kernel_mode()
+    reason = _dequantize_reason(matrix, mode)
+    if reason is None:
+        weight = _int4(matrix) if matrix.bits == 4 else _int8(matrix)
+        if isinstance(weight, str):
+            reason = weight
+        else:
+            return weight, weight.kernel
+    return matrix.dequantize(), f"dequantized ({reason})"
+
+
+def apply_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` with a quantized weight."""
+    return weight.matmul(x, bias)
+
+
+def _dequantize_reason(matrix: GroupQuantized, mode: str) -> str | None:
+    """Why ``matrix`` must be dequantized before any kernel is tried, or None."""
+    if mode == "dequant":
+        return f"{KERNEL_VARIABLE}=dequant"
+    if matrix.q.device.type != "cpu":
+        return "no CUDA kernel for quantized weights yet"
+    if matrix.compute_dtype == torch.float32 and mode == "auto":
+        return "float32 activations"
+    if matrix.bits not in (4, 8):
+        return f"no kernel for {matrix.bits}-bit weights"
+    return None
+
+
+def _int4(matrix: GroupQuantized) -> Int4CpuWeight | str:
+    """``matrix`` in ``_weight_int4pack_mm_for_cpu``'s layout, or why it does not fit."""
+    out = matrix.shape[0]
+    if out % INT4_ROWS_MULTIPLE:
+        return f"{out} output features, not a multiple of {INT4_ROWS_MULTIPLE}"
+    order = None
+    g_idx = matrix.g_idx
+    if not matrix.in_order():
+        order = torch.argsort(g_idx, stable=True)
+        g_idx = g_idx[order]
+    counts = torch.bincount(g_idx, minlength=matrix.num_groups)
+    size = int(counts[0])
+    if not bool((counts == size).all()):
+        return "groups of unequal size"
+    kernel_group = next((g for g in INT4_GROUP_SIZES if size % g == 0), None)
+    if kernel_group is None:
+        return f"groups of {size} columns (the kernel takes multiples of 32)"
+    q = matrix.q if order is None else matrix.q.index_select(1, order)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        q.to(torch.int32).contiguous(), INT4_INNER_K_TILES
+    )
+    repeat = size // kernel_group
+    scales = matrix.scales.repeat_interleave(repeat, dim=1)
+    zeros = matrix.zeros.repeat_interleave(repeat, dim=1)
+    scales_zeros = torch.stack([scales.t(), (scales * (8 - zeros)).t()], dim=-1)
+    return Int4CpuWeight(
+        packed, scales_zeros.to(matrix.compute_dtype).contiguous(), kernel_group, order
+    )
+
+
+def _int8(matrix: GroupQuantized) -> Int8CpuWeight | str:
+    """``matrix`` in ``_weight_int8pack_mm``'s layout, or why it does not fit."""
+    if matrix.num_groups != 1:
+        return "8-bit weights with groups (the kernel takes one scale per output channel)"
+    signed = matrix.q.to(torch.int32) - matrix.zeros.round().to(torch.int32)
+    if int(signed.min()) < -128 or int(signed.max()) > 127:
+        return "8-bit weights whose zero points put them outside int8"
+    return Int8CpuWeight(
+        signed.to(torch.int8).contiguous(),
+        matrix.scales[:, 0].to(matrix.compute_dtype).contiguous(),
+    )
