@@ -5,8 +5,12 @@ float64, by indexing alone."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from conftest import build_tiny_llama
+from safetensors.torch import load_file, save_file
 
 from tgis.shard.checkpoints.quantized.at_load import fp8_round_trip, quantize_int8
 from tgis.shard.checkpoints.quantized.matrix import (
@@ -15,12 +19,16 @@ from tgis.shard.checkpoints.quantized.matrix import (
     fuse_rows,
     unpack_int32,
 )
+from tgis.shard.checkpoints.weights import check_group_split
+from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
+from tgis.shard.loader import load_runner
 from tgis.shard.native.parallel.layers import apply
 from tgis.shard.native.quantized_linear import (
     KERNEL_VARIABLE,
     Int4CpuWeight,
     Int8CpuWeight,
+    StackedWeight,
     kernel_mode,
     runtime_weight,
 )
@@ -95,9 +103,26 @@ def test_rows_cols_and_concat_slice_the_dense_weight() -> None:
     torch.testing.assert_close(reference(fused), dense)
     other = random_matrix(16, 128, 4, 32, act_order=True, dtype=torch.float32, seed=1)
     assert concat([m, other]) is None  # different activation orders
-    mixed = fuse_rows([m, other])
-    assert isinstance(mixed, torch.Tensor)
-    torch.testing.assert_close(mixed.double(), torch.cat([dense, reference(other)]))
+    assert fuse_rows([m, other]) is None and fuse_rows([m, dense.float()]) is None
+    both = fuse_rows([dense.float(), dense.float()])
+    assert isinstance(both, torch.Tensor) and both.shape == (96, 128)
+
+
+def test_fused_parts_in_different_orders_each_run_their_kernel() -> None:
+    """q/k/v quantized in different activation orders cannot be one int4 matrix: each part
+    keeps its own (a dense part beside them too), and the outputs are concatenated."""
+    parts = [random_matrix(32, 128, 4, 32, act_order=True, seed=s) for s in (1, 2)]
+    dense = torch.randn(16, 128, generator=torch.Generator().manual_seed(4)) * 0.01
+    weight, kernel = runtime_weight([*parts, dense.to(torch.bfloat16)], "auto")
+    assert isinstance(weight, StackedWeight), kernel
+    assert kernel == "stacked parts (dense; int4 (_weight_int4pack_mm_for_cpu))"
+    x = torch.randn(4, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    expected = x.double() @ torch.cat([*map(reference, parts), dense.double()]).t()
+    got = apply(x, weight, None).double()
+    assert (got - expected).abs().max() / expected.abs().max() < 3e-2
+    float32 = [random_matrix(32, 128, 4, 32, True, torch.float32, seed=s) for s in (1, 2)]
+    fused, kernel = runtime_weight(float32, "auto")  # all dequantized: one dense matrix
+    assert isinstance(fused, torch.Tensor) and kernel == "dequantized (float32 activations)"
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
@@ -121,11 +146,17 @@ def test_int4_kernel_equals_the_dense_weight(
     assert (got - expected).abs().max() / scale < tolerance
 
 
-def test_int8_kernel_equals_the_dense_weight() -> None:
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int8_kernel_equals_the_dense_weight(symmetric: bool) -> None:
+    """Symmetric (zero point 128) and asymmetric zero points (the edges 0 and 255 too)."""
     m = random_matrix(48, 96, 8, -1)
-    m = GroupQuantized(m.q, m.scales, torch.full_like(m.zeros, 128.0), m.g_idx, 8, m.compute_dtype)
+    if symmetric:
+        m = GroupQuantized(
+            m.q, m.scales, torch.full_like(m.zeros, 128.0), m.g_idx, 8, m.compute_dtype
+        )
     weight, kernel = runtime_weight(m, "auto")
     assert isinstance(weight, Int8CpuWeight) and kernel.startswith("int8"), kernel
+    assert (weight.offset is None) == symmetric
     x = torch.randn(5, 96).to(torch.bfloat16)
     got = apply(x, weight, None).double()
     expected = x.double() @ reference(m).t()
@@ -138,7 +169,6 @@ def test_int8_kernel_equals_the_dense_weight() -> None:
         (random_matrix(40, 64, 4, 32), "40 output features, not a multiple of 16"),
         (random_matrix(32, 96, 4, 48), "groups of 48 columns"),
         (random_matrix(32, 96, 8, 32), "8-bit weights with groups"),
-        (random_matrix(32, 64, 8, -1), "zero points put them outside int8"),
         (random_matrix(32, 64, 4, 32, dtype=torch.float32), "float32 activations"),
     ],
 )
@@ -187,3 +217,28 @@ def test_int8_and_fp8_at_load_are_per_output_channel() -> None:
     fp8 = fp8_round_trip(w)
     relative = ((fp8 - w).abs() / w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)).max()
     assert 0 < relative < 2**-4  # e4m3 keeps 3 mantissa bits
+
+
+def test_a_tensor_parallel_split_may_not_cut_a_group_in_column_order() -> None:
+    """A row-parallel slice of a layer in column order must hold whole groups; the error
+    names the shard counts that work. In activation order every rank keeps the scales of
+    the groups its columns use, so any split is allowed."""
+    in_order = random_matrix(16, 256, 4, 64)
+    check_group_split("m", in_order, (0, 128), 2)  # two ranks: 128 columns, 2 groups each
+    with pytest.raises(StartupError) as failure:
+        check_group_split("model.layers.0.mlp.down_proj", in_order, (0, 32), 8)
+    assert str(failure.value) == (
+        "model.layers.0.mlp.down_proj: 256 input features in groups of 64 cannot be split "
+        "between 8 shards (each would cut a group); --num-shard values that work: 1, 2, 4"
+    )
+    check_group_split("m", random_matrix(16, 256, 4, 64, act_order=True), (0, 32), 8)
+
+
+def test_fp8_tensors_outside_the_linear_layers_are_refused(tmp_path: Path) -> None:
+    """An FP8 LM head (a layout tgis does not read) fails naming it instead of being cast."""
+    build_tiny_llama(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].to(torch.float8_e4m3fn)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(StartupError, match=r"^lm_head.weight is stored as float8_e4m3fn, which"):
+        load_runner(ShardConfig(model_name=str(tmp_path)))

@@ -28,6 +28,7 @@ from tgis.shard.errors import StartupError
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class Weights:
@@ -61,7 +62,14 @@ class Weights:
             self._handles[path] = handle
         return handle
 
-    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _cast(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """``tensor`` in the model's dtype; StartupError for FP8 values, which mean nothing
+        without their scale (a quantized LM head or embedding tgis does not read)."""
+        if tensor.dtype in FP8_DTYPES:
+            raise StartupError(
+                f"{name} is stored as {str(tensor.dtype).removeprefix('torch.')}, which tgis "
+                "reads only in the linear layers of a quantized checkpoint"
+            )
         if tensor.is_floating_point() and tensor.dtype != self.dtype:
             tensor = tensor.to(self.dtype)
         return tensor.contiguous()
@@ -77,11 +85,11 @@ class Weights:
 
     def get(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` on the target device; floating tensors cast to the dtype."""
-        return self._cast(self._handle(name).get_tensor(name))
+        return self._cast(self._handle(name).get_tensor(name), name)
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of ``name`` (dimension 0), reading only those rows."""
-        return self._cast(self._handle(name).get_slice(name)[start:stop])
+        return self._cast(self._handle(name).get_slice(name)[start:stop], name)
 
     def get_row_ranges(self, name: str, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The rows of every [start, stop) in ``ranges`` (dimension 0), concatenated in that
@@ -93,7 +101,7 @@ class Weights:
             else:
                 merged.append((start, stop))
         view = self._handle(name).get_slice(name)
-        return self._cast(torch.cat([view[start:stop] for start, stop in merged]))
+        return self._cast(torch.cat([view[start:stop] for start, stop in merged]), name)
 
     def get_sharded(self, name: str, dim: int) -> torch.Tensor:
         """This rank's equal part of ``name`` along ``dim`` (0 or 1); the whole tensor with
@@ -103,7 +111,7 @@ class Weights:
         size = self.shape(name)[dim]
         start, stop = self.tp.split(size, f"dimension {dim} of {name}")
         view = self._handle(name).get_slice(name)
-        return self._cast(view[start:stop] if dim == 0 else view[:, start:stop])
+        return self._cast(view[start:stop] if dim == 0 else view[:, start:stop], name)
 
     def linear_shape(self, module: str) -> tuple[int, int]:
         """The full [out, in] shape of linear layer ``module``'s weight."""
@@ -140,7 +148,7 @@ class Weights:
         if rows is not None:
             return self.get_row_ranges(name, rows)
         if cols is not None:
-            return self._cast(self._handle(name).get_slice(name)[:, cols[0] : cols[1]])
+            return self._cast(self._handle(name).get_slice(name)[:, cols[0] : cols[1]], name)
         return self.get(name)
 
     def close(self) -> None:

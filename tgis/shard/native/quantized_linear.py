@@ -6,12 +6,15 @@ quantized/matrix.py``). ``runtime_weight`` turns it into what the step multiplie
 - CPU, bfloat16 or float16 activations: 4-bit weights through PyTorch's
   ``_weight_int4pack_mm_for_cpu`` (its AVX-512/AVX2 kernel; groups of 32-256 columns,
   activation order by gathering the input's columns in group order), 8-bit weights with
-  one scale per output channel through ``_weight_int8pack_mm``;
+  one scale per output channel through ``_weight_int8pack_mm`` (an asymmetric zero point
+  adds a rank-one correction);
 - CPU, float32 activations: dequantized once, here (the weight-only kernels are built for
   16-bit activations: PyTorch's int4 kernel runs float32 10-20x slower than a dense
   GEMM), so the model computes exactly what the dequantized checkpoint does and memory is
   not saved;
 - CUDA: dequantized (no CUDA kernel for quantized weights yet);
+- fused layers (q/k/v, gate/up) that cannot be one matrix (quantized in different
+  activation orders): each part with its own kernel, outputs concatenated;
 - any layer the kernels' layout limits exclude (output features not a multiple of 16,
   groups of unequal size after a tensor-parallel split of an activation-ordered layer,
   8-bit weights with groups): dequantized.
@@ -23,11 +26,13 @@ kernels wherever the layout allows, float32 activations too), ``dequant`` (alway
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from tgis.shard.checkpoints.quantized.matrix import GroupQuantized
+from tgis.shard.checkpoints.quantized.matrix import GroupQuantized, fuse_rows
 from tgis.shard.checkpoints.quantized.source import LinearMatrix
 from tgis.shard.errors import StartupError
 
@@ -71,26 +76,57 @@ class Int4CpuWeight:
 
 @dataclass(frozen=True)
 class Int8CpuWeight:
-    """8-bit weight for ``_weight_int8pack_mm``: ``q`` int8 [out, in] and one scale per
-    output channel in the activations' dtype."""
+    """8-bit weight for ``_weight_int8pack_mm``: ``q - 128`` as int8 [out, in], one scale
+    per output channel in the activations' dtype, and for asymmetric weights (zero point
+    z != 128) ``offset = scale * (128 - z)`` per output channel: since
+    ``scale * (q - z) = scale * (q - 128) + offset``, the layer adds
+    ``sum(x) * offset`` to the kernel's product."""
 
     q: torch.Tensor
     scales: torch.Tensor
+    offset: torch.Tensor | None
     kernel = "int8 (_weight_int8pack_mm)"
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = torch._weight_int8pack_mm(x.contiguous(), self.q, self.scales)
+        if self.offset is not None:
+            y = y + x.sum(dim=-1, keepdim=True) * self.offset
         return y if bias is None else y + bias
 
 
-QuantizedWeight = Int4CpuWeight | Int8CpuWeight
+@dataclass(frozen=True)
+class StackedWeight:
+    """Fused layers (q/k/v, gate/up) whose weights cannot be one matrix (quantized in
+    different activation orders, or dense beside quantized): each part runs its own kernel
+    and the outputs are concatenated."""
+
+    parts: tuple[torch.Tensor | Int4CpuWeight | Int8CpuWeight, ...]
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        outputs = [
+            F.linear(x, part) if isinstance(part, torch.Tensor) else part.matmul(x, None)
+            for part in self.parts
+        ]
+        y = torch.cat(outputs, dim=-1)
+        return y if bias is None else y + bias
+
+
+QuantizedWeight = Int4CpuWeight | Int8CpuWeight | StackedWeight
 LinearWeight = torch.Tensor | QuantizedWeight
 """What a linear layer multiplies with."""
 
 
-def runtime_weight(matrix: LinearMatrix, mode: str | None = None) -> tuple[LinearWeight, str]:
+def runtime_weight(
+    matrix: LinearMatrix | Sequence[LinearMatrix], mode: str | None = None
+) -> tuple[LinearWeight, str]:
     """The weight a layer runs with and a description of its kernel (for the start-up
-    log): dense tensors as they are, quantized ones by the rules of this module."""
+    log): dense tensors as they are, quantized ones by the rules of this module. A
+    sequence is fused layers, stacked along the output rows."""
+    if not isinstance(matrix, torch.Tensor | GroupQuantized):
+        fused = fuse_rows(matrix)
+        if fused is None:
+            return _stacked(matrix, mode)
+        matrix = fused
     if isinstance(matrix, torch.Tensor):
         return matrix, DENSE
     mode = mode or kernel_mode()
@@ -104,11 +140,17 @@ def runtime_weight(matrix: LinearMatrix, mode: str | None = None) -> tuple[Linea
     return matrix.dequantize(), f"dequantized ({reason})"
 
 
-def apply_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``x @ W.T + bias`` with a quantized weight."""
-    return weight.matmul(x, bias)
+def _stacked(
+    parts: Sequence[LinearMatrix], mode: str | None
+) -> tuple[torch.Tensor | StackedWeight, str]:
+    """Each part's own kernel; one dense matrix when every part came out dense."""
+    chosen = [runtime_weight(part, mode) for part in parts]
+    kernels = "; ".join(sorted({kernel for _, kernel in chosen}))
+    dense = [w for w, _ in chosen if isinstance(w, torch.Tensor)]
+    if len(dense) == len(chosen):
+        return torch.cat(dense), kernels
+    weights = tuple(w for w, _ in chosen if not isinstance(w, StackedWeight))
+    return StackedWeight(weights), f"stacked parts ({kernels})"
 
 
 def _dequantize_reason(matrix: GroupQuantized, mode: str) -> str | None:
@@ -158,10 +200,10 @@ def _int8(matrix: GroupQuantized) -> Int8CpuWeight | str:
     """``matrix`` in ``_weight_int8pack_mm``'s layout, or why it does not fit."""
     if matrix.num_groups != 1:
         return "8-bit weights with groups (the kernel takes one scale per output channel)"
-    signed = matrix.q.to(torch.int32) - matrix.zeros.round().to(torch.int32)
-    if int(signed.min()) < -128 or int(signed.max()) > 127:
-        return "8-bit weights whose zero points put them outside int8"
+    scales = matrix.scales[:, 0]
+    offset = scales * (128 - matrix.zeros[:, 0])
     return Int8CpuWeight(
-        signed.to(torch.int8).contiguous(),
-        matrix.scales[:, 0].to(matrix.compute_dtype).contiguous(),
+        (matrix.q.to(torch.int16) - 128).to(torch.int8).contiguous(),
+        scales.to(matrix.compute_dtype).contiguous(),
+        offset.to(matrix.compute_dtype) if bool(offset.any()) else None,
     )

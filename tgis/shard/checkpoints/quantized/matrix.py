@@ -139,15 +139,16 @@ def expect_dtype(name: str, tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...
         )
 
 
-def fuse_rows(parts: Sequence[torch.Tensor | GroupQuantized]) -> torch.Tensor | GroupQuantized:
-    """Several layers' weights stacked along the output rows (fused q/k/v, gate/up):
-    quantized when every part is and their groups agree, else dense (each quantized part
-    dequantized, which is exact)."""
+def fuse_rows(
+    parts: Sequence[torch.Tensor | GroupQuantized],
+) -> torch.Tensor | GroupQuantized | None:
+    """Several layers' weights stacked along the output rows (fused q/k/v, gate/up), or
+    None when they cannot be one matrix: dense and quantized parts mixed, or quantized
+    parts whose groups differ."""
     if len(parts) == 1:
         return parts[0]
+    dense = [p for p in parts if isinstance(p, torch.Tensor)]
+    if len(dense) == len(parts):
+        return torch.cat(dense)
     quantized = [p for p in parts if isinstance(p, GroupQuantized)]
-    if len(quantized) == len(parts):
-        fused = concat(quantized)
-        if fused is not None:
-            return fused
-    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
+    return concat(quantized) if len(quantized) == len(parts) else None

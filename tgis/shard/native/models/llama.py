@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from tgis.shard.adapters.lora_layout import LoraSite
 from tgis.shard.checkpoints.model_config import ModelConfig
-from tgis.shard.checkpoints.quantized.matrix import fuse_rows
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
@@ -192,7 +191,7 @@ def _separate_qkv(weights: Weights, attn: str, args: LlamaArgs) -> ColumnLinear:
         tuple(lora_part(weights, f"{attn}.{p}_proj", (rows(p),)) for p in "qkv"),
         row_parallel=False,
     )
-    weight = fuse_rows([weights.linear(f"{attn}.{p}_proj", rows=[rows(p)]) for p in "qkv"])
+    weight = [weights.linear(f"{attn}.{p}_proj", rows=[rows(p)]) for p in "qkv"]
     return ColumnLinear(weight, b, site)
 
 

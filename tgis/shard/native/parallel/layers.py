@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from tgis.shard.adapters.lora_layout import LoraPart, LoraSite
-from tgis.shard.checkpoints.quantized.matrix import fuse_rows
 from tgis.shard.checkpoints.quantized.source import LinearMatrix
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
@@ -37,7 +36,10 @@ class ColumnLinear:
     quantized weight's output as of a dense one's)."""
 
     def __init__(
-        self, weight: LinearMatrix, bias: torch.Tensor | None, lora_site: LoraSite | None = None
+        self,
+        weight: LinearMatrix | Sequence[LinearMatrix],
+        bias: torch.Tensor | None,
+        lora_site: LoraSite | None = None,
     ) -> None:
         self.weight, self.kernel = runtime_weight(weight)
         self.bias = bias
@@ -94,7 +96,7 @@ def _bias(weights: Weights, name: str, present: bool, dim: int | None) -> torch.
 def column_linear(weights: Weights, prefixes: Sequence[str], bias: bool) -> ColumnLinear:
     """Fuse the weight of every prefix, each split by output rows across ranks."""
     ranges = {p: _even_range(weights, p, 0) for p in prefixes}
-    w = fuse_rows([weights.linear(p, rows=[ranges[p]]) for p in prefixes])
+    w = [weights.linear(p, rows=[ranges[p]]) for p in prefixes]
     biases = [_bias(weights, f"{p}.bias", bias, 0) for p in prefixes]
     b = torch.cat([t for t in biases if t is not None]) if bias else None
     parts = [lora_part(weights, p, (ranges[p],)) for p in prefixes]

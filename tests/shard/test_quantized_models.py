@@ -1,0 +1,240 @@
+"""Quantized checkpoints served by the shard, against transformers on the dequantized model.
+
+Each case writes a tiny random model of a native family in a quantized format:
+
+- GPTQ and AWQ with the project's writers (``tests/quant_fixtures/packing.py``, checked bit
+  for bit against auto-gptq 0.7.1 and AutoAWQ 0.2.9 by ``tests/test_quant_fixtures_gptq_awq.py``);
+- compressed-tensors with the real library (``tests/quant_fixtures/compressed_tensors.py``);
+- native FP8 (``quant_method: fp8``, block scales) written here;
+
+and the oracle is transformers' ``generate`` on the same architecture holding the weights
+the checkpoint stands for. In float32 the shard dequantizes at load, so greedy tokens are
+equal and logprobs within 1e-4; in bfloat16 it runs PyTorch's int4/int8 weight-only kernels
+(checked by the start-up summary), within the tolerance stated below. Tensor parallelism
+(gloo, 2 ranks) must give world 1's outputs for GPTQ with activation order and for AWQ.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import Router, TinyModel, build_tiny_llama
+from safetensors.torch import save_file
+from test_model_families import FAMILIES, LOGPROBS, PROMPTS, assert_matches_hf
+from tp_utils import Request, assert_tensor_parallel_matches, make_plans
+
+from tests.quant_fixtures.compressed_tensors import load_reference, save_compressed
+from tests.quant_fixtures.packing import decoder_linears, save_awq_checkpoint, save_gptq_checkpoint
+from tgis.shard.config import ShardConfig
+from tgis.shard.loader import load_runner
+from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.models.decoder import DecoderLM
+
+NEW_TOKENS = 10
+MAX_SEQUENCE_LENGTH = 256
+Writer = Callable[[Any, Path], Any]
+
+
+def dense_model(family: str, path: Path) -> Any:
+    """A tiny random float32 model of ``family`` (``llama`` or one of ``FAMILIES``),
+    saved dense to ``path``."""
+    if family == "llama":
+        return build_tiny_llama(path, seed=1)
+    return FAMILIES[family].build(path, seed=1)
+
+
+def write_fp8_block(model: Any, path: Path, block: int = 32) -> Any:
+    """Native FP8 (``quant_method: fp8``, ``weight_block_size``): every decoder linear as
+    e4m3 with one ``weight_scale_inv`` multiplier per ``block`` x ``block`` tile; returns
+    the model with the weights those stand for."""
+    reference = _copy(model)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for name, linear in decoder_linears(model).items():
+        w = linear.weight.detach().float()
+        out, in_ = w.shape
+        rows, cols = -(-out // block), -(-in_ // block)  # a partial last tile has a scale too
+        padded = torch.zeros(rows * block, cols * block)
+        padded[:out, :in_] = w
+        tiles = padded.reshape(rows, block, cols, block)
+        scale = tiles.abs().amax(dim=(1, 3)) / 448.0
+        q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        dense = (q.float() * scale[:, None, :, None]).reshape(rows * block, -1)[:out, :in_]
+        tensors[f"{name}.weight"] = q.reshape(rows * block, -1)[:out, :in_].contiguous()
+        tensors[f"{name}.weight_scale_inv"] = scale
+        with torch.no_grad():
+            reference.get_submodule(name).weight.copy_(dense)
+    _save(model, path, tensors, {"quant_method": "fp8", "weight_block_size": [block, block]})
+    return reference
+
+
+def _copy(model: Any) -> Any:
+    import copy
+
+    return copy.deepcopy(model).eval()
+
+
+def _save(model: Any, path: Path, tensors: dict[str, torch.Tensor], quant: dict[str, Any]) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict() | {
+        "architectures": [type(model).__name__],
+        "quantization_config": quant,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def gptq(bits: int, group: int, sym: bool, act_order: bool, fmt: str = "gptq") -> Writer:
+    return lambda model, path: save_gptq_checkpoint(model, path, bits, group, sym, act_order, fmt)
+
+
+def awq(group: int) -> Writer:
+    return lambda model, path: save_awq_checkpoint(model, path, group)
+
+
+def compressed(recipe: str) -> Writer:
+    """compressed-tensors' own compressor writes it; transformers decompresses it."""
+
+    def write(model: Any, path: Path) -> Any:
+        save_compressed(model, path, recipe)
+        return load_reference(path)
+
+    return write
+
+
+# (family, writer); the families with fused q/k/v (GPT-NeoX, Falcon, GPT-BigCode), grouped
+# and multi-query attention, biases, and each layout variant.
+CASES: dict[str, tuple[str, Writer]] = {
+    "gptq-4bit-g32-actorder-llama": ("llama", gptq(4, 32, False, True)),
+    "gptq-4bit-g32-actorder-gpt-neox": ("gpt-neox-parallel", gptq(4, 32, False, True)),
+    "gptq-4bit-g32-falcon-gqa": ("falcon-new-gqa", gptq(4, 32, True, False)),
+    "gptq-8bit-channel-gpt-bigcode-mqa": ("gpt-bigcode-mqa", gptq(8, -1, False, False)),
+    "gptq-v2-4bit-g32-qwen2-biases": ("qwen2-biases", gptq(4, 32, False, True, "gptq_v2")),
+    "gptq-4bit-channel-granite": ("granite", gptq(4, -1, True, False)),
+    "awq-g32-llama": ("llama", awq(32)),
+    "awq-g64-gpt-neox": ("gpt-neox-sequential", awq(64)),
+    "awq-g32-falcon-mqa": ("falcon-old-mqa", awq(32)),
+    "fp8-block-llama": ("llama", write_fp8_block),
+    "fp8-block-qwen2-tied": ("qwen2-tied", write_fp8_block),
+    "ct-w4a16-group32-llama": ("llama", compressed("w4a16-group32")),
+    "ct-w4a16-group32-asym-gpt-neox": ("gpt-neox-parallel", compressed("w4a16-group32-asym")),
+    "ct-w4a16-actorder-weight-qwen2": ("qwen2-biases", compressed("w4a16-group32-actorder-weight")),
+    "ct-w8a16-channel-falcon-gqa": ("falcon-new-gqa", compressed("w8a16-channel")),
+    "ct-w8a8-int8-channel-llama": ("llama", compressed("w8a8-int8-channel")),
+    "ct-fp8-tensor-gpt-bigcode-mha": ("gpt-bigcode-mha", compressed("fp8-tensor")),
+    "ct-fp8-channel-llama": ("llama", compressed("fp8-channel")),
+    "ct-fp8-block-falcon-mqa": ("falcon-old-mqa", compressed("fp8-block")),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def quantized(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """One quantized checkpoint per case, with its transformers oracle."""
+    family, write = CASES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    reference = write(dense_model(family, root / "dense"), root / "quantized")
+    reference.generation_config.eos_token_id = None  # the oracle never stops early
+    return TinyModel(root / "quantized", reference)
+
+
+def make_runner(path: Path, **kwargs: Any) -> ModelRunner:
+    kwargs.setdefault("kv_cache_blocks", 64)
+    kwargs.setdefault("max_sequence_length", MAX_SEQUENCE_LENGTH)
+    return load_runner(ShardConfig(model_name=str(path), **kwargs))
+
+
+def generate(runner: ModelRunner, prompts: dict[int, list[int]]) -> Router:
+    """Prefill ``prompts`` in one step, then decode them together (with logprobs)."""
+    router = Router(runner)
+    for rid, prompt in prompts.items():
+        router.add(rid, prompt, details=LOGPROBS)
+    router.step({rid: len(p) for rid, p in prompts.items()})
+    for _ in range(NEW_TOKENS - 1):
+        router.decode(prompts)
+    return router
+
+
+def kernels(runner: ModelRunner) -> dict[str, int]:
+    assert isinstance(runner.model, DecoderLM)
+    return dict(runner.model.linear_kernels())
+
+
+def test_float32_greedy_equals_transformers_on_the_dequantized_model(
+    quantized: TinyModel,
+) -> None:
+    runner = make_runner(quantized.path, dtype="float32")
+    used = kernels(runner)
+    assert all(k.startswith("dequantized (float32") or k == "dense" for k in used), used
+    assert_matches_hf(generate(runner, PROMPTS), quantized, PROMPTS)
+
+
+def test_chunked_prefill_beside_a_decode_on_a_quantized_model(quantized: TinyModel) -> None:
+    router = Router(make_runner(quantized.path, dtype="float32"), seed=1)
+    router.add(2, PROMPTS[2])
+    router.step({2: len(PROMPTS[2])})
+    router.add(3, PROMPTS[3])
+    for chunk in (10, 10, 9):
+        router.step({2: 1, 3: chunk})
+    for _ in range(NEW_TOKENS - 1):
+        router.decode([2, 3])
+    assert router.generated[3] == quantized.greedy(PROMPTS[3], NEW_TOKENS)[0]
+    assert router.generated[2] == quantized.greedy(PROMPTS[2], NEW_TOKENS + 3)[0]
+
+
+# bfloat16 against the float32 oracle: every generated token's logprob (under the oracle,
+# teacher-forced on the shard's own tokens) within this of the oracle's best, i.e. the
+# shard only ever picks a token the oracle ranks (near-)first.
+BF16_LOGPROB_GAP = 0.25
+
+
+def test_bfloat16_runs_the_weight_only_kernels_within_tolerance(quantized: TinyModel) -> None:
+    runner = make_runner(quantized.path, dtype="bfloat16")
+    used = kernels(runner)
+    name = quantized.path.parent.name
+    if "fp8" in name:
+        assert set(used) == {"dense"}, used  # FP8 is read into dense weights on the CPU
+    else:
+        assert any(k.startswith(("int4", "int8")) for k in used), used
+    router = generate(runner, PROMPTS)
+    for rid, prompt in PROMPTS.items():
+        tokens = router.generated[rid]
+        with torch.no_grad():
+            logits = quantized.hf(torch.tensor([prompt + tokens])).logits[0].float()
+        logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+        gap = (logprobs.max(dim=-1).values - chosen).max().item()
+        assert gap < BF16_LOGPROB_GAP, (rid, gap)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["gptq-4bit-g32-actorder-llama", "awq-g32-llama"])
+def test_two_ranks_equal_one(case: str, tmp_path: Path) -> None:
+    """Column- and row-parallel slices of each layout (GPTQ's activation order on the
+    row-parallel o_proj and down_proj included) give world 1's tokens and logprobs."""
+    family, write = CASES[case]
+    write(dense_model(family, tmp_path / "dense"), tmp_path / "quantized")
+    prompt = tuple(PROMPTS[3])
+    plans = make_plans([Request(1, prompt, 6, chunk=8), Request(2, prompt[:9], 5, arrives=1)])
+    assert_tensor_parallel_matches(tmp_path / "quantized", plans, 2, dtype="float32")
+
+
+def test_dummy_weights_of_a_quantized_config_use_the_kernels(tmp_path: Path) -> None:
+    """``--load-format dummy`` with a GPTQ quantization_config: random 4-bit layers of the
+    config's group size, multiplied by the int4 kernel in bfloat16."""
+    build_tiny_llama(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    runner = make_runner(tmp_path, load_format="dummy", dtype="bfloat16")
+    used = kernels(runner)
+    assert set(used) == {"int4 (_weight_int4pack_mm_for_cpu)"}, used
+    router = generate(runner, {1: PROMPTS[1]})
+    assert len(router.generated[1]) == NEW_TOKENS
+    assert math.isfinite(router.outputs[0].tokens[0].token.logprob)
