@@ -34,7 +34,9 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     model_dir = resolve_model_dir(config.model_name, config.revision)
     model_config = ModelConfig.from_dir(model_dir)
     quantization = resolve_quantization(
-        config.quantize, checkpoint_scheme(model_dir, model_config.raw)
+        config.quantize,
+        checkpoint_scheme(model_dir, model_config.raw),
+        dummy=config.load_format == "dummy",
     )
     layout_reader(quantization)  # a variant tgis does not read fails here, in one line
     engine = select_engine(

@@ -146,6 +146,8 @@ def random_layout(quantization: QuantScheme | None, device: torch.device) -> Lay
     bits, group_size = quantization.bits or 4, quantization.group_size or 128
     if quantization.method == "compressed-tensors":
         groups: Mapping[str, Any] = quantization.config.get("config_groups") or {}
+        if not groups:  # --quantize compressed-tensors on a dense config.json
+            return RandomQuantizedLayout(bits, group_size, device)
         first: Mapping[str, Any] = next(iter(groups.values()), {})
         weights: Mapping[str, Any] = first.get("weights") or {}
         if weights.get("type") == "float":

@@ -130,9 +130,17 @@ def canonical_quantize_flag(flag: str | None) -> str | None:
     return value
 
 
-def resolve_quantization(flag: str | None, checkpoint: QuantScheme | None) -> QuantScheme | None:
+DUMMY_BITS = 4
+DUMMY_GROUP_SIZE = 128
+
+
+def resolve_quantization(
+    flag: str | None, checkpoint: QuantScheme | None, dummy: bool = False
+) -> QuantScheme | None:
     """The scheme to serve: the checkpoint's, which a flag may only repeat, or the flag's
-    at-load scheme on a dense checkpoint (int8, fp8); StartupError on a contradiction."""
+    at-load scheme on a dense checkpoint (int8, fp8); StartupError on a contradiction.
+    With dummy weights (``dummy``) a pre-quantized format on a dense config.json means
+    random weights in that format's usual layout: 4-bit, groups of 128."""
     method = canonical_quantize_flag(flag)
     if checkpoint is not None:
         if method is not None and method != checkpoint.method:
@@ -143,6 +151,14 @@ def resolve_quantization(flag: str | None, checkpoint: QuantScheme | None) -> Qu
         return checkpoint
     if method is None:
         return None
+    if method in ("gptq", "awq", "compressed-tensors") and dummy:
+        return QuantScheme(
+            method,
+            pre_quantized=True,
+            bits=DUMMY_BITS,
+            group_size=DUMMY_GROUP_SIZE,
+            source="--quantize with dummy weights",
+        )
     if method in ("gptq", "awq", "compressed-tensors"):
         raise StartupError(
             f"--quantize {method} needs a {method} checkpoint, and this one is dense (no "
