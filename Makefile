@@ -20,7 +20,8 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
-$(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py tgis/shard/native/attention/csrc/cpu_attention.c
+$(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py tgis/shard/native/attention/csrc/cpu_attention.c \
+		tgis/shard/native/csrc/cpu_quant.c
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@

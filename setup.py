@@ -1,6 +1,7 @@
 """Build hooks: generate the gRPC stubs from protos/ before packaging (see
-scripts/gen_protos.py), and compile the optional CPU attention kernel (plain C, no torch
-headers; the shard falls back to torch when it could not be built)."""
+scripts/gen_protos.py), and compile the optional CPU kernels, decode attention and quantized
+weights (plain C, no torch headers; the shard falls back to torch when they could not be
+built)."""
 
 import runpy
 from pathlib import Path
@@ -25,4 +26,14 @@ CPU_ATTENTION = Extension(
     optional=True,
 )
 
-setup(cmdclass={"build_py": BuildWithProtos}, ext_modules=[CPU_ATTENTION])
+# Weight-only 4/8-bit products of quantized checkpoints (tgis/shard/native/cpu_quant.py falls
+# back to PyTorch's int4/int8 ops without it).
+CPU_QUANT = Extension(
+    "tgis.shard.native._cpu_quant",
+    sources=["tgis/shard/native/csrc/cpu_quant.c"],
+    extra_compile_args=["-O3", "-fopenmp", "-std=c11", "-ffp-contract=fast", "-Wno-psabi"],
+    extra_link_args=["-fopenmp"],
+    optional=True,
+)
+
+setup(cmdclass={"build_py": BuildWithProtos}, ext_modules=[CPU_ATTENTION, CPU_QUANT])

@@ -1,7 +1,8 @@
 """Quantized against dense weights, in process: decode speed and resident weight bytes.
 
 For each variant (``--variants``: ``dense``, ``int8`` = ``--quantize int8`` at load,
-``gptq`` = random 4-bit GPTQ layers in groups of 128, ``awq`` likewise) the shard's
+``gptq`` = random 4-bit GPTQ layers in groups of 128, ``awq`` likewise; ``name:kernel``
+loads it with ``TGIS_QUANT_KERNEL=kernel``, e.g. ``gptq:torch``) the shard's
 ``ModelRunner`` is loaded on the model directory (``--load-format dummy`` by default:
 random weights of a real shape, e.g. ``benchmarks/models/llama-3.2-1b``), its weights are
 counted (every tensor the model holds, once: packed, quantized and dense), and
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 from collections.abc import Iterator
@@ -73,12 +75,19 @@ def weight_bytes(runner: ModelRunner) -> int:
 
 
 def load(args: argparse.Namespace, variant: str) -> ModelRunner:
+    """``variant``: a name of VARIANTS, optionally ``:kernel`` (TGIS_QUANT_KERNEL's value
+    while loading, e.g. ``gptq:torch``)."""
+    name, _, kernel = variant.partition(":")
+    if kernel:
+        os.environ["TGIS_QUANT_KERNEL"] = kernel
+    else:
+        os.environ.pop("TGIS_QUANT_KERNEL", None)
     largest = max(args.batches) * (max(args.contexts) + args.warmup + args.steps + 2)
     config = ShardConfig(
         model_name=str(args.model),
         load_format=args.load_format,
         dtype=args.dtype,
-        quantize=VARIANTS[variant],
+        quantize=VARIANTS[name],
         max_sequence_length=max(args.contexts) + args.warmup + args.steps + 16,
         kv_cache_blocks=-(-largest // 16) + max(args.batches),
     )

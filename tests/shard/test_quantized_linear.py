@@ -23,6 +23,8 @@ from tgis.shard.checkpoints.weights import check_group_split
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
+from tgis.shard.native import cpu_quant
+from tgis.shard.native.cpu_quant import QuantCpuWeight
 from tgis.shard.native.parallel.layers import apply
 from tgis.shard.native.quantized_linear import (
     KERNEL_VARIABLE,
@@ -108,14 +110,32 @@ def test_rows_cols_and_concat_slice_the_dense_weight() -> None:
     assert isinstance(both, torch.Tensor) and both.shape == (96, 128)
 
 
-def test_fused_parts_in_different_orders_each_run_their_kernel() -> None:
+needs_tgis_kernel = pytest.mark.skipif(
+    cpu_quant.KERNEL is None, reason="the cpu_quant extension is not built or no AVX-512"
+)
+# tgis's kernel where it runs here, and PyTorch's
+MODES = [pytest.param("tgis", marks=needs_tgis_kernel), "torch"]
+KERNEL_CLASS = {"tgis": QuantCpuWeight, "torch": (Int4CpuWeight, Int8CpuWeight)}
+
+
+def relative_error(weight: object, m: GroupQuantized, x: torch.Tensor, bias=None) -> float:
+    got = apply(x, weight, bias).double()  # type: ignore[arg-type]
+    expected = x.double() @ reference(m).t()
+    if bias is not None:
+        expected = expected + bias.double()
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_parts_in_different_orders_each_run_their_kernel(mode: str) -> None:
     """q/k/v quantized in different activation orders cannot be one int4 matrix: each part
     keeps its own (a dense part beside them too), and the outputs are concatenated."""
     parts = [random_matrix(32, 128, 4, 32, act_order=True, seed=s) for s in (1, 2)]
     dense = torch.randn(16, 128, generator=torch.Generator().manual_seed(4)) * 0.01
-    weight, kernel = runtime_weight([*parts, dense.to(torch.bfloat16)], "auto")
+    weight, kernel = runtime_weight([*parts, dense.to(torch.bfloat16)], mode)
     assert isinstance(weight, StackedWeight), kernel
-    assert kernel == "stacked parts (dense; int4 (_weight_int4pack_mm_for_cpu))"
+    part_kernel = runtime_weight(parts[0], mode)[1]
+    assert part_kernel.startswith("int4 (") and kernel == f"stacked parts (dense; {part_kernel})"
     x = torch.randn(4, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     expected = x.double() @ torch.cat([*map(reference, parts), dense.double()]).t()
     got = apply(x, weight, None).double()
@@ -125,69 +145,99 @@ def test_fused_parts_in_different_orders_each_run_their_kernel() -> None:
     assert isinstance(fused, torch.Tensor) and kernel == "dequantized (float32 activations)"
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
+LAYOUTS = [(32, False), (128, False), (32, True), (-1, False), (512, False)]
+
+
 @pytest.mark.parametrize(
-    "group,act_order", [(32, False), (128, False), (32, True), (-1, False), (512, False)]
+    "mode,bits,group,act_order",
+    [
+        pytest.param(*case, marks=mode.marks)
+        for mode in (pytest.param(m) if isinstance(m, str) else m for m in MODES)
+        for case in [(mode.values[0], bits, *layout) for bits in (4, 8) for layout in LAYOUTS]
+        # PyTorch's int8 kernel takes one scale per output channel only
+        if not (case[0] == "torch" and case[1] == 8 and case[2] != -1)
+    ],
 )
-def test_int4_kernel_equals_the_dense_weight(
-    group: int, act_order: bool, dtype: torch.dtype, tolerance: float
-) -> None:
-    """Groups of 32 and 128, activation order, per channel (one group of 512: the kernel
-    repeats its scale in groups of 256) and a group larger than the kernel takes."""
-    m = random_matrix(64, 512, 4, group, act_order=act_order, dtype=dtype)
-    weight, kernel = runtime_weight(m, "auto")
-    assert isinstance(weight, Int4CpuWeight), kernel
-    assert (weight.order is not None) == act_order
-    x = torch.randn(7, 512, generator=torch.Generator().manual_seed(3))
-    bias = torch.randn(64).to(dtype)
-    got = apply(x.to(dtype), weight, bias).double()
-    expected = x.to(dtype).double() @ reference(m).t() + bias.double()
-    scale = expected.abs().max()
-    assert (got - expected).abs().max() / scale < tolerance
+def test_kernels_equal_the_dense_weight(mode: str, bits: int, group: int, act_order: bool) -> None:
+    """Groups of 32 and 128, activation order, per channel and a group larger than
+    PyTorch's int4 kernel takes (it repeats the scale in groups of 256); every row count
+    of a step: a decode of 1-9 rows (tgis's kernel: 8 rows per pass), a large step (tgis's
+    kernel dequantizes it for oneDNN)."""
+    m = random_matrix(80, 1536, bits, group, act_order)
+    weight, kernel = runtime_weight(m, mode)
+    assert isinstance(weight, KERNEL_CLASS[mode]), kernel
+    assert (getattr(weight, "order", None) is not None) == act_order
+    gen = torch.Generator().manual_seed(3)
+    bias = torch.randn(80, generator=gen).to(torch.bfloat16)
+    for rows in (1, 2, 7, 9, cpu_quant.DEQUANTIZE_ROWS + 3):
+        x = torch.randn(rows, 1536, generator=gen).to(torch.bfloat16)
+        assert relative_error(weight, m, x, bias) < 2e-2, rows
+
+
+@needs_tgis_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tgis_kernel_in_float32_is_exact_to_rounding(bits: int) -> None:
+    """Forced on float32 activations, tgis's kernel (products and dequantized path) agrees
+    with the dense weight to float32 rounding: its layout and tiles lose nothing."""
+    m = random_matrix(40, 544, bits, 32, act_order=True, dtype=torch.float32)  # ragged tiles
+    weight, _ = runtime_weight(m, "tgis")
+    assert isinstance(weight, QuantCpuWeight)
+    for rows in (1, 8, 11, cpu_quant.DEQUANTIZE_ROWS):
+        x = torch.randn(rows, 544, generator=torch.Generator().manual_seed(rows))
+        assert relative_error(weight, m, x) < 2e-6, rows
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_int8_kernel_equals_the_dense_weight(symmetric: bool) -> None:
-    """Symmetric (zero point 128) and asymmetric zero points (the edges 0 and 255 too)."""
+def test_torch_int8_kernel_takes_asymmetric_zero_points(symmetric: bool) -> None:
+    """Symmetric (zero point 128) and asymmetric zero points (the edges 0 and 255 too):
+    the latter adds ``sum(x) * scale * (128 - z)``."""
     m = random_matrix(48, 96, 8, -1)
     if symmetric:
         m = GroupQuantized(
             m.q, m.scales, torch.full_like(m.zeros, 128.0), m.g_idx, 8, m.compute_dtype
         )
-    weight, kernel = runtime_weight(m, "auto")
+    weight, kernel = runtime_weight(m, "torch")
     assert isinstance(weight, Int8CpuWeight) and kernel.startswith("int8"), kernel
     assert (weight.offset is None) == symmetric
-    x = torch.randn(5, 96).to(torch.bfloat16)
-    got = apply(x, weight, None).double()
-    expected = x.double() @ reference(m).t()
-    assert (got - expected).abs().max() / expected.abs().max() < 2e-2
+    assert relative_error(weight, m, torch.randn(5, 96).to(torch.bfloat16)) < 2e-2
 
 
 @pytest.mark.parametrize(
-    "matrix,why",
+    "mode,matrix,why",
     [
-        (random_matrix(40, 64, 4, 32), "40 output features, not a multiple of 16"),
-        (random_matrix(32, 96, 4, 48), "groups of 48 columns"),
-        (random_matrix(32, 96, 8, 32), "8-bit weights with groups"),
-        (random_matrix(32, 64, 4, 32, dtype=torch.float32), "float32 activations"),
+        ("torch", random_matrix(40, 64, 4, 32), "40 output features, not a multiple of 16"),
+        ("torch", random_matrix(32, 96, 4, 48), "groups of 48 columns"),
+        ("torch", random_matrix(32, 96, 8, 32), "8-bit weights with groups"),
+        pytest.param(
+            "tgis", random_matrix(32, 96, 4, 48), "groups of 48 columns", marks=needs_tgis_kernel
+        ),
+        ("auto", random_matrix(32, 64, 4, 32, dtype=torch.float32), "float32 activations"),
     ],
 )
 def test_layers_the_kernels_cannot_take_are_dequantized_saying_why(
-    matrix: GroupQuantized, why: str
+    mode: str, matrix: GroupQuantized, why: str
 ) -> None:
-    weight, kernel = runtime_weight(matrix, "auto")
+    weight, kernel = runtime_weight(matrix, mode)
     assert isinstance(weight, torch.Tensor) and weight.dtype == matrix.compute_dtype
     assert kernel.startswith("dequantized (") and why in kernel, kernel
     torch.testing.assert_close(weight.double(), reference(matrix).to(weight.dtype).double())
 
 
-def test_unequal_groups_after_a_split_of_an_act_order_layer_are_dequantized() -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_unequal_groups_after_a_split_of_an_act_order_layer_are_dequantized(mode: str) -> None:
     m = random_matrix(32, 128, 4, 32, act_order=True).cols(0, 64)
-    weight, kernel = runtime_weight(m, "auto")
+    weight, kernel = runtime_weight(m, mode)
     counts = torch.bincount(m.g_idx)
-    if bool((counts == counts[0]).all()):
-        pytest.skip("this seed split the groups evenly")
+    assert not bool((counts == counts[0]).all()), "this seed split the groups evenly"
     assert isinstance(weight, torch.Tensor) and "groups of unequal size" in kernel
+
+
+def test_auto_prefers_tgis_kernel_for_bfloat16_and_pytorchs_for_float16() -> None:
+    bf16, kernel = runtime_weight(random_matrix(32, 64, 4, 32), "auto")
+    expected = Int4CpuWeight if cpu_quant.KERNEL is None else QuantCpuWeight
+    assert isinstance(bf16, expected), kernel
+    fp16, kernel = runtime_weight(random_matrix(32, 64, 4, 32, dtype=torch.float16), "auto")
+    assert isinstance(fp16, Int4CpuWeight), kernel
 
 
 def test_the_kernel_variable_forces_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -195,9 +245,7 @@ def test_the_kernel_variable_forces_a_path(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(KERNEL_VARIABLE, "torch")
     weight, _ = runtime_weight(m)
     assert isinstance(weight, Int4CpuWeight)  # float32 activations through the int4 kernel
-    x = torch.randn(3, 64)
-    expected = x.double() @ reference(m).t()
-    assert (apply(x, weight, None).double() - expected).abs().max() < 1e-4
+    assert relative_error(weight, m, torch.randn(3, 64)) < 1e-5
     monkeypatch.setenv(KERNEL_VARIABLE, "dequant")
     weight, kernel = runtime_weight(random_matrix(32, 64, 4, 32))
     assert isinstance(weight, torch.Tensor) and kernel == f"dequantized ({KERNEL_VARIABLE}=dequant)"

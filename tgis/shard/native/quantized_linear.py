@@ -3,11 +3,13 @@
 A layer's weight arrives as a dense tensor or a ``GroupQuantized`` (``checkpoints/
 quantized/matrix.py``). ``runtime_weight`` turns it into what the step multiplies with:
 
-- CPU, bfloat16 or float16 activations: 4-bit weights through PyTorch's
-  ``_weight_int4pack_mm_for_cpu`` (its AVX-512/AVX2 kernel; groups of 32-256 columns,
-  activation order by gathering the input's columns in group order), 8-bit weights with
-  one scale per output channel through ``_weight_int8pack_mm`` (an asymmetric zero point
-  adds a rank-one correction);
+- CPU, bfloat16 activations, AVX-512: tgis's own kernel (``cpu_quant.py``): 4- and 8-bit
+  weights in groups of 32 or more, products for decode steps, dequantized for oneDNN in
+  large ones (prefill chunks);
+- CPU, bfloat16 without it, or float16: PyTorch's ``_weight_int4pack_mm_for_cpu``
+  (groups of 32-256 columns) and, for 8 bits with one scale per output channel,
+  ``_weight_int8pack_mm`` (an asymmetric zero point adds a rank-one correction);
+  activation order in both by gathering the input's columns in group order;
 - CPU, float32 activations: dequantized once, here (the weight-only kernels are built for
   16-bit activations: PyTorch's int4 kernel runs float32 10-20x slower than a dense
   GEMM), so the model computes exactly what the dequantized checkpoint does and memory is
@@ -15,12 +17,13 @@ quantized/matrix.py``). ``runtime_weight`` turns it into what the step multiplie
 - CUDA: dequantized (no CUDA kernel for quantized weights yet);
 - fused layers (q/k/v, gate/up) that cannot be one matrix (quantized in different
   activation orders): each part with its own kernel, outputs concatenated;
-- any layer the kernels' layout limits exclude (output features not a multiple of 16,
-  groups of unequal size after a tensor-parallel split of an activation-ordered layer,
-  8-bit weights with groups): dequantized.
+- any layer the kernels' layout limits exclude (e.g. output features not a multiple of 16
+  for PyTorch's int4 kernel, groups of unequal size after a tensor-parallel split of an
+  activation-ordered layer): dequantized.
 
-``TGIS_QUANT_KERNEL`` forces a path: ``auto`` (the rules above), ``torch`` (the weight-only
-kernels wherever the layout allows, float32 activations too), ``dequant`` (always dense).
+``TGIS_QUANT_KERNEL`` forces a path: ``auto`` (the rules above), ``tgis`` (tgis's kernel
+wherever it fits, float32 activations too), ``torch`` (PyTorch's kernels wherever they
+fit), ``dequant`` (always dense). A layer a forced kernel cannot take is dequantized.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ import torch.nn.functional as F
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized, fuse_rows
 from tgis.shard.checkpoints.quantized.source import LinearMatrix
 from tgis.shard.errors import StartupError
+from tgis.shard.native.cpu_quant import QuantCpuWeight, quant_cpu_weight
 
 KERNEL_VARIABLE = "TGIS_QUANT_KERNEL"
-KERNEL_MODES = ("auto", "torch", "dequant")
+KERNEL_MODES = ("auto", "tgis", "torch", "dequant")
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 INT4_ROWS_MULTIPLE = 16  # output features, for _convert_weight_to_int4pack_for_cpu
 INT4_INNER_K_TILES = 2
@@ -100,7 +104,7 @@ class StackedWeight:
     different activation orders, or dense beside quantized): each part runs its own kernel
     and the outputs are concatenated."""
 
-    parts: tuple[torch.Tensor | Int4CpuWeight | Int8CpuWeight, ...]
+    parts: tuple[torch.Tensor | QuantCpuWeight | Int4CpuWeight | Int8CpuWeight, ...]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         outputs = [
@@ -111,7 +115,7 @@ class StackedWeight:
         return y if bias is None else y + bias
 
 
-QuantizedWeight = Int4CpuWeight | Int8CpuWeight | StackedWeight
+QuantizedWeight = QuantCpuWeight | Int4CpuWeight | Int8CpuWeight | StackedWeight
 LinearWeight = torch.Tensor | QuantizedWeight
 """What a linear layer multiplies with."""
 
@@ -132,12 +136,24 @@ def runtime_weight(
     mode = mode or kernel_mode()
     reason = _dequantize_reason(matrix, mode)
     if reason is None:
-        weight = _int4(matrix) if matrix.bits == 4 else _int8(matrix)
+        weight = _kernel_weight(matrix, mode)
         if isinstance(weight, str):
             reason = weight
         else:
             return weight, weight.kernel
     return matrix.dequantize(), f"dequantized ({reason})"
+
+
+def _kernel_weight(
+    matrix: GroupQuantized, mode: str
+) -> QuantCpuWeight | Int4CpuWeight | Int8CpuWeight | str:
+    """``matrix`` for tgis's kernel (bfloat16 activations, or forced) where it fits, else
+    for PyTorch's; or why neither takes it."""
+    if mode == "tgis" or (mode == "auto" and matrix.compute_dtype == torch.bfloat16):
+        weight = quant_cpu_weight(matrix)
+        if not isinstance(weight, str) or mode == "tgis":
+            return weight
+    return _int4(matrix) if matrix.bits == 4 else _int8(matrix)
 
 
 def _stacked(

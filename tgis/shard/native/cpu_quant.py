@@ -1,0 +1,175 @@
+"""tgis's own CPU kernel for 4- and 8-bit weights on AVX-512 processors
+(``csrc/cpu_quant.c``), and the layout it reads.
+
+A decode step multiplies a few rows by every weight once: the kernel reads each weight
+byte once per 8 rows and widens it in registers, so a 4-bit layer moves a quarter of the
+bytes of its bfloat16 twin. A large step (a prefill chunk, a big batch) is compute-bound
+instead: the layer is dequantized into a bfloat16 scratch buffer (``dequantize``: a few
+milliseconds for a 16M-weight layer) and multiplied by oneDNN, which does that work at
+the processor's bfloat16 rate; the buffer is one per process, as large as the largest
+layer, reused by every layer in turn. ``QuantCpuWeight.matmul`` chooses by the step's
+rows (``DEQUANTIZE_ROWS``).
+
+The layout: ``packed`` uint8, one value per byte (8 bits), or two (4 bits: in blocks of 32
+values, value ``j`` of a block in the low nibble of its byte ``j`` and value ``16 + j`` in
+the high nibble); ``scales`` and ``szeros`` float32 [out, groups] with
+``W[n, k] = scales[n, g] * q[n, k] - szeros[n, g]``; input columns in group order (``order``
+gathers an activation-ordered layer's inputs). Where the extension was not built or the
+processor lacks AVX-512, ``native/quantized_linear.py`` uses PyTorch's int4/int8 kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from tgis.shard.checkpoints.quantized.matrix import GroupQuantized
+
+# Rows from which a step dequantizes the layer for oneDNN instead of the kernel's products
+# (BENCHMARKS.md: the crossover on a 2-core AVX-512 host).
+DEQUANTIZE_ROWS = 32
+BLOCK = 32  # values per block of the layout: groups are multiples of it
+
+_scratch: dict[torch.dtype, torch.Tensor] = {}
+
+
+def load_kernel() -> ModuleType | None:
+    """The compiled extension, or None when it was not built or this processor lacks
+    AVX-512."""
+    try:
+        module = importlib.import_module("tgis.shard.native._cpu_quant")
+    except ImportError:
+        return None
+    return module if module.available() else None
+
+
+KERNEL = load_kernel()
+
+
+@dataclass(frozen=True)
+class QuantCpuWeight:
+    """A 4- or 8-bit layer in the kernel's layout (see the module docstring)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    szeros: torch.Tensor
+    out_features: int
+    in_features: int
+    group_size: int
+    bits: int
+    order: torch.Tensor | None
+    compute_dtype: torch.dtype
+
+    @property
+    def kernel(self) -> str:
+        return f"int{self.bits} (tgis cpu_quant)"
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert KERNEL is not None
+        if self.order is not None:
+            x = x.index_select(-1, self.order)
+        rows = x.shape[0]
+        threads = torch.get_num_threads()
+        if rows >= DEQUANTIZE_ROWS and x.dtype in (torch.bfloat16, torch.float32):
+            weight = self.dequantize(x.dtype, threads)
+            return F.linear(x, weight, bias)
+        xf = x.float().contiguous()
+        y = torch.empty(rows, self.out_features, dtype=torch.float32)
+        KERNEL.matmul(
+            self.packed.data_ptr(),
+            self.scales.data_ptr(),
+            self.szeros.data_ptr(),
+            xf.data_ptr(),
+            y.data_ptr(),
+            self.out_features,
+            self.in_features,
+            self.group_size,
+            self.bits,
+            rows,
+            threads,
+        )
+        y = y.to(x.dtype)
+        return y if bias is None else y + bias
+
+    def dequantize(self, dtype: torch.dtype, threads: int = 1) -> torch.Tensor:
+        """The dense weight [out, in] (inputs in group order) in the process's scratch
+        buffer for ``dtype`` (bfloat16 or float32): valid until the next call."""
+        assert KERNEL is not None
+        size = self.out_features * self.in_features
+        scratch = _scratch.get(dtype)
+        if scratch is None or scratch.numel() < size:
+            scratch = _scratch[dtype] = torch.empty(size, dtype=dtype)
+        KERNEL.dequantize(
+            self.packed.data_ptr(),
+            self.scales.data_ptr(),
+            self.szeros.data_ptr(),
+            scratch.data_ptr(),
+            self.out_features,
+            self.in_features,
+            self.group_size,
+            self.bits,
+            int(dtype == torch.bfloat16),
+            threads,
+        )
+        return scratch[:size].view(self.out_features, self.in_features)
+
+
+def quant_cpu_weight(matrix: GroupQuantized) -> QuantCpuWeight | str:
+    """``matrix`` in the kernel's layout, or why it does not fit (or why the kernel is
+    not there)."""
+    if KERNEL is None:
+        return "the cpu_quant extension is not built or the processor lacks AVX-512"
+    out, in_ = matrix.shape
+    order = None
+    g_idx = matrix.g_idx
+    if not matrix.in_order():
+        order = torch.argsort(g_idx, stable=True)
+        g_idx = g_idx[order]
+    counts = torch.bincount(g_idx, minlength=matrix.num_groups)
+    size = int(counts[0])
+    if not bool((counts == size).all()):
+        return "groups of unequal size"
+    if size % BLOCK:
+        return f"groups of {size} columns (the kernel takes multiples of 32)"
+    q = matrix.q if order is None else matrix.q.index_select(1, order)
+    return QuantCpuWeight(
+        tiled(packed_rows(q, matrix.bits), KERNEL.ROW_TILE, KERNEL.K_TILE_BLOCKS, matrix.bits),
+        matrix.scales.float().contiguous(),
+        (matrix.scales * matrix.zeros).float().contiguous(),
+        out,
+        in_,
+        size,
+        matrix.bits,
+        order,
+        matrix.compute_dtype,
+    )
+
+
+def packed_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """The integers q [out, in] as bytes, row by row: one per value (8 bits) or two (4 bits:
+    in each block of 32, value ``j`` in the low nibble of byte ``j``, ``16 + j`` in its high
+    nibble)."""
+    if bits == 8:
+        return q.contiguous()
+    out, in_ = q.shape
+    blocks = q.reshape(out, in_ // BLOCK, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, in_ // 2)
+
+
+def tiled(rows: torch.Tensor, row_tile: int, span_blocks: int, bits: int) -> torch.Tensor:
+    """Row bytes in the kernel's reading order: tiles of ``row_tile`` rows (the last padded
+    with zeros), each as its spans of ``span_blocks`` blocks, a span's rows one after the
+    other."""
+    out, row_bytes = rows.shape
+    tiles = -(-out // row_tile)
+    padded = torch.zeros(tiles * row_tile, row_bytes, dtype=torch.uint8)
+    padded[:out] = rows
+    per_block = BLOCK if bits == 8 else BLOCK // 2
+    span = span_blocks * per_block
+    grouped = padded.view(tiles, row_tile, row_bytes)
+    spans = [grouped[:, :, a : a + span].reshape(tiles, -1) for a in range(0, row_bytes, span)]
+    return torch.cat(spans, dim=1).contiguous()
