@@ -3,7 +3,10 @@
 
 A decode step multiplies a few rows by every weight once: the kernel reads each weight
 byte once per 8 rows and widens it in registers, so a 4-bit layer moves a quarter of the
-bytes of its bfloat16 twin. A large step (a prefill chunk, a big batch) is compute-bound
+bytes of its bfloat16 twin. One row is limited by that decoding and runs float32 fused
+multiply-adds; several rows are limited by the products, which run as bfloat16 pairs
+(``vdpbf16ps``, twice the products per instruction) where the processor has AVX512-BF16
+and the activations are bfloat16 (``BF16_ROWS``). A large step (a prefill chunk, a big batch) is compute-bound
 instead: the layer is dequantized into a bfloat16 scratch buffer (``dequantize``: a few
 milliseconds for a 16M-weight layer) and multiplied by oneDNN, which does that work at
 the processor's bfloat16 rate; the buffer is one per process, as large as the largest
@@ -30,8 +33,9 @@ import torch.nn.functional as F
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized
 
 # Rows from which a step dequantizes the layer for oneDNN instead of the kernel's products
-# (BENCHMARKS.md: the crossover on a 2-core AVX-512 host).
-DEQUANTIZE_ROWS = 32
+# (BENCHMARKS.md: the crossovers on a 2-core AVX-512 host, with and without AVX512-BF16).
+DEQUANTIZE_ROWS_BF16 = 48
+DEQUANTIZE_ROWS_FP32 = 32
 BLOCK = 32  # values per block of the layout: groups are multiples of it
 
 _scratch: dict[torch.dtype, torch.Tensor] = {}
@@ -48,6 +52,11 @@ def load_kernel() -> ModuleType | None:
 
 
 KERNEL = load_kernel()
+HAS_BF16 = KERNEL is not None and bool(KERNEL.has_bf16())
+DEQUANTIZE_ROWS = DEQUANTIZE_ROWS_BF16 if HAS_BF16 else DEQUANTIZE_ROWS_FP32
+# Rows from which bfloat16 steps multiply in bfloat16 pairs (vdpbf16ps) where the processor
+# has them: one row is limited by decoding the weights, more by the products.
+BF16_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -77,13 +86,14 @@ class QuantCpuWeight:
         if rows >= DEQUANTIZE_ROWS and x.dtype in (torch.bfloat16, torch.float32):
             weight = self.dequantize(x.dtype, threads)
             return F.linear(x, weight, bias)
-        xf = x.float().contiguous()
         y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        KERNEL.matmul(
+        bf16 = rows >= BF16_ROWS and x.dtype == torch.bfloat16 and HAS_BF16
+        xk = x.contiguous() if bf16 else x.float().contiguous()
+        (KERNEL.matmul_bf16 if bf16 else KERNEL.matmul)(
             self.packed.data_ptr(),
             self.scales.data_ptr(),
             self.szeros.data_ptr(),
-            xf.data_ptr(),
+            xk.data_ptr(),
             y.data_ptr(),
             self.out_features,
             self.in_features,

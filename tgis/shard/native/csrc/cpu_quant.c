@@ -87,6 +87,54 @@ AVX512 INLINE __m512 group_table(float s, float sz) {
     return _mm512_fmsub_ps(_mm512_set1_ps(s), iota, _mm512_set1_ps(sz));
 }
 
+/* Rows m0 .. m0 + rows of x against output rows n .. n + R - 1 over the blocks [b0, b1) of
+ * K (see tile_span): each block of x is loaded once for the R output rows, each block of
+ * weights decoded once for the rows of x. `rows` and `R` are constants where this is
+ * inlined (rows * R <= 8: 2 * rows * R accumulators in registers). */
+AVX512 INLINE void row_block(const QuantWeight *w, int64_t n, int64_t first, const float *x,
+                             int64_t m0, int64_t b0, int64_t b1, int64_t g0,
+                             float part[ROW_TILE][ROWS_PER_PASS], const int rows, const int R,
+                             const int bits) {
+    const int64_t k = w->k, groups = k / w->group, per_group = w->group / 32;
+    const int64_t per_block = bits == 8 ? 32 : 16;
+    const uint8_t *wrows[4];
+    const float *scales[4], *szeros[4];
+    __m512 acc[4][4][2];
+    for (int r = 0; r < R; r++) {
+        wrows[r] = span_of(w, n + r, b0, b1, bits) - per_block * b0;
+        scales[r] = w->scales + (n + r) * groups;
+        szeros[r] = w->szeros + (n + r) * groups;
+        for (int m = 0; m < rows; m++) acc[m][r][0] = acc[m][r][1] = _mm512_setzero_ps();
+    }
+    for (int64_t g = g0; g * per_group < b1; g++) {
+        __m512 s[4], sz[4], table[4];
+        for (int r = 0; r < R; r++) {
+            s[r] = _mm512_set1_ps(scales[r][g]);
+            sz[r] = _mm512_set1_ps(szeros[r][g]);
+            table[r] = bits == 4 ? group_table(scales[r][g], szeros[r][g]) : s[r];
+        }
+        const int64_t start = g * per_group > b0 ? g * per_group : b0;
+        const int64_t stop = (g + 1) * per_group < b1 ? (g + 1) * per_group : b1;
+        for (int64_t b = start; b < stop; b++) {
+            __m512 lo[4], hi[4];
+            for (int r = 0; r < R; r++)
+                weights_of_block(wrows[r], b, bits, table[r], s[r], sz[r], &lo[r], &hi[r]);
+            for (int m = 0; m < rows; m++) {
+                const float *xm = x + (m0 + m) * k + 32 * b;
+                const __m512 x0 = _mm512_loadu_ps(xm), x1 = _mm512_loadu_ps(xm + 16);
+                for (int r = 0; r < R; r++) {
+                    acc[m][r][0] = _mm512_fmadd_ps(lo[r], x0, acc[m][r][0]);
+                    acc[m][r][1] = _mm512_fmadd_ps(hi[r], x1, acc[m][r][1]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int r = 0; r < R; r++)
+            part[n + r - first][m] +=
+                _mm512_reduce_add_ps(_mm512_add_ps(acc[m][r][0], acc[m][r][1]));
+}
+
 /* Partial products of output rows [first, end) (at most ROW_TILE) with rows m0 .. m0 + rows
  * of x over the blocks [b0, b1) of K, added into part[n - first][m]. `rows` and `bits` are
  * constants where this is inlined, so the accumulators stay in registers: two per row of x
@@ -99,7 +147,12 @@ AVX512 INLINE void tile_span(const QuantWeight *w, int64_t first, int64_t end, c
     const int64_t k = w->k, groups = k / w->group, per_group = w->group / 32;
     const int lanes = rows == 1 ? 4 : 2;
     const int64_t g0 = b0 / per_group; /* the tile's first group (one division per tile) */
-    for (int64_t n = first; n < end; n++) {
+    int64_t n = first;
+    /* few rows of x: several output rows at a time share each load of x */
+    const int R = rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+    if (R > 1)
+        for (; n + R <= end; n += R) row_block(w, n, first, x, m0, b0, b1, g0, part, rows, R, bits);
+    for (; n < end; n++) {
         const uint8_t *row = span_of(w, n, b0, b1, bits) - (bits == 8 ? 32 : 16) * b0;
         const float *scales = w->scales + n * groups, *szeros = w->szeros + n * groups;
         __m512 acc[ROWS_PER_PASS][4];
@@ -178,6 +231,100 @@ AVX512 static void matmul(const QuantWeight *w, const float *x, float *y, int64_
     }
 }
 
+/* The same products with bfloat16 rows of x (processors with AVX512-BF16): each block's
+ * weights are rounded to bfloat16 pairs (vcvtne2ps2bf16) and multiplied by vdpbf16ps, 32
+ * products per instruction where an fp32 FMA does 16, with float32 accumulation. For
+ * steps of several rows, where the fp32 products are what limits the kernel. */
+#define AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+AVX512BF16 INLINE void row_block_bf16(const QuantWeight *w, int64_t n, int64_t first,
+                                      const uint16_t *x, int64_t m0, int64_t b0, int64_t b1,
+                                      int64_t g0, float part[ROW_TILE][ROWS_PER_PASS],
+                                      const int rows, const int R, const int bits) {
+    const int64_t k = w->k, groups = k / w->group, per_group = w->group / 32;
+    const int64_t per_block = bits == 8 ? 32 : 16;
+    const uint8_t *wrows[4];
+    const float *scales[4], *szeros[4];
+    __m512 acc[8][4];
+    for (int r = 0; r < R; r++) {
+        wrows[r] = span_of(w, n + r, b0, b1, bits) - per_block * b0;
+        scales[r] = w->scales + (n + r) * groups;
+        szeros[r] = w->szeros + (n + r) * groups;
+        for (int m = 0; m < rows; m++) acc[m][r] = _mm512_setzero_ps();
+    }
+    for (int64_t g = g0; g * per_group < b1; g++) {
+        __m512 s[4], sz[4], table[4];
+        for (int r = 0; r < R; r++) {
+            s[r] = _mm512_set1_ps(scales[r][g]);
+            sz[r] = _mm512_set1_ps(szeros[r][g]);
+            table[r] = bits == 4 ? group_table(scales[r][g], szeros[r][g]) : s[r];
+        }
+        const int64_t start = g * per_group > b0 ? g * per_group : b0;
+        const int64_t stop = (g + 1) * per_group < b1 ? (g + 1) * per_group : b1;
+        for (int64_t b = start; b < stop; b++) {
+            __m512bh wbf[4];
+            for (int r = 0; r < R; r++) {
+                __m512 lo, hi;
+                weights_of_block(wrows[r], b, bits, table[r], s[r], sz[r], &lo, &hi);
+                wbf[r] = _mm512_cvtne2ps_pbh(hi, lo); /* [lo 0-15, hi 0-15] as x is laid */
+            }
+            for (int m = 0; m < rows; m++) {
+                const __m512bh xb =
+                    (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * k + 32 * b));
+                for (int r = 0; r < R; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wbf[r], xb);
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        for (int r = 0; r < R; r++) part[n + r - first][m] += _mm512_reduce_add_ps(acc[m][r]);
+}
+
+#define BF16_CASE(ROWS, R)                                                                  \
+    case ROWS:                                                                              \
+        for (n = first; n + R <= end; n += R)                                               \
+            if (w->bits == 4)                                                               \
+                row_block_bf16(w, n, first, x, m0, b0, b1, g0, part, ROWS, R, 4);           \
+            else                                                                            \
+                row_block_bf16(w, n, first, x, m0, b0, b1, g0, part, ROWS, R, 8);           \
+        for (; n < end; n++)                                                                \
+            if (w->bits == 4)                                                               \
+                row_block_bf16(w, n, first, x, m0, b0, b1, g0, part, ROWS, 1, 4);           \
+            else                                                                            \
+                row_block_bf16(w, n, first, x, m0, b0, b1, g0, part, ROWS, 1, 8);           \
+        break;
+
+AVX512BF16 static void matmul_bf16(const QuantWeight *w, const uint16_t *x, float *y,
+                                   int64_t rows, int threads) {
+    const int64_t tiles = (w->n + ROW_TILE - 1) / ROW_TILE, blocks = w->k / 32;
+    const int64_t per_group = w->group / 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t first = t * ROW_TILE;
+        const int64_t end = first + ROW_TILE < w->n ? first + ROW_TILE : w->n;
+        for (int64_t m0 = 0; m0 < rows; m0 += ROWS_PER_PASS) {
+            const int count = (int)(rows - m0 < ROWS_PER_PASS ? rows - m0 : ROWS_PER_PASS);
+            float part[ROW_TILE][ROWS_PER_PASS] = {{0}};
+            for (int64_t b0 = 0; b0 < blocks; b0 += K_TILE_BLOCKS) {
+                const int64_t b1 = b0 + K_TILE_BLOCKS < blocks ? b0 + K_TILE_BLOCKS : blocks;
+                const int64_t g0 = b0 / per_group;
+                int64_t n;
+                switch (count) {
+                    BF16_CASE(1, 4)
+                    BF16_CASE(2, 4)
+                    BF16_CASE(3, 4)
+                    BF16_CASE(4, 4)
+                    BF16_CASE(5, 2)
+                    BF16_CASE(6, 2)
+                    BF16_CASE(7, 2)
+                    BF16_CASE(8, 2)
+                }
+            }
+            for (int64_t n = first; n < end; n++)
+                for (int m = 0; m < count; m++) y[(m0 + m) * w->n + n] = part[n - first][m];
+        }
+    }
+}
+
 /* float32 to bfloat16, rounding to nearest even (as torch does; no NaNs here). */
 AVX512 INLINE __m256i to_bf16(__m512 v) {
     __m512i bits = _mm512_castps_si512(v);
@@ -227,6 +374,11 @@ AVX512 static void dequantize(const QuantWeight *w, void *out, int bf16, int thr
                 dequantize_row(w, n, out, 0, 8);
         }
     }
+}
+
+static int has_avx512_bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
 }
 
 static int has_avx512(void) {
@@ -282,6 +434,31 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+static PyObject *py_matmul_bf16(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t packed, scales, szeros, x, y;
+    long long n, k, group, bits, rows;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "nnnnnLLLLL|i", &packed, &scales, &szeros, &x, &y, &n, &k,
+                          &group, &bits, &rows, &threads))
+        return NULL;
+    QuantWeight w;
+    if (!parse_weight(&w, packed, scales, szeros, n, k, group, bits)) return NULL;
+    if (!has_avx512_bf16() || rows <= 0) {
+        PyErr_SetString(PyExc_ValueError, "matmul_bf16: needs AVX512-BF16 and rows > 0");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS matmul_bf16(&w, (const uint16_t *)x, (float *)y, rows,
+                                       threads > 0 ? threads : 1);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+static PyObject *py_has_bf16(PyObject *self, PyObject *args) {
+    (void)self;
+    (void)args;
+    return PyBool_FromLong(has_avx512() && has_avx512_bf16());
+}
+
 static PyObject *py_dequantize(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t packed, scales, szeros, out;
@@ -302,6 +479,11 @@ static PyMethodDef methods[] = {
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(packed, scales, szeros, x, y, n, k, group, bits, rows, threads=1): y [rows, n] "
      "(float32) = x [rows, k] (float32) @ W.T (addresses as integers)"},
+    {"has_bf16", py_has_bf16, METH_NOARGS,
+     "has_bf16(): whether matmul_bf16 runs here (AVX512-BF16)"},
+    {"matmul_bf16", py_matmul_bf16, METH_VARARGS,
+     "matmul_bf16(packed, scales, szeros, x, y, n, k, group, bits, rows, threads=1): as "
+     "matmul with x [rows, k] in bfloat16 and the weights rounded to bfloat16"},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(packed, scales, szeros, out, n, k, group, bits, bf16=1, threads=1): W [n, k] "
      "into out, as bfloat16 (bf16=1) or float32"},
