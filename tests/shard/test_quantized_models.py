@@ -30,6 +30,7 @@ from test_model_families import FAMILIES, LOGPROBS, PROMPTS, assert_matches_hf
 from tp_utils import Request, assert_tensor_parallel_matches, make_plans
 
 from tests.lora_oracle import lora_greedy, save_random_lora
+from tests.prefix_oracle import prefixed_greedy
 from tests.quant_fixtures.compressed_tensors import load_reference, save_compressed
 from tests.quant_fixtures.packing import decoder_linears, save_awq_checkpoint, save_gptq_checkpoint
 from tgis.shard.config import ShardConfig
@@ -280,3 +281,37 @@ def test_lora_adapters_on_a_quantized_base_match_peft(
         for detail, step_logits in zip(details, logits, strict=True):
             expected = torch.log_softmax(step_logits, dim=-1)[detail.token_id].item()
             assert abs(detail.logprob - expected) < 1e-3, rid
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefixes_and_preemption_on_a_quantized_model(
+    dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt-tuning prefix (its embeddings in place of the first positions) and a
+    sequence preempted and recomputed, on a 4-bit AWQ model: in float32 the prefix equals
+    transformers' ``inputs_embeds`` oracle; in both dtypes the preempted sequence equals the
+    same request run without preemption, on the same kernels."""
+    family, write = CASES["awq-g32-llama"]
+    reference = write(dense_model(family, tmp_path / "dense"), tmp_path / "quantized")
+    reference.generation_config.eos_token_id = None
+    prefix = torch.randn(4, 64, generator=torch.Generator().manual_seed(5)) * 0.5
+    (tmp_path / "store" / "p").mkdir(parents=True)
+    torch.save(prefix, tmp_path / "store" / "p" / "decoder.pt")
+    runner = make_runner(
+        tmp_path / "quantized", dtype=dtype, prefix_store_path=str(tmp_path / "store")
+    )
+    prompt = PROMPTS[2]
+    router = Router(runner)
+    router.add(1, prompt, prefix_id="p", prefix_length=runner.lookup_prefix("p"))
+    router.add(2, prompt)
+    router.add(3, prompt)
+    router.step({1: 4 + len(prompt), 2: len(prompt), 3: len(prompt)})
+    router.decode([1, 2, 3])
+    router.preempt(3)
+    router.step({1: 1, 2: 1, 3: len(prompt) + 2})  # 3 recomputes its prompt and 2 tokens
+    for _ in range(NEW_TOKENS - 3):
+        router.decode([1, 2, 3])
+    assert router.generated[3] == router.generated[2] and len(router.generated[3]) == NEW_TOKENS
+    if dtype == "float32":
+        expected = prefixed_greedy(reference, prefix, prompt, NEW_TOKENS)[0]
+        assert router.generated[1] == expected
