@@ -125,3 +125,36 @@ def test_sampler_bench_reports_every_configuration() -> None:
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")][1:]
         assert len(cells) == 2 and all(float(c) > 0 for c in cells), row
+
+
+def test_quant_bench_reports_every_variant(tmp_path: Path) -> None:
+    """Dense, int8 at load and random 4-bit GPTQ layers of the embedded model's shape."""
+    out = tmp_path / "quant.json"
+    stdout = run_script(
+        "quant_bench.py",
+        "--model", str(EMBEDDED),
+        "--variants", "dense,int8,gptq:torch",
+        "--batches", "1,2",
+        "--contexts", "16",
+        "--steps", "2",
+        "--rounds", "1",
+        "--json", str(out),
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert set(report) == {"dense", "int8", "gptq:torch"}
+    dense = report["dense"]["weight_bytes"]
+    assert report["int8"]["weight_bytes"] < dense and report["gptq:torch"]["weight_bytes"] < dense
+    assert any(k.startswith("int4 (_weight_int4pack") for k in report["gptq:torch"]["kernels"])
+    for data in report.values():
+        assert set(data["cases"]) == {"b1-c16", "b2-c16"}
+        assert all(t > 0 for times in data["cases"].values() for t in times)
+    assert "speed vs dense" in stdout
+
+
+def test_quant_kernels_reports_every_row_count() -> None:
+    stdout = run_script(
+        "quant_kernels.py", "--shapes", "64x256", "--rows", "1,70", "--repeats", "2"
+    )
+    rows = [line.split() for line in stdout.splitlines()[2:]]
+    assert [(r[0], r[2]) for r in rows] == [("4", "1"), ("4", "70"), ("8", "1"), ("8", "70")]
+    assert all(float(v) > 0 for r in rows for v in r[3:6])

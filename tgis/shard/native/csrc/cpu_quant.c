@@ -44,6 +44,7 @@
 #define ROWS_PER_PASS 8  /* rows of x accumulated together (8 accumulator registers) */
 #define ROW_TILE 16      /* output rows per unit of work between threads, and of the layout */
 #define K_TILE_BLOCKS 16 /* 512 values: 8 rows of x over them are 16 KB, within L1 */
+#define PREFETCH_AHEAD 8192 /* bytes of the weight stream fetched ahead of the products */
 
 typedef struct {
     const uint8_t *packed;
@@ -117,6 +118,10 @@ AVX512 INLINE void row_block(const QuantWeight *w, int64_t n, int64_t first, con
         const int64_t stop = (g + 1) * per_group < b1 ? (g + 1) * per_group : b1;
         for (int64_t b = start; b < stop; b++) {
             __m512 lo[4], hi[4];
+            if (bits == 8 || (b & 1) == 0) /* the stream ahead, a line per 64 bytes */
+                for (int r = 0; r < R; r++)
+                    _mm_prefetch((const char *)(wrows[r] + per_block * b) + PREFETCH_AHEAD,
+                                 _MM_HINT_T0);
             for (int r = 0; r < R; r++)
                 weights_of_block(wrows[r], b, bits, table[r], s[r], sz[r], &lo[r], &hi[r]);
             for (int m = 0; m < rows; m++) {
@@ -178,6 +183,9 @@ AVX512 INLINE void tile_span(const QuantWeight *w, int64_t first, int64_t end, c
             }
             for (; b < stop; b++) {
                 __m512 lo, hi;
+                if (bits == 8 || (b & 1) == 0)
+                    _mm_prefetch((const char *)(row + (bits == 8 ? 32 : 16) * b) + PREFETCH_AHEAD,
+                                 _MM_HINT_T0);
                 weights_of_block(row, b, bits, table, s, sz, &lo, &hi);
                 for (int m = 0; m < rows; m++) {
                     const float *xm = x + (m0 + m) * k + 32 * b;
@@ -263,6 +271,10 @@ AVX512BF16 INLINE void row_block_bf16(const QuantWeight *w, int64_t n, int64_t f
         const int64_t stop = (g + 1) * per_group < b1 ? (g + 1) * per_group : b1;
         for (int64_t b = start; b < stop; b++) {
             __m512bh wbf[4];
+            if (bits == 8 || (b & 1) == 0)
+                for (int r = 0; r < R; r++)
+                    _mm_prefetch((const char *)(wrows[r] + per_block * b) + PREFETCH_AHEAD,
+                                 _MM_HINT_T0);
             for (int r = 0; r < R; r++) {
                 __m512 lo, hi;
                 weights_of_block(wrows[r], b, bits, table[r], s[r], sz[r], &lo, &hi);
