@@ -6,8 +6,7 @@ groups of ``--group`` columns is built and multiplied by bfloat16 rows (``--rows
 - ``tgis``: tgis's kernel in its own layout (``native/cpu_quant.py``; products up to
   ``DEQUANTIZE_ROWS`` rows, dequantized for oneDNN from there);
 - ``torch``: PyTorch's weight-only kernel (``_weight_int4pack_mm_for_cpu``, or
-  ``_weight_int8pack_mm`` for 8 bits per channel), in ``auto``'s 4-bit form: from
-  ``INT4PACK_DEQUANTIZE_ROWS`` rows dequantized by tgis's kernel from PyTorch's layout;
+  ``_weight_int8pack_mm`` for 8 bits per channel);
 - ``dense``: the same weight as bfloat16, packed for oneDNN (``cpu_gemm.py``): what the
   layer costs unquantized.
 

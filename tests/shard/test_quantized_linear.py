@@ -27,7 +27,6 @@ from tgis.shard.native import cpu_quant
 from tgis.shard.native.cpu_quant import QuantCpuWeight
 from tgis.shard.native.parallel.layers import apply
 from tgis.shard.native.quantized_linear import (
-    INT4PACK_DEQUANTIZE_ROWS,
     KERNEL_VARIABLE,
     Int4CpuWeight,
     Int8CpuWeight,
@@ -162,18 +161,16 @@ LAYOUTS = [(32, False), (128, False), (32, True), (-1, False), (512, False)]
 def test_kernels_equal_the_dense_weight(mode: str, bits: int, group: int, act_order: bool) -> None:
     """Groups of 32 and 128, activation order, per channel and a group larger than
     PyTorch's int4 kernel takes (it repeats the scale in groups of 256); every row count
-    of a step: a decode of 1-9 rows (tgis's kernel: 8 rows per pass), large steps (tgis's
-    kernel dequantizes them for oneDNN, from its layout and from PyTorch's)."""
+    of a step: a decode of 1-9 rows (tgis's kernel: 8 rows per pass; one row in float32,
+    more in bfloat16 pairs where the processor has them), a large step (tgis's kernel
+    dequantizes it for oneDNN)."""
     m = random_matrix(128, 1536, bits, group, act_order)
     weight, kernel = runtime_weight(m, mode)
     assert isinstance(weight, KERNEL_CLASS[mode]), kernel
     assert (getattr(weight, "order", None) is not None) == act_order
     gen = torch.Generator().manual_seed(3)
     bias = torch.randn(128, generator=gen).to(torch.bfloat16)
-    if mode == "torch" and bits == 4:  # large steps dequantized from PyTorch's layout
-        assert weight.dequantizable == cpu_quant.reads_int4pack()  # type: ignore[union-attr]
-    large = (cpu_quant.DEQUANTIZE_ROWS + 3, INT4PACK_DEQUANTIZE_ROWS + 3)
-    for rows in (1, 2, 7, 9, *large):
+    for rows in (1, 2, 7, 9, cpu_quant.DEQUANTIZE_ROWS + 3):
         x = torch.randn(rows, 1536, generator=gen).to(torch.bfloat16)
         assert relative_error(weight, m, x, bias) < 2e-2, rows
 
@@ -236,16 +233,13 @@ def test_unequal_groups_after_a_split_of_an_act_order_layer_are_dequantized(mode
     assert isinstance(weight, torch.Tensor) and "groups of unequal size" in kernel
 
 
-def test_auto_picks_the_faster_kernel_per_width() -> None:
-    """bfloat16: 4 bits in PyTorch's layout (large steps dequantized by tgis's kernel where
-    it reads that layout), 8 bits in tgis's; float16: PyTorch's."""
-    four, kernel = runtime_weight(random_matrix(128, 64, 4, 32), "auto")
-    assert isinstance(four, Int4CpuWeight), kernel
-    assert four.dequantizable == cpu_quant.reads_int4pack()
-    eight, kernel = runtime_weight(random_matrix(32, 64, 8, 32), "auto")
-    assert isinstance(eight, Int8CpuWeight if cpu_quant.KERNEL is None else QuantCpuWeight)
+def test_auto_prefers_tgis_kernel_for_bfloat16_and_pytorchs_for_float16() -> None:
+    expected = (Int4CpuWeight, Int8CpuWeight) if cpu_quant.KERNEL is None else QuantCpuWeight
+    for bits, group in ((4, 32), (8, -1)):
+        bf16, kernel = runtime_weight(random_matrix(32, 64, bits, group), "auto")
+        assert isinstance(bf16, expected), kernel
     fp16, kernel = runtime_weight(random_matrix(32, 64, 4, 32, dtype=torch.float16), "auto")
-    assert isinstance(fp16, Int4CpuWeight) and not fp16.dequantizable, kernel
+    assert isinstance(fp16, Int4CpuWeight), kernel
 
 
 def test_the_kernel_variable_forces_a_path(monkeypatch: pytest.MonkeyPatch) -> None:

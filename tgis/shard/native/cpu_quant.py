@@ -11,9 +11,7 @@ batch) is compute-bound: the layer is dequantized into a bfloat16 scratch buffer
 (``dequantize``: a few milliseconds for a 16M-weight layer) and multiplied by oneDNN at
 the processor's bfloat16 rate; the buffer is one per process, as large as the largest
 layer, reused by every layer in turn. ``QuantCpuWeight.matmul`` chooses by the step's rows
-(``DEQUANTIZE_ROWS``). ``dequantize_int4pack`` does the same for a layer kept in PyTorch's
-own 4-bit layout (``native/quantized_linear.py: Int4CpuWeight``), whose kernel is the
-faster one for a single row.
+(``DEQUANTIZE_ROWS``).
 
 The layout: ``packed`` uint8, one value per byte (8 bits), or two (4 bits: in blocks of 32
 values, value ``j`` of a block in the low nibble of its byte ``j`` and value ``16 + j`` in
@@ -26,7 +24,6 @@ processor lacks AVX-512, ``native/quantized_linear.py`` uses PyTorch's int4/int8
 
 from __future__ import annotations
 
-import functools
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -187,45 +184,3 @@ def tiled(rows: torch.Tensor, row_tile: int, span_blocks: int, bits: int) -> tor
     grouped = padded.view(tiles, row_tile, row_bytes)
     spans = [grouped[:, :, a : a + span].reshape(tiles, -1) for a in range(0, row_bytes, span)]
     return torch.cat(spans, dim=1).contiguous()
-
-
-@functools.cache
-def reads_int4pack() -> bool:
-    """Whether ``dequantize_int4pack`` reads what this PyTorch build's
-    ``_convert_weight_to_int4pack_for_cpu`` writes (its layout depends on the build's
-    vector width): checked once on a random matrix."""
-    if KERNEL is None:
-        return False
-    q = torch.randint(0, 16, (128, 96), generator=torch.Generator().manual_seed(0))
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
-    pairs = torch.zeros(3, 128, 2, dtype=torch.bfloat16)
-    pairs[..., 0], pairs[..., 1] = 1.0, 8.0  # (q - 8) * 1 + 8 = q
-    out = torch.empty(96, 128, dtype=torch.bfloat16)
-    KERNEL.dequantize_int4pack(packed.data_ptr(), pairs.data_ptr(), out.data_ptr(), 128, 96, 32)
-    return bool(torch.equal(out.t().to(torch.int64), q))
-
-
-def dequantize_int4pack(
-    packed: torch.Tensor,
-    scales_zeros: torch.Tensor,
-    out_features: int,
-    in_features: int,
-    group: int,
-) -> torch.Tensor:
-    """W transposed, [in, out] bfloat16, from PyTorch's 4-bit layout and its bfloat16
-    (scale, zero) pairs, in the process's scratch buffer (valid until the next call)."""
-    assert KERNEL is not None
-    size = out_features * in_features
-    scratch = _scratch.get(torch.bfloat16)
-    if scratch is None or scratch.numel() < size:
-        scratch = _scratch[torch.bfloat16] = torch.empty(size, dtype=torch.bfloat16)
-    KERNEL.dequantize_int4pack(
-        packed.data_ptr(),
-        scales_zeros.data_ptr(),
-        scratch.data_ptr(),
-        out_features,
-        in_features,
-        group,
-        torch.get_num_threads(),
-    )
-    return scratch[:size].view(in_features, out_features)

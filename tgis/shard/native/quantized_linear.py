@@ -3,17 +3,13 @@
 A layer's weight arrives as a dense tensor or a ``GroupQuantized`` (``checkpoints/
 quantized/matrix.py``). ``runtime_weight`` turns it into what the step multiplies with:
 
-- CPU, bfloat16 activations: 4-bit weights in PyTorch's layout for
-  ``_weight_int4pack_mm_for_cpu`` (groups of 32-256 columns; the faster kernel for one
-  row), with steps of ``INT4PACK_DEQUANTIZE_ROWS`` rows and more dequantized by tgis's kernel for
-  oneDNN (PyTorch's kernel redoes its work for every row, 2.5x slower than that on a
-  prefill chunk); 8-bit weights in tgis's own kernel (``cpu_quant.py``, AVX-512: products
-  for decode steps, bfloat16 pairs for several rows, dequantized for large steps);
-  each falls back to the other kernel where it does not fit or is not built;
-- CPU, float16: PyTorch's ``_weight_int4pack_mm_for_cpu`` and, for 8 bits with one scale
-  per output channel, ``_weight_int8pack_mm`` (an asymmetric zero point adds a rank-one
-  correction); activation order in every kernel by gathering the input's columns in group
-  order;
+- CPU, bfloat16 activations, AVX-512: tgis's own kernel (``cpu_quant.py``): 4- and 8-bit
+  weights in groups of 32 or more; float32 products for a single row, bfloat16 pairs for
+  several (AVX512-BF16), dequantized for oneDNN in large steps (prefill chunks);
+- CPU, bfloat16 without it, or float16: PyTorch's ``_weight_int4pack_mm_for_cpu`` (groups
+  of 32-256 columns) and, for 8 bits with one scale per output channel,
+  ``_weight_int8pack_mm`` (an asymmetric zero point adds a rank-one correction);
+  activation order in every kernel by gathering the input's columns in group order;
 - CPU, float32 activations: dequantized once, here (the weight-only kernels are built for
   16-bit activations: PyTorch's int4 kernel runs float32 10-20x slower than a dense
   GEMM), so the model computes exactly what the dequantized checkpoint does and memory is
@@ -42,22 +38,13 @@ import torch.nn.functional as F
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized, fuse_rows
 from tgis.shard.checkpoints.quantized.source import LinearMatrix
 from tgis.shard.errors import StartupError
-from tgis.shard.native.cpu_quant import (
-    QuantCpuWeight,
-    dequantize_int4pack,
-    quant_cpu_weight,
-    reads_int4pack,
-)
+from tgis.shard.native.cpu_quant import QuantCpuWeight, quant_cpu_weight
 
 KERNEL_VARIABLE = "TGIS_QUANT_KERNEL"
 KERNEL_MODES = ("auto", "tgis", "torch", "dequant")
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 INT4_ROWS_MULTIPLE = 16  # output features, for _convert_weight_to_int4pack_for_cpu
 INT4_INNER_K_TILES = 2
-INT4PACK_BLOCK = 64  # rows per block of PyTorch's AVX-512 int4 layout
-# Rows from which a layer in PyTorch's 4-bit layout is dequantized for oneDNN instead
-# (BENCHMARKS.md: the crossover on a 2-core AVX-512 host)
-INT4PACK_DEQUANTIZE_ROWS = 64
 DENSE = "dense"
 
 
@@ -74,32 +61,20 @@ class Int4CpuWeight:
     """4-bit weight for ``_weight_int4pack_mm_for_cpu``: ``packed`` [out, in / 2] uint8,
     ``scales_zeros`` [in / group, out, 2] in the activations' dtype (the kernel computes
     ``(q - 8) * scale + zero``), and ``order``, the input columns in group order when the
-    checkpoint was quantized in activation order. PyTorch's kernel does the work of every
-    row again, so a large step of bfloat16 rows (``INT4PACK_DEQUANTIZE_ROWS``, where
-    ``dequantizable``: tgis's kernel reads this layout) dequantizes the layer into a
-    scratch buffer instead and multiplies with oneDNN."""
+    checkpoint was quantized in activation order."""
 
     packed: torch.Tensor
     scales_zeros: torch.Tensor
     group_size: int
     order: torch.Tensor | None
-    dequantizable: bool = False
     kernel = "int4 (_weight_int4pack_mm_for_cpu)"
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.order is not None:
             x = x.index_select(-1, self.order)
-        rows = x.shape[0]
-        if self.dequantizable and rows >= INT4PACK_DEQUANTIZE_ROWS and x.dtype == torch.bfloat16:
-            out_features, in_features = self.packed.shape[0], self.packed.shape[1] * 2
-            transposed = dequantize_int4pack(
-                self.packed, self.scales_zeros, out_features, in_features, self.group_size
-            )
-            y = torch.matmul(x, transposed)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.contiguous(), self.packed, self.group_size, self.scales_zeros
-            )
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.contiguous(), self.packed, self.group_size, self.scales_zeros
+        )
         return y if bias is None else y + bias
 
 
@@ -172,19 +147,13 @@ def runtime_weight(
 def _kernel_weight(
     matrix: GroupQuantized, mode: str
 ) -> QuantCpuWeight | Int4CpuWeight | Int8CpuWeight | str:
-    """``matrix`` for the kernel ``mode`` names, or, for ``auto``, the faster one measured
-    on bfloat16 (BENCHMARKS.md): 4 bits in PyTorch's layout (its kernel leads on a single
-    row; large steps are dequantized by tgis's kernel), 8 bits in tgis's; float16 in
-    PyTorch's. The other kernel where the first does not fit; or why neither does."""
-    if mode == "tgis":
-        return quant_cpu_weight(matrix)
-    torch_weight = _int4(matrix) if matrix.bits == 4 else _int8(matrix)
-    if mode == "torch" or matrix.compute_dtype != torch.bfloat16:
-        return torch_weight
-    if matrix.bits == 4 and not isinstance(torch_weight, str):
-        return torch_weight
-    tgis_weight = quant_cpu_weight(matrix)
-    return torch_weight if isinstance(tgis_weight, str) else tgis_weight
+    """``matrix`` for tgis's kernel (bfloat16 activations, or forced) where it fits, else
+    for PyTorch's; or why neither takes it."""
+    if mode == "tgis" or (mode == "auto" and matrix.compute_dtype == torch.bfloat16):
+        weight = quant_cpu_weight(matrix)
+        if not isinstance(weight, str) or mode == "tgis":
+            return weight
+    return _int4(matrix) if matrix.bits == 4 else _int8(matrix)
 
 
 def _stacked(
@@ -238,15 +207,8 @@ def _int4(matrix: GroupQuantized) -> Int4CpuWeight | str:
     scales = matrix.scales.repeat_interleave(repeat, dim=1)
     zeros = matrix.zeros.repeat_interleave(repeat, dim=1)
     scales_zeros = torch.stack([scales.t(), (scales * (8 - zeros)).t()], dim=-1)
-    dequantizable = (
-        matrix.compute_dtype == torch.bfloat16 and out % INT4PACK_BLOCK == 0 and reads_int4pack()
-    )
     return Int4CpuWeight(
-        packed,
-        scales_zeros.to(matrix.compute_dtype).contiguous(),
-        kernel_group,
-        order,
-        dequantizable,
+        packed, scales_zeros.to(matrix.compute_dtype).contiguous(), kernel_group, order
     )
 
 

@@ -388,55 +388,6 @@ AVX512 static void dequantize(const QuantWeight *w, void *out, int bf16, int thr
     }
 }
 
-/* PyTorch's own 4-bit layout (_convert_weight_to_int4pack_for_cpu, AVX-512 build), read
- * for large steps: rows in blocks of 64; within a block, for each input column k, 32
- * bytes: byte d (d < 16) holds row d in its low nibble and row d + 32 in its high one,
- * byte 16 + d rows d + 16 and d + 48. scales_zeros [K / group, N, 2] bfloat16 pairs (scale,
- * zero) with W[n, k] = (q - 8) * scale + zero. Written transposed, out[k, n] (bfloat16),
- * so that each column k of a block is 64 consecutive outputs. cpu_quant.py checks the
- * layout against PyTorch's packing at import before using this. */
-AVX512 INLINE __m512 bf16_low(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
-AVX512 INLINE __m512 bf16_high(__m512i pairs) {
-    return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-
-AVX512 static void dequantize_int4pack(const uint8_t *packed, const uint16_t *scales_zeros,
-                                       uint16_t *out, int64_t n, int64_t k, int64_t group,
-                                       int threads) {
-    const int64_t blocks = n / 64;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t nb = 0; nb < blocks; nb++) {
-        const uint8_t *block = packed + nb * k * 32;
-        for (int64_t g = 0; g * group < k; g++) {
-            __m512 scale[4], zero[4]; /* rows 0-15, 16-31, 32-47, 48-63 of the block */
-            for (int q = 0; q < 4; q++) {
-                const __m512i pairs = _mm512_loadu_si512(
-                    (const void *)(scales_zeros + (g * n + nb * 64 + 16 * q) * 2));
-                scale[q] = bf16_low(pairs);
-                /* (q - 8) * s + z = q * s + (z - 8 s) */
-                zero[q] = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), scale[q], bf16_high(pairs));
-            }
-            const int64_t stop = (g + 1) * group < k ? (g + 1) * group : k;
-            for (int64_t kk = g * group; kk < stop; kk++) {
-                const uint8_t *bytes = block + kk * 32;
-                const __m512i first = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bytes));
-                const __m512i second =
-                    _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bytes + 16)));
-                const __m512i mask = _mm512_set1_epi32(15);
-                const __m512i nibbles[4] = {
-                    _mm512_and_si512(first, mask), _mm512_and_si512(second, mask),
-                    _mm512_srli_epi32(first, 4), _mm512_srli_epi32(second, 4)};
-                uint16_t *dst = out + kk * n + nb * 64;
-                for (int q = 0; q < 4; q++) {
-                    const __m512 v =
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(nibbles[q]), scale[q], zero[q]);
-                    _mm256_storeu_si256((__m256i *)(dst + 16 * q), to_bf16(v));
-                }
-            }
-        }
-    }
-}
-
 static int has_avx512_bf16(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16");
@@ -514,25 +465,6 @@ static PyObject *py_matmul_bf16(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
-static PyObject *py_dequantize_int4pack(PyObject *self, PyObject *args) {
-    (void)self;
-    Py_ssize_t packed, scales_zeros, out;
-    long long n, k, group;
-    int threads = 1;
-    if (!PyArg_ParseTuple(args, "nnnLLL|i", &packed, &scales_zeros, &out, &n, &k, &group,
-                          &threads))
-        return NULL;
-    if (!has_avx512() || n <= 0 || n % 64 || k <= 0 || group <= 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "dequantize_int4pack: AVX-512, N a multiple of 64, K and group > 0");
-        return NULL;
-    }
-    Py_BEGIN_ALLOW_THREADS dequantize_int4pack((const uint8_t *)packed,
-                                               (const uint16_t *)scales_zeros, (uint16_t *)out,
-                                               n, k, group, threads > 0 ? threads : 1);
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
-}
-
 static PyObject *py_has_bf16(PyObject *self, PyObject *args) {
     (void)self;
     (void)args;
@@ -564,9 +496,6 @@ static PyMethodDef methods[] = {
     {"matmul_bf16", py_matmul_bf16, METH_VARARGS,
      "matmul_bf16(packed, scales, szeros, x, y, n, k, group, bits, rows, threads=1): as "
      "matmul with x [rows, k] in bfloat16 and the weights rounded to bfloat16"},
-    {"dequantize_int4pack", py_dequantize_int4pack, METH_VARARGS,
-     "dequantize_int4pack(packed, scales_zeros, out, n, k, group, threads=1): PyTorch's "
-     "AVX-512 int4 layout with bfloat16 (scale, zero) pairs, into out [k, n] bfloat16"},
     {"dequantize", py_dequantize, METH_VARARGS,
      "dequantize(packed, scales, szeros, out, n, k, group, bits, bf16=1, threads=1): W [n, k] "
      "into out, as bfloat16 (bf16=1) or float32"},
