@@ -74,6 +74,18 @@ def weight_bytes(runner: ModelRunner) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_of(model, set()))
 
 
+def linear_bytes(runner: ModelRunner) -> int:
+    """Bytes of the decoder layers' linear weights alone (quantized or dense)."""
+    model = runner.model
+    assert isinstance(model, DecoderLM)
+    seen: set[int] = set()
+    return sum(
+        t.numel() * t.element_size()
+        for linear in model.linear_layers()
+        for t in tensors_of(linear.weight, seen)
+    )
+
+
 def load(args: argparse.Namespace, variant: str) -> ModelRunner:
     """``variant``: a name of VARIANTS, optionally ``:kernel`` (TGIS_QUANT_KERNEL's value
     while loading, e.g. ``gptq:torch``)."""
@@ -114,6 +126,7 @@ def main() -> None:
         for variant in variants:
             runner = load(args, variant)
             results[variant]["weight_bytes"] = weight_bytes(runner)
+            results[variant]["linear_bytes"] = linear_bytes(runner)
             results[variant]["kernels"] = dict(runner.model.linear_kernels())  # type: ignore[attr-defined]
             for batch in args.batches:
                 for context in args.contexts:
@@ -136,17 +149,23 @@ def main() -> None:
 
 def report(results: dict[str, dict[str, Any]], variants: list[str]) -> None:
     dense = results.get("dense")
-    print("\nvariant  weights (MiB)  ratio  case  ms/step p50  tok/s  speed vs dense")
+    print(
+        "\nvariant  weights (MiB)  ratio  linears (MiB)  ratio  case  ms/step p50  tok/s  "
+        "speed vs dense"
+    )
     for variant in variants:
         data = results[variant]
         mib = data["weight_bytes"] / 2**20
         ratio = data["weight_bytes"] / dense["weight_bytes"] if dense else float("nan")
+        linear_mib = data["linear_bytes"] / 2**20
+        linear_ratio = data["linear_bytes"] / dense["linear_bytes"] if dense else float("nan")
         for key, times in data["cases"].items():
             ms = statistics.median(times)
             batch = int(key.split("-")[0][1:])
             speed = statistics.median(dense["cases"][key]) / ms if dense else float("nan")
             print(
-                f"{variant:8s} {mib:13.1f} {ratio:6.2f}  {key:8s} {ms:9.2f} "
+                f"{variant:8s} {mib:13.1f} {ratio:6.2f} {linear_mib:14.1f} {linear_ratio:6.2f}  "
+                f"{key:8s} {ms:9.2f} "
                 f"{batch / ms * 1e3:7.1f} {speed:10.2f}x"
             )
         print(f"{'':8s} kernels: {data['kernels']}")

@@ -144,6 +144,8 @@ def test_quant_bench_reports_every_variant(tmp_path: Path) -> None:
     assert set(report) == {"dense", "int8", "gptq:torch"}
     dense = report["dense"]["weight_bytes"]
     assert report["int8"]["weight_bytes"] < dense and report["gptq:torch"]["weight_bytes"] < dense
+    linears = report["dense"]["linear_bytes"]
+    assert report["gptq:torch"]["linear_bytes"] < report["int8"]["linear_bytes"] < linears
     assert any(k.startswith("int4 (_weight_int4pack") for k in report["gptq:torch"]["kernels"])
     for data in report.values():
         assert set(data["cases"]) == {"b1-c16", "b2-c16"}

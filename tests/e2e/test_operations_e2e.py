@@ -309,14 +309,15 @@ def test_a_router_fatal_error_reaches_the_termination_log(tmp_path: Path) -> Non
 def test_a_shard_fatal_error_reaches_the_termination_log(tmp_path: Path) -> None:
     log = tmp_path / "termination-log"
     launcher = start_launcher(
-        tmp_path, ["--quantize", "int8"], env={"TGIS_TERMINATION_LOG": str(log)}
+        tmp_path, ["--quantize", "gptq"], env={"TGIS_TERMINATION_LOG": str(log)}
     )
     try:
         shard, launcher_reason = termination_lines(launcher, log)
     finally:
         launcher.stop()
     assert shard == (
-        "int8 (at load): tgis does not serve int8 quantization at load yet; it serves dense "
-        "float32, float16 and bfloat16 checkpoints"
+        "--quantize gptq needs a gptq checkpoint, and this one is dense (no "
+        "quantization_config in config.json, no quantize_config.json); int8 and fp8 "
+        "quantize a dense checkpoint at load"
     )
     assert launcher_reason == "Shard 0 failed: exit status: 1"

@@ -97,6 +97,47 @@ def _save(model: Any, path: Path, tensors: dict[str, torch.Tensor], quant: dict[
     (path / "config.json").write_text(json.dumps(config))
 
 
+def write_ct_g_idx(model: Any, path: Path, group: int = 32) -> Any:
+    """compressed-tensors ``pack-quantized`` W4A16 with ``weight_g_idx`` (older
+    LLM Compressor's group activation order; 0.20 no longer writes it): each column's group
+    from a random permutation, integers packed by compressed-tensors' own
+    ``pack_to_int32``; the oracle holds ``scale[:, g_idx] * q``."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    reference = _copy(model)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(7)
+    for name, linear in decoder_linears(model).items():
+        w = linear.weight.detach().float()
+        out, in_ = w.shape
+        g_idx = (torch.randperm(in_, generator=gen) // group).to(torch.int32)
+        scale = torch.stack(
+            [w[:, g_idx == g].abs().amax(dim=1) / 7.5 for g in range(in_ // group)], dim=1
+        )
+        q = torch.round(w / scale[:, g_idx.long()]).clamp(-8, 7).to(torch.int8)
+        del tensors[f"{name}.weight"]
+        tensors[f"{name}.weight_packed"] = pack_to_int32(q, 4)
+        tensors[f"{name}.weight_scale"] = scale
+        tensors[f"{name}.weight_shape"] = torch.tensor([out, in_])
+        tensors[f"{name}.weight_g_idx"] = g_idx
+        with torch.no_grad():
+            reference.get_submodule(name).weight.copy_(scale[:, g_idx.long()] * q.float())
+    scheme = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group"}
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": scheme | {"group_size": group, "actorder": "group"},
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+    _save(model, path, tensors, quant)
+    return reference
+
+
 def gptq(bits: int, group: int, sym: bool, act_order: bool, fmt: str = "gptq") -> Writer:
     return lambda model, path: save_gptq_checkpoint(model, path, bits, group, sym, act_order, fmt)
 
@@ -137,6 +178,7 @@ CASES: dict[str, tuple[str, Writer]] = {
     "ct-fp8-tensor-gpt-bigcode-mha": ("gpt-bigcode-mha", compressed("fp8-tensor")),
     "ct-fp8-channel-llama": ("llama", compressed("fp8-channel")),
     "ct-fp8-block-falcon-mqa": ("falcon-old-mqa", compressed("fp8-block")),
+    "ct-w4a16-g-idx-gpt-neox": ("gpt-neox-parallel", write_ct_g_idx),
 }
 
 

@@ -70,15 +70,19 @@ class CompressedTensorsReader:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> CompressedTensorsReader:
-        fmt = str(config.get("format") or "dense")
-        if fmt not in FORMATS:
-            raise StartupError(
-                f"compressed-tensors format '{fmt}' is not supported; tgis reads "
-                f"{', '.join(FORMATS[:-1])}"
-            )
         groups = config.get("config_groups") or {}
         if not isinstance(groups, Mapping):
             raise StartupError("compressed-tensors config_groups is not an object")
+        # the whole checkpoint's format, or "mixed-precision" and one per config group
+        formats = [str(config.get("format") or "dense")] + [
+            str(g["format"]) for g in groups.values() if isinstance(g, Mapping) and g.get("format")
+        ]
+        for fmt in formats:
+            if fmt not in FORMATS and fmt != "mixed-precision":
+                raise StartupError(
+                    f"compressed-tensors format '{fmt}' is not supported; tgis reads "
+                    f"{', '.join(FORMATS[:-1])}"
+                )
         schemes = tuple(_scheme(str(name), group) for name, group in groups.items())
         if config.get("kv_cache_scheme"):
             log.info("compressed-tensors kv_cache_scheme ignored: the KV cache stays unquantized")

@@ -175,12 +175,16 @@ class DecoderLM:
         self.lm_head.weight = pack(self.lm_head.weight)
         return dense + 1
 
-    def linear_kernels(self) -> Counter[str]:
-        """How many linear layers run each kernel (``native/quantized_linear.py``)."""
+    def linear_layers(self) -> list[ColumnLinear | RowLinear]:
+        """Every linear layer of the decoder layers (not the LM head), in a fixed order."""
         linears: list[ColumnLinear | RowLinear] = []
         for layer in self.layers:
             _collect_linears(layer, linears, every=True)
-        return Counter(linear.kernel for linear in linears)
+        return linears
+
+    def linear_kernels(self) -> Counter[str]:
+        """How many linear layers run each kernel (``native/quantized_linear.py``)."""
+        return Counter(linear.kernel for linear in self.linear_layers())
 
 
 def _collect_linears(
