@@ -36,6 +36,7 @@ from tests.quant_fixtures.packing import decoder_linears, save_awq_checkpoint, s
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard.native import cpu_quant
+from tgis.shard.native.compiled import CompiledForward
 from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.native.models.decoder import DecoderLM
 
@@ -357,3 +358,23 @@ def test_prefixes_and_preemption_on_a_quantized_model(
     if dtype == "float32":
         expected = prefixed_greedy(reference, prefix, prompt, NEW_TOKENS)[0]
         assert router.generated[1] == expected
+
+
+@pytest.mark.slow
+@needs_tgis_kernel
+def test_the_compiled_step_holds_tgis_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``TGIS_COMPILE=1``: the kernel is one operator (``tgis::cpu_quant_linear``) inside
+    the compiled step, which compiles (no fallback to eager) and, on float32 activations
+    (the kernel forced: exact to float32 rounding), gives transformers' tokens."""
+    monkeypatch.setenv("TGIS_COMPILE", "1")
+    monkeypatch.setenv("TGIS_QUANT_KERNEL", "tgis")
+    family, write = CASES["awq-g32-llama"]
+    reference = write(dense_model(family, tmp_path / "dense"), tmp_path / "quantized")
+    reference.generation_config.eos_token_id = None
+    runner = make_runner(tmp_path / "quantized", dtype="float32")
+    assert isinstance(runner.forward, CompiledForward)
+    assert set(kernels(runner)) == {"int4 (tgis cpu_quant)"}
+    model = TinyModel(tmp_path / "quantized", reference)
+    assert_matches_hf(generate(runner, PROMPTS), model, PROMPTS)

@@ -10,8 +10,9 @@ and the activations are bfloat16 (``BF16_ROWS``). A large step (a prefill chunk,
 batch) is compute-bound: the layer is dequantized into a bfloat16 scratch buffer
 (``dequantize``: a few milliseconds for a 16M-weight layer) and multiplied by oneDNN at
 the processor's bfloat16 rate; the buffer is one per process, as large as the largest
-layer, reused by every layer in turn. ``QuantCpuWeight.matmul`` chooses by the step's rows
-(``DEQUANTIZE_ROWS``).
+layer, reused by every layer in turn. ``quant_linear`` chooses by the step's rows
+(``DEQUANTIZE_ROWS``); it is also the operator ``tgis::cpu_quant_linear``, which a compiled
+step (``TGIS_COMPILE=1``) holds as one opaque call.
 
 The layout: ``packed`` uint8, one value per byte (8 bits), or two (4 bits: in blocks of 32
 values, value ``j`` of a block in the low nibble of its byte ``j`` and value ``16 + j`` in
@@ -79,54 +80,115 @@ class QuantCpuWeight:
         return f"int{self.bits} (tgis cpu_quant)"
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        assert KERNEL is not None
         if self.order is not None:
             x = x.index_select(-1, self.order)
-        rows = x.shape[0]
-        threads = torch.get_num_threads()
-        if rows >= DEQUANTIZE_ROWS and x.dtype in (torch.bfloat16, torch.float32):
-            weight = self.dequantize(x.dtype, threads)
-            return F.linear(x, weight, bias)
-        y = torch.empty(rows, self.out_features, dtype=torch.float32)
-        bf16 = rows >= BF16_ROWS and x.dtype == torch.bfloat16 and HAS_BF16
-        xk = x.contiguous() if bf16 else x.float().contiguous()
-        (KERNEL.matmul_bf16 if bf16 else KERNEL.matmul)(
-            self.packed.data_ptr(),
-            self.scales.data_ptr(),
-            self.szeros.data_ptr(),
-            xk.data_ptr(),
-            y.data_ptr(),
-            self.out_features,
-            self.in_features,
-            self.group_size,
-            self.bits,
-            rows,
-            threads,
-        )
-        y = y.to(x.dtype)
+        args = (self.packed, self.scales, self.szeros, self.out_features, self.group_size)
+        if torch.compiler.is_compiling():  # a compiled step sees one opaque operator
+            y = torch.ops.tgis.cpu_quant_linear(x, *args, self.bits)
+        else:
+            y = quant_linear(x, *args, self.bits)
         return y if bias is None else y + bias
 
-    def dequantize(self, dtype: torch.dtype, threads: int = 1) -> torch.Tensor:
-        """The dense weight [out, in] (inputs in group order) in the process's scratch
-        buffer for ``dtype`` (bfloat16 or float32): valid until the next call."""
-        assert KERNEL is not None
-        size = self.out_features * self.in_features
-        scratch = _scratch.get(dtype)
-        if scratch is None or scratch.numel() < size:
-            scratch = _scratch[dtype] = torch.empty(size, dtype=dtype)
-        KERNEL.dequantize(
-            self.packed.data_ptr(),
-            self.scales.data_ptr(),
-            self.szeros.data_ptr(),
-            scratch.data_ptr(),
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dense weight [out, in] (inputs in group order), a new tensor of ``dtype``
+        (bfloat16 or float32)."""
+        return _dequantize(
+            self.packed,
+            self.scales,
+            self.szeros,
             self.out_features,
-            self.in_features,
             self.group_size,
             self.bits,
-            int(dtype == torch.bfloat16),
-            threads,
+            torch.empty(self.out_features * self.in_features, dtype=dtype),
         )
-        return scratch[:size].view(self.out_features, self.in_features)
+
+
+def quant_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    szeros: torch.Tensor,
+    out_features: int,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """``x [rows, in] @ W.T`` in ``x``'s dtype for a layer in the kernel's layout: the
+    kernel's products for a decode step, the layer dequantized for oneDNN from
+    ``DEQUANTIZE_ROWS`` rows. Also an operator (``tgis::cpu_quant_linear``) so that a
+    compiled step can hold it; eager steps call the function itself, without the
+    dispatcher."""
+    assert KERNEL is not None
+    rows, in_features = x.shape
+    threads = torch.get_num_threads()
+    if rows >= DEQUANTIZE_ROWS and x.dtype in (torch.bfloat16, torch.float32):
+        size = out_features * in_features
+        scratch = _scratch.get(x.dtype)
+        if scratch is None or scratch.numel() < size:
+            scratch = _scratch[x.dtype] = torch.empty(size, dtype=x.dtype)
+        weight = _dequantize(packed, scales, szeros, out_features, group_size, bits, scratch)
+        return F.linear(x, weight)
+    y = torch.empty(rows, out_features, dtype=torch.float32)
+    bf16 = rows >= BF16_ROWS and x.dtype == torch.bfloat16 and HAS_BF16
+    xk = x.contiguous() if bf16 else x.float().contiguous()
+    (KERNEL.matmul_bf16 if bf16 else KERNEL.matmul)(
+        packed.data_ptr(),
+        scales.data_ptr(),
+        szeros.data_ptr(),
+        xk.data_ptr(),
+        y.data_ptr(),
+        out_features,
+        in_features,
+        group_size,
+        bits,
+        rows,
+        threads,
+    )
+    return y.to(x.dtype)
+
+
+_OPERATOR = torch.library.custom_op("tgis::cpu_quant_linear", quant_linear, mutates_args=())
+
+
+@_OPERATOR.register_fake
+def _quant_linear_shape(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    szeros: torch.Tensor,
+    out_features: int,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+def _dequantize(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    szeros: torch.Tensor,
+    out_features: int,
+    group_size: int,
+    bits: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """The dense weight written into ``out`` (at least out x in elements of bfloat16 or
+    float32), viewed [out, in]."""
+    assert KERNEL is not None
+    in_features = scales.shape[1] * group_size
+    size = out_features * in_features
+    KERNEL.dequantize(
+        packed.data_ptr(),
+        scales.data_ptr(),
+        szeros.data_ptr(),
+        out.data_ptr(),
+        out_features,
+        in_features,
+        group_size,
+        bits,
+        int(out.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    return out[:size].view(out_features, in_features)
 
 
 def quant_cpu_weight(matrix: GroupQuantized) -> QuantCpuWeight | str:
