@@ -5,7 +5,7 @@
 #   benchmarks/gpu_wheels.sh            # here, with a package registry: wheels into .whl/
 #   benchmarks/gpu_check.sh OUTDIR      # there, in the repository root, .whl/ carried along
 #
-# Budget: under 9 minutes on one H100 (each part has its own time limit below). Needs
+# Budget: under 13 minutes on one H100 (each part has its own time limit below). Needs
 # python3 with torch (CUDA), triton, transformers, tokenizers, safetensors, numpy, click,
 # aiohttp, prometheus-client and pytest, as the GPU image has them; everything else comes
 # from .whl/ (gpu_wheels.sh says which). Nothing is installed outside /tmp.
@@ -15,8 +15,11 @@
 # step and the CUDA graphs against eager, NCCL with one rank), step.json and step.log
 # (benchmarks/step_bench.py: batch 1/8/32/64 x context 512/4096 on the Llama-3.1-8B shape),
 # serve-1.json, serve-64.json and serve.log (benchmarks/serve.py at 1 and 64 streams against
-# the launcher serving that shape with --load-format dummy), launcher.log, and summary.txt
-# with each part's exit status.
+# the launcher serving that shape with --load-format dummy), launcher.log, quant-kernels.log
+# (benchmarks/quant_kernels.py --device cuda: one 4-/8-bit layer of the 8B shape by the
+# Triton products, dequantized + cuBLAS, and dense, at 1/16/64/256 rows), quant.json and
+# quant.log (benchmarks/quant_bench.py: the 8B shape dense against random 4-bit GPTQ
+# layers, decode at batch 1 and 64), and summary.txt with each part's exit status.
 #
 # For a dry run of the plumbing elsewhere (a CPU host, say), these override the defaults:
 # PYTHON (python3), GPU_CHECK_MODEL (benchmarks/models/llama-3.1-8b), GPU_CHECK_LOAD_FORMAT
@@ -26,7 +29,7 @@ set -uo pipefail
 out="${1:?usage: benchmarks/gpu_check.sh OUTDIR}"
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 root="$(pwd)"
 summary="$out/summary.txt"
 : >"$summary"
@@ -129,4 +132,14 @@ else
 fi
 kill -TERM "$launcher" 2>/dev/null
 wait "$launcher" 2>/dev/null
+
+# ---- 4. quantized weights: one layer by kernel, then the 8B shape dense against 4-bit ----
+part quant-kernels 120 "$py" benchmarks/quant_kernels.py --device cuda \
+    --shapes 28672x4096,4096x14336,6144x4096 --rows 1,16,64,256 --bits 4,8 \
+    >"$out/quant-kernels.log" 2>&1
+tail -25 "$out/quant-kernels.log" | tee -a "$summary"
+part quant-bench 240 "$py" benchmarks/quant_bench.py --model "$model" --dtype bfloat16 \
+    --batches 1,64 --contexts 512 --steps 10 --rounds 1 --variants dense,gptq \
+    --json "$out/quant.json" >"$out/quant.log" 2>&1
+tail -10 "$out/quant.log" | tee -a "$summary"
 log "done in $((SECONDS - started)) s"

@@ -14,16 +14,18 @@ quantized/matrix.py``). ``runtime_weight`` turns it into what the step multiplie
   16-bit activations: PyTorch's int4 kernel runs float32 10-20x slower than a dense
   GEMM), so the model computes exactly what the dequantized checkpoint does and memory is
   not saved;
-- CUDA: dequantized (no CUDA kernel for quantized weights yet);
+- CUDA: 4- and 8-bit weights through the Triton kernels (``quant_triton.py``: products
+  for decode steps, dequantized for cuBLAS from 64 rows); FP8 is read dense (upcast);
 - fused layers (q/k/v, gate/up) that cannot be one matrix (quantized in different
   activation orders): each part with its own kernel, outputs concatenated;
 - any layer the kernels' layout limits exclude (e.g. output features not a multiple of 16
   for PyTorch's int4 kernel, groups of unequal size after a tensor-parallel split of an
   activation-ordered layer): dequantized.
 
-``TGIS_QUANT_KERNEL`` forces a path: ``auto`` (the rules above), ``tgis`` (tgis's kernel
-wherever it fits, float32 activations too), ``torch`` (PyTorch's kernels wherever they
-fit), ``dequant`` (always dense). A layer a forced kernel cannot take is dequantized.
+``TGIS_QUANT_KERNEL`` forces a path: ``auto`` (the rules above), ``triton`` (CUDA),
+``tgis`` (tgis's CPU kernel wherever it fits, float32 activations too), ``torch``
+(PyTorch's CPU kernels wherever they fit), ``dequant`` (always dense). A layer a forced
+kernel cannot take, or one forced onto the other device's kernel, is dequantized.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -38,10 +41,10 @@ import torch.nn.functional as F
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized, fuse_rows
 from tgis.shard.checkpoints.quantized.source import LinearMatrix
 from tgis.shard.errors import StartupError
-from tgis.shard.native.cpu_quant import QuantCpuWeight, quant_cpu_weight
+from tgis.shard.native.cpu_quant import quant_cpu_weight
 
 KERNEL_VARIABLE = "TGIS_QUANT_KERNEL"
-KERNEL_MODES = ("auto", "tgis", "torch", "dequant")
+KERNEL_MODES = ("auto", "triton", "tgis", "torch", "dequant")
 INT4_GROUP_SIZES = (256, 128, 64, 32)  # what _weight_int4pack_mm_for_cpu accepts
 INT4_ROWS_MULTIPLE = 16  # output features, for _convert_weight_to_int4pack_for_cpu
 INT4_INNER_K_TILES = 2
@@ -104,7 +107,7 @@ class StackedWeight:
     different activation orders, or dense beside quantized): each part runs its own kernel
     and the outputs are concatenated."""
 
-    parts: tuple[torch.Tensor | QuantCpuWeight | Int4CpuWeight | Int8CpuWeight, ...]
+    parts: tuple[torch.Tensor | QuantizedWeight, ...]
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         outputs = [
@@ -115,7 +118,19 @@ class StackedWeight:
         return y if bias is None else y + bias
 
 
-QuantizedWeight = QuantCpuWeight | Int4CpuWeight | Int8CpuWeight | StackedWeight
+class QuantizedWeight(Protocol):
+    """What a layer multiplies with when its weight is quantized."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class KernelWeight(QuantizedWeight, Protocol):
+    """One kernel's weight: also the kernel's name for the start-up log."""
+
+    @property
+    def kernel(self) -> str: ...
+
+
 LinearWeight = torch.Tensor | QuantizedWeight
 """What a linear layer multiplies with."""
 
@@ -144,11 +159,18 @@ def runtime_weight(
     return matrix.dequantize(), f"dequantized ({reason})"
 
 
-def _kernel_weight(
-    matrix: GroupQuantized, mode: str
-) -> QuantCpuWeight | Int4CpuWeight | Int8CpuWeight | str:
-    """``matrix`` for tgis's kernel (bfloat16 activations, or forced) where it fits, else
-    for PyTorch's; or why neither takes it."""
+def _kernel_weight(matrix: GroupQuantized, mode: str) -> KernelWeight | str:
+    """``matrix`` for the kernel of its device and ``mode``, or why none takes it: on CUDA
+    the Triton kernels; on the CPU tgis's kernel (bfloat16 activations, or forced) where it
+    fits, else PyTorch's."""
+    if matrix.q.device.type == "cuda":
+        if mode not in ("auto", "triton"):
+            return f"{KERNEL_VARIABLE}={mode} names a CPU kernel"
+        from tgis.shard.native.quant_triton import triton_quant_weight  # CUDA builds only
+
+        return triton_quant_weight(matrix)
+    if mode == "triton":
+        return "the Triton kernels run on CUDA"
     if mode == "tgis" or (mode == "auto" and matrix.compute_dtype == torch.bfloat16):
         weight = quant_cpu_weight(matrix)
         if not isinstance(weight, str) or mode == "tgis":
@@ -173,8 +195,6 @@ def _dequantize_reason(matrix: GroupQuantized, mode: str) -> str | None:
     """Why ``matrix`` must be dequantized before any kernel is tried, or None."""
     if mode == "dequant":
         return f"{KERNEL_VARIABLE}=dequant"
-    if matrix.q.device.type != "cpu":
-        return "no CUDA kernel for quantized weights yet"
     if matrix.compute_dtype == torch.float32 and mode == "auto":
         return "float32 activations"
     if matrix.bits not in (4, 8):
