@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import Router, TinyModel, build_tiny_llama
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from test_model_families import FAMILIES, LOGPROBS, PROMPTS, assert_matches_hf
 from tp_utils import Request, assert_tensor_parallel_matches, make_plans
 
@@ -34,6 +34,7 @@ from tests.prefix_oracle import prefixed_greedy
 from tests.quant_fixtures.compressed_tensors import load_reference, save_compressed
 from tests.quant_fixtures.packing import decoder_linears, save_awq_checkpoint, save_gptq_checkpoint
 from tgis.shard.config import ShardConfig
+from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
 from tgis.shard.native import cpu_quant
 from tgis.shard.native.compiled import CompiledForward
@@ -378,3 +379,57 @@ def test_the_compiled_step_holds_tgis_kernel(
     assert set(kernels(runner)) == {"int4 (tgis cpu_quant)"}
     model = TinyModel(tmp_path / "quantized", reference)
     assert_matches_hf(generate(runner, PROMPTS), model, PROMPTS)
+
+
+def _edit(name: str, tensors: dict[str, torch.Tensor]) -> None:
+    layer = "model.layers.0.self_attn.q_proj"
+    if name == "missing qzeros":
+        del tensors[f"{layer}.qzeros"]
+    elif name == "scales of the wrong shape":
+        tensors[f"{layer}.scales"] = tensors[f"{layer}.scales"][:1]
+    elif name == "integer scales":
+        tensors[f"{layer}.scales"] = tensors[f"{layer}.scales"].to(torch.int32)
+    elif name == "g_idx out of range":
+        tensors[f"{layer}.g_idx"] = tensors[f"{layer}.g_idx"] + 5
+    elif name == "qweight of floats":
+        tensors[f"{layer}.qweight"] = tensors[f"{layer}.qweight"].float()
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (
+            "missing qzeros",
+            "weight 'model.layers.0.self_attn.q_proj.qzeros' not found in the safetensors files",
+        ),
+        (
+            "scales of the wrong shape",
+            r"model.layers.0.self_attn.q_proj.scales has shape \[1, 64\]; expected \[2, 64\] "
+            r"\(64 inputs, 64 outputs, group size 32, 4 bits\)",
+        ),
+        (
+            "integer scales",
+            "model.layers.0.self_attn.q_proj.scales is int32; expected float16 or bfloat16 or "
+            "float32",
+        ),
+        (
+            "g_idx out of range",
+            r"model.layers.0.self_attn.q_proj.g_idx has group indices outside \[0, 2\)",
+        ),
+        ("qweight of floats", "model.layers.0.self_attn.q_proj.qweight is float32; expected int32"),
+    ],
+)
+def test_a_damaged_checkpoint_fails_naming_the_tensor(
+    damage: str, message: str, tmp_path: Path
+) -> None:
+    """A GPTQ checkpoint with one tensor missing, misshaped, of the wrong dtype or out of
+    range fails at load in one line naming it and what was expected."""
+    family, write = CASES["gptq-4bit-g32-actorder-llama"]
+    write(dense_model(family, tmp_path / "dense"), tmp_path / "quantized")
+    path = tmp_path / "quantized" / "model.safetensors"
+    tensors = load_file(path)
+    _edit(damage, tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(StartupError, match=f"^{message}$") as failure:
+        make_runner(tmp_path / "quantized", dtype="float32")
+    assert "\n" not in str(failure.value)
