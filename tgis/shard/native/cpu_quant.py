@@ -197,18 +197,12 @@ def quant_cpu_weight(matrix: GroupQuantized) -> QuantCpuWeight | str:
     if KERNEL is None:
         return "the cpu_quant extension is not built or the processor lacks AVX-512"
     out, in_ = matrix.shape
-    order = None
-    g_idx = matrix.g_idx
-    if not matrix.in_order():
-        order = torch.argsort(g_idx, stable=True)
-        g_idx = g_idx[order]
-    counts = torch.bincount(g_idx, minlength=matrix.num_groups)
-    size = int(counts[0])
-    if not bool((counts == size).all()):
-        return "groups of unequal size"
+    ordered = matrix.in_group_order()
+    if isinstance(ordered, str):
+        return ordered
+    q, order, size = ordered.q, ordered.order, ordered.group_size
     if size % BLOCK:
         return f"groups of {size} columns (the kernel takes multiples of 32)"
-    q = matrix.q if order is None else matrix.q.index_select(1, order)
     return QuantCpuWeight(
         tiled(packed_rows(q, matrix.bits), KERNEL.ROW_TILE, KERNEL.K_TILE_BLOCKS, matrix.bits),
         matrix.scales.float().contiguous(),

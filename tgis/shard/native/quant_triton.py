@@ -177,19 +177,13 @@ class TritonQuantWeight:
 def triton_quant_weight(matrix: GroupQuantized) -> TritonQuantWeight | str:
     """``matrix`` in the Triton kernels' layout (on its device), or why it does not fit."""
     out, in_ = matrix.shape
-    order = None
-    g_idx = matrix.g_idx
-    if not matrix.in_order():
-        order = torch.argsort(g_idx, stable=True)
-        g_idx = g_idx[order]
-    counts = torch.bincount(g_idx, minlength=matrix.num_groups)
-    size = int(counts[0])
-    if not bool((counts == size).all()):
-        return "groups of unequal size"
+    ordered = matrix.in_group_order()
+    if isinstance(ordered, str):
+        return ordered
+    q, order, size = ordered.q, ordered.order, ordered.group_size
     per_word = 32 // matrix.bits
     if in_ % per_word:
         return f"{in_} input features do not fill {matrix.bits}-bit words"
-    q = matrix.q if order is None else matrix.q.index_select(1, order)
     words = q.t().to(torch.int64).reshape(in_ // per_word, per_word, out)
     shifts = torch.arange(per_word, device=q.device) * matrix.bits
     packed = (words << shifts.view(1, -1, 1)).sum(dim=1)  # disjoint bits: a sum is an or

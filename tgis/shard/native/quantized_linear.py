@@ -207,19 +207,13 @@ def _int4(matrix: GroupQuantized) -> Int4CpuWeight | str:
     out = matrix.shape[0]
     if out % INT4_ROWS_MULTIPLE:
         return f"{out} output features, not a multiple of {INT4_ROWS_MULTIPLE}"
-    order = None
-    g_idx = matrix.g_idx
-    if not matrix.in_order():
-        order = torch.argsort(g_idx, stable=True)
-        g_idx = g_idx[order]
-    counts = torch.bincount(g_idx, minlength=matrix.num_groups)
-    size = int(counts[0])
-    if not bool((counts == size).all()):
-        return "groups of unequal size"
+    ordered = matrix.in_group_order()
+    if isinstance(ordered, str):
+        return ordered
+    q, order, size = ordered.q, ordered.order, ordered.group_size
     kernel_group = next((g for g in INT4_GROUP_SIZES if size % g == 0), None)
     if kernel_group is None:
         return f"groups of {size} columns (the kernel takes multiples of 32)"
-    q = matrix.q if order is None else matrix.q.index_select(1, order)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
         q.to(torch.int32).contiguous(), INT4_INNER_K_TILES
     )

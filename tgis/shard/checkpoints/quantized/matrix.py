@@ -48,6 +48,22 @@ class GroupQuantized:
         """Whether the groups follow the input columns (no activation order)."""
         return bool((self.g_idx[1:] >= self.g_idx[:-1]).all())
 
+    def in_group_order(self) -> GroupOrdered | str:
+        """The integers with the input columns sorted by group (what every kernel reads),
+        or why they cannot be: groups of unequal size (a tensor-parallel slice of an
+        activation-ordered layer)."""
+        order = None
+        g_idx = self.g_idx
+        if not self.in_order():
+            order = torch.argsort(g_idx, stable=True)
+            g_idx = g_idx[order]
+        counts = torch.bincount(g_idx, minlength=self.num_groups)
+        size = int(counts[0])
+        if not bool((counts == size).all()):
+            return "groups of unequal size"
+        q = self.q if order is None else self.q.index_select(1, order)
+        return GroupOrdered(q, order, size)
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense weight [out, in], computed in float32, in ``dtype`` (default: the
         compute dtype)."""
@@ -81,6 +97,17 @@ class GroupQuantized:
             self.bits,
             self.compute_dtype,
         )
+
+
+@dataclass(frozen=True)
+class GroupOrdered:
+    """A ``GroupQuantized``'s integers with the input columns in group order: group ``g``
+    is columns ``g * group_size`` to ``(g + 1) * group_size``; ``order`` is the gather
+    that puts an activation-ordered layer's inputs in that order (None: already)."""
+
+    q: torch.Tensor  # uint8 [out, in]
+    order: torch.Tensor | None
+    group_size: int
 
 
 def concat(parts: Sequence[GroupQuantized]) -> GroupQuantized | None:
