@@ -298,6 +298,9 @@ class _CountingSlice:
     def get_shape(self) -> Any:
         return self._view.get_shape()
 
+    def get_dtype(self) -> Any:
+        return self._view.get_dtype()
+
     def __getitem__(self, index: Any) -> torch.Tensor:
         tensor = self._view[index]
         self._reads[self._name] = self._reads.get(self._name, 0) + tensor.numel()

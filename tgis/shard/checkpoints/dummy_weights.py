@@ -33,7 +33,7 @@ from tgis.shard.checkpoints.quantized.at_load import AtLoadReader
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized, groups_in_order
 from tgis.shard.checkpoints.quantized.scheme import QuantScheme
 from tgis.shard.checkpoints.quantized.source import LayoutReader, TensorSource
-from tgis.shard.checkpoints.weights import Weights
+from tgis.shard.checkpoints.weights import STORED_DTYPES, Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 
@@ -187,6 +187,9 @@ class _DummySlice:
 
     def get_shape(self) -> list[int]:
         return list(self._shape)
+
+    def get_dtype(self) -> str:
+        return next(k for k, v in STORED_DTYPES.items() if v == self._weights.dtype)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         index = index if isinstance(index, tuple) else (index,)

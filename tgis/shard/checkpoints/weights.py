@@ -29,6 +29,21 @@ from tgis.shard.parallel.group import SINGLE, TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# safetensors' dtype names, as a file's header gives them.
+STORED_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
 
 
 class Weights:
@@ -77,6 +92,13 @@ class Weights:
     def shape(self, name: str) -> tuple[int, ...]:
         """The full (unsharded) shape of ``name``, read from the file header."""
         return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype ``name`` is stored in, read from the file header."""
+        stored = self._handle(name).get_slice(name).get_dtype()
+        if stored not in STORED_DTYPES:
+            raise StartupError(f"{name} is stored as {stored}, a dtype tgis does not read")
+        return STORED_DTYPES[stored]
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor ``name`` as stored (no cast) on the target device."""

@@ -27,6 +27,10 @@ class TensorSource(Protocol):
         """The full shape of ``name``."""
         ...
 
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype ``name`` is stored in (no read of its values)."""
+        ...
+
 
 class LayoutReader(Protocol):
     """One quantization format's linear layers."""
@@ -55,7 +59,7 @@ def quantized_weight(source: TensorSource, module: str, *scale_names: str) -> bo
         return False
     if any(f"{module}.{scale}" in source for scale in scale_names):
         return True
-    dtype = source.raw(name).dtype
+    dtype = source.stored_dtype(name)
     if dtype.is_floating_point and dtype.itemsize >= 2:
         return False
     raise StartupError(
