@@ -41,6 +41,32 @@ _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 @triton.jit
+def _weight_tile(  # noqa: PLR0913 - a Triton function takes every pointer and size
+    qweight_ptr,
+    scales_ptr,
+    szeros_ptr,
+    k,
+    n,
+    ok,
+    out_features,
+    group_size,
+    BITS: tl.constexpr,
+):
+    """``W[n, k]`` transposed as a float32 [len(k), len(n)] tile: the packed words unpacked,
+    scaled by their group (zero where ``ok`` is false)."""
+    PER_WORD: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    words = tl.load(
+        qweight_ptr + (k // PER_WORD)[:, None] * out_features + n[None, :], mask=ok, other=0
+    )
+    q = (words >> ((k % PER_WORD) * BITS)[:, None]) & MASK
+    group = k // group_size
+    scale = tl.load(scales_ptr + group[:, None] * out_features + n[None, :], mask=ok, other=0.0)
+    szero = tl.load(szeros_ptr + group[:, None] * out_features + n[None, :], mask=ok, other=0.0)
+    return q.to(tl.float32) * scale.to(tl.float32) - szero.to(tl.float32)
+
+
+@triton.jit
 def _gemm_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, size and tile
     x_ptr,
     qweight_ptr,
@@ -58,8 +84,6 @@ def _gemm_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, size
     DOT_FP32: tl.constexpr,
 ):
     """``y[m, n] = sum_k x[m, k] * W[n, k]`` for a ``BLOCK_M`` x ``BLOCK_N`` tile."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = m < rows
@@ -73,24 +97,10 @@ def _gemm_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, size
             mask=m_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        words = tl.load(
-            qweight_ptr + (k // PER_WORD)[:, None] * out_features + n[None, :],
-            mask=k_ok[:, None] & n_ok[None, :],
-            other=0,
+        ok = k_ok[:, None] & n_ok[None, :]
+        w = _weight_tile(
+            qweight_ptr, scales_ptr, szeros_ptr, k, n, ok, out_features, group_size, BITS
         )
-        q = (words >> ((k % PER_WORD) * BITS)[:, None]) & MASK
-        group = k // group_size
-        scale = tl.load(
-            scales_ptr + group[:, None] * out_features + n[None, :],
-            mask=k_ok[:, None] & n_ok[None, :],
-            other=0.0,
-        )
-        szero = tl.load(
-            szeros_ptr + group[:, None] * out_features + n[None, :],
-            mask=k_ok[:, None] & n_ok[None, :],
-            other=0.0,
-        )
-        w = q.to(tl.float32) * scale.to(tl.float32) - szero.to(tl.float32)
         if DOT_FP32:
             acc += tl.dot(x.to(tl.float32), w, input_precision="ieee")
         else:
@@ -116,17 +126,10 @@ def _dequantize_kernel(  # noqa: PLR0913 - a Triton function takes every pointer
     BLOCK_K: tl.constexpr,
 ):
     """``W`` transposed, [in, out], for a ``BLOCK_K`` x ``BLOCK_N`` tile."""
-    PER_WORD: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = (k < in_features)[:, None] & (n < out_features)[None, :]
-    words = tl.load(qweight_ptr + (k // PER_WORD)[:, None] * out_features + n[None, :], mask=ok)
-    q = (words >> ((k % PER_WORD) * BITS)[:, None]) & MASK
-    group = k // group_size
-    scale = tl.load(scales_ptr + group[:, None] * out_features + n[None, :], mask=ok)
-    szero = tl.load(szeros_ptr + group[:, None] * out_features + n[None, :], mask=ok)
-    w = q.to(tl.float32) * scale.to(tl.float32) - szero.to(tl.float32)
+    w = _weight_tile(qweight_ptr, scales_ptr, szeros_ptr, k, n, ok, out_features, group_size, BITS)
     tl.store(
         w_ptr + k[:, None] * out_features + n[None, :],
         w.to(w_ptr.dtype.element_ty),
