@@ -187,8 +187,7 @@ def _stacked(
     dense = [w for w, _ in chosen if isinstance(w, torch.Tensor)]
     if len(dense) == len(chosen):
         return torch.cat(dense), kernels
-    weights = tuple(w for w, _ in chosen if not isinstance(w, StackedWeight))
-    return StackedWeight(weights), f"stacked parts ({kernels})"
+    return StackedWeight(tuple(w for w, _ in chosen)), f"stacked parts ({kernels})"
 
 
 def _dequantize_reason(matrix: GroupQuantized, mode: str) -> str | None:
