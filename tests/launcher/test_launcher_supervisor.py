@@ -45,7 +45,7 @@ def stop_when_exists(sup: Supervisor, path: Path) -> None:
 
     def stop() -> None:
         wait_for(path)
-        sup.request_stop(signal.SIGTERM)
+        sup.request_stop()
 
     threading.Thread(target=stop, daemon=True).start()
 

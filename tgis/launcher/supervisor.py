@@ -149,14 +149,20 @@ class Supervisor:
 
     # -- signals ---------------------------------------------------------------------------
 
-    def request_stop(self, signum: int | None = None) -> None:
-        """Ask the supervision loop to stop everything and exit 0 (safe from a signal handler)."""
-        if self._signal is None:
-            self._signal = signum
+    def request_stop(self) -> None:
+        """Ask the supervision loop to stop everything and exit 0 (from any thread)."""
         self._stop.set()
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
-        self.request_stop(signum)
+        # Only a plain assignment here: the handler runs in the main thread between two
+        # bytecodes, possibly while that thread holds the lock inside `Event.wait`, so
+        # `Event.set` from here could deadlock (it did: a supervisor hung on SIGTERM in CI).
+        # The loops notice within one poll interval.
+        if self._signal is None:
+            self._signal = signum
+
+    def _stopping(self) -> bool:
+        return self._signal is not None or self._stop.is_set()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM, SIGINT and SIGHUP request a clean stop (main thread only)."""
@@ -210,7 +216,7 @@ class Supervisor:
         next_log = start + self.waiting_log_interval
         pending = list(range(len(self.shards)))
         while pending:
-            if self._stop.is_set():
+            if self._stopping():
                 self._log_stop_request()
                 return Outcome(0)
             failure = self._dead_shard()
@@ -240,7 +246,7 @@ class Supervisor:
     def watch(self) -> Outcome:
         """Block until a stop is requested (exit 0) or a child exits (exit 1)."""
         while True:
-            if self._stop.is_set():
+            if self._stopping():
                 self._log_stop_request()
                 return Outcome(0)
             failure = self._dead_shard()
