@@ -25,6 +25,8 @@ from tgis.shard_api.messages import (
 __all__ = [
     "NO_ADAPTERS",
     "GenerationParams",
+    "GuidedKind",
+    "GuidedRequest",
     "LengthPenalty",
     "ResolvedAdapters",
     "ResponseOptions",
@@ -70,6 +72,30 @@ class ResponseOptions:
     top_n_tokens: int = 0
 
 
+class GuidedKind(enum.Enum):
+    """Which guided-decoding field a request set; the value labels its metrics."""
+
+    JSON_OBJECT = "json_object"  # format: JSON
+    JSON_SCHEMA = "json_schema"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
+
+    @property
+    def field(self) -> str:
+        """The request field it came from, as error messages name it."""
+        return "format" if self is GuidedKind.JSON_OBJECT else self.value
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedRequest:
+    """The client's constraint on the output, as sent (``intake/guided.py`` compiles it)."""
+
+    kind: GuidedKind
+    text: str = ""  # the schema, regex or grammar (JSON_OBJECT: an unknown format number)
+    choices: tuple[str, ...] = ()  # CHOICE only
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationParams:
     """The whole converted `Parameters` message, shared by every input of one RPC."""
@@ -78,6 +104,9 @@ class GenerationParams:
     stopping: StoppingParams
     response: ResponseOptions
     truncate_input_tokens: int = 0
+    # Guided decoding (None: unconstrained, also for format: TEXT). Once compiled, the
+    # grammar travels in ``sampling.grammar``.
+    guided: GuidedRequest | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from tgis.router.edge.tracing import Tracing, setup_tracing
 from tgis.router.intake.adapters import adapter_kinds
 from tgis.router.intake.admission import Admission
 from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.guided import GrammarCompiler
 from tgis.router.intake.prefixes import PrefixLengths
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
@@ -138,6 +139,13 @@ class Router:
             metrics=metrics,
             prefixes=PrefixLengths(self.shard.prefix_length, metrics),
             adapters=adapter_kinds(info, self.shard.adapter_info),
+            grammars=(
+                GrammarCompiler(
+                    self.tokenizer.to_json(), info.vocab_size, info.eos_token_ids, metrics
+                )
+                if info.eos_token_ids
+                else None
+            ),
         )
         return GenerationServicer(
             admission=admission,

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tgis.model_files import resolve_model_dir
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.quantized.readers import layout_reader
@@ -14,7 +16,8 @@ from tgis.shard.errors import StartupError
 from tgis.shard.native.cpu_gemm import bound_primitive_caches
 from tgis.shard.native.loader import load_native_runner
 from tgis.shard.parallel.group import SINGLE, TensorParallel
-from tgis.shard.step.runner import Runner
+from tgis.shard.step.guided import Grammars
+from tgis.shard.step.runner import Runner, SequenceRunner
 
 
 def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
@@ -46,7 +49,10 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         max_sequence_length=config.max_sequence_length,
     )
     if engine == "native":
-        return load_native_runner(config, model_dir, model_config, tp, quantization)
+        runner: SequenceRunner = load_native_runner(
+            config, model_dir, model_config, tp, quantization
+        )
+        return with_grammars(runner, model_dir)
     if quantization is not None:
         raise StartupError(
             f"{quantization.describe()}: quantized weights are served by the native engine "
@@ -57,4 +63,11 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         raise StartupError(dummy_needs_native(model_config, config.max_sequence_length))
     from tgis.shard.fallback.loader import load_hf_runner  # imports transformers
 
-    return load_hf_runner(config, model_dir, model_config)
+    return with_grammars(load_hf_runner(config, model_dir, model_config), model_dir)
+
+
+def with_grammars(runner: SequenceRunner, model_dir: Path) -> SequenceRunner:
+    """``runner`` with guided decoding's matchers for this model (``step/guided.py``)."""
+    info = runner.info
+    runner.grammars = Grammars.for_model(str(model_dir), info.vocab_size, info.eos_token_ids)
+    return runner

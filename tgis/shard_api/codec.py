@@ -39,6 +39,7 @@ def sampling_to_pb(params: SamplingParams) -> shard_pb2.SamplingParams:
         typical_p=params.typical_p,
         repetition_penalty=params.repetition_penalty,
         min_new_tokens=params.min_new_tokens,
+        grammar=params.grammar,
     )
     if params.seed is not None:
         pb.seed = params.seed
@@ -64,6 +65,7 @@ def sampling_from_pb(pb: shard_pb2.SamplingParams) -> SamplingParams:
         repetition_penalty=pb.repetition_penalty if pb.repetition_penalty > 0 else 1.0,
         min_new_tokens=pb.min_new_tokens,
         length_penalty=length_penalty,
+        grammar=pb.grammar,
     )
 
 

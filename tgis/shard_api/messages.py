@@ -76,6 +76,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1.0 = no penalty
     min_new_tokens: int = 0  # EOS is masked (and stops ignored) until this many tokens
     length_penalty: LengthPenalty | None = None
+    # Guided decoding: the llguidance grammar the output must match ("": unconstrained),
+    # compiled by the router from the client's json_schema, regex, choice or grammar.
+    grammar: str = ""
 
     @property
     def is_greedy(self) -> bool:

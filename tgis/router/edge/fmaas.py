@@ -20,6 +20,8 @@ from tgis.router.intake.tokenization import TokenizeResult
 from tgis.router.intake.validation import DEFAULT_MAX_NEW_TOKENS
 from tgis.router.request_types import (
     GenerationParams,
+    GuidedKind,
+    GuidedRequest,
     LengthPenalty,
     ResponseOptions,
     SamplingParams,
@@ -91,7 +93,26 @@ def convert_params(
         stopping=stopping,
         response=_response(params),
         truncate_input_tokens=params.truncate_input_tokens,
+        guided=_guided(params.decoding) if params.HasField("decoding") else None,
     )
+
+
+def _guided(decoding: generation_pb2.DecodingParameters) -> GuidedRequest | None:
+    """vllm-tgis-adapter's ``oneof guided``: None when unset or ``format: TEXT`` (no
+    constraint; the adapter fails on it)."""
+    which = decoding.WhichOneof("guided")
+    if which is None:
+        return None
+    if which == "format":
+        if decoding.format == pb.DecodingParameters.ResponseFormat.TEXT:
+            return None
+        if decoding.format == pb.DecodingParameters.ResponseFormat.JSON:
+            return GuidedRequest(GuidedKind.JSON_OBJECT)
+        # A number outside the enum (proto3 keeps it): refused at intake.
+        return GuidedRequest(GuidedKind.JSON_OBJECT, text=str(decoding.format))
+    if which == "choice":
+        return GuidedRequest(GuidedKind.CHOICE, choices=tuple(decoding.choice.choices))
+    return GuidedRequest(GuidedKind(which), text=getattr(decoding, which))
 
 
 def _response(params: generation_pb2.Parameters) -> ResponseOptions:

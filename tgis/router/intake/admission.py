@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tgis.router.core.shard_client import (
     AdapterLookupError,
@@ -28,6 +28,7 @@ from tgis.router.core.shard_client import (
 from tgis.router.errors import OverloadedError, ValidationError
 from tgis.router.intake.adapters import AdapterKinds
 from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.guided import GrammarCompiler
 from tgis.router.intake.limits import client_batch_size_error
 from tgis.router.intake.prefixes import PrefixLengths
 from tgis.router.intake.tokenization import RouterTokenizer
@@ -47,12 +48,15 @@ from tgis.router.ops.metrics import Metrics
 from tgis.router.request_types import (
     NO_ADAPTERS,
     GenerationParams,
+    GuidedRequest,
     ResolvedAdapters,
     ValidatedRequest,
 )
 from tgis.shard_api.messages import AdapterInfo, AdapterKind
 
-__all__ = ["Admission", "GenerationCall"]
+__all__ = ["GUIDED_UNAVAILABLE_MESSAGE", "Admission", "GenerationCall"]
+
+GUIDED_UNAVAILABLE_MESSAGE = "guided decoding is not available: the model has no EOS token"
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +82,8 @@ class Admission:
     ``prefixes``: where prompt-prefix lengths come from (the shard, through a cache); None
     for a router without a shard, which finds no prefix. ``adapters``: where adapters' kinds
     come from (the shard's adapter cache, through a cache); None when the shard has no
-    adapter cache, so that every ``adapter_id`` is refused.
+    adapter cache, so that every ``adapter_id`` is refused. ``grammars``: compiles guided
+    decoding constraints (None: every constrained request is refused).
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class Admission:
         metrics: Metrics,
         prefixes: PrefixLengths | None = None,
         adapters: AdapterKinds | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
@@ -97,6 +103,7 @@ class Admission:
         self.metrics = metrics
         self.prefixes = prefixes if prefixes is not None else PrefixLengths(_no_prefixes, metrics)
         self.adapters = adapters
+        self.grammars = grammars
 
     # ---- before validation ----------------------------------------------------------------
 
@@ -148,7 +155,7 @@ class Admission:
         validate_params(call.params, self.limits)
         adapters = await self.resolve_adapters(call.prefix_id, call.adapter_id)
         encoded = await self._encode(call.texts)
-        return validate_inputs(
+        validated = validate_inputs(
             call.texts,
             encoded,
             call.params,
@@ -156,6 +163,16 @@ class Admission:
             adapters=adapters,
             bos_token_id=self.tokenizer.bos_token_id,
         )
+        if call.params.guided is None:
+            return validated
+        grammar = await self._grammar(call.params.guided)
+        return [replace(v, sampling=replace(v.sampling, grammar=grammar)) for v in validated]
+
+    async def _grammar(self, guided: GuidedRequest) -> str:
+        """The compiled constraint (last: the other checks are cheaper)."""
+        if self.grammars is None:
+            raise ValidationError(GUIDED_UNAVAILABLE_MESSAGE)
+        return await self.grammars.compile(guided)
 
     async def _encode(self, texts: Sequence[str]) -> list[list[int]]:
         """The inputs' token ids (rule 13 when the tokenizer fails); every raw length is

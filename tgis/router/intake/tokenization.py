@@ -138,6 +138,10 @@ class RouterTokenizer:
         """The wrapped ``tokenizers.Tokenizer``."""
         return self._tok
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what llguidance reads its vocabulary from)."""
+        return str(self._tok.to_str())
+
     @property
     def vocab_size(self) -> int:
         """Vocabulary size including added tokens."""

@@ -23,6 +23,7 @@ FAILURE_ERRS = (
 SUCCESS_STOP_REASONS = ("MAX_TOKENS", "EOS_TOKEN", "TIME_LIMIT", "STOP_SEQUENCE", "TOKEN_LIMIT")
 METHODS = ("prefill", "next_token")
 FAILURE_REASONS = ("oom", "connection", "error")
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 
 
 class Buckets(enum.Enum):
@@ -142,6 +143,20 @@ CATALOGUE: tuple[Counter | Gauge | Histogram | Summary, ...] = (
         "Queued requests held back by the padding limit (always 0: no padding)",
     ),
     Counter("prompt_load_failure", "tgi_prompt_load_failure", "Prompt-prefix lookups that failed"),
+    Counter(
+        "guided_request",
+        "tgi_guided_request",
+        "Generate/GenerateStream calls with a guided-decoding constraint, by kind",
+        labels=("kind",),
+        initial=tuple((k,) for k in GUIDED_KINDS),
+    ),
+    Counter(
+        "guided_compile_failure",
+        "tgi_guided_compile_failure",
+        "Guided-decoding constraints refused by the compiler (or past its time limit), by kind",
+        labels=("kind",),
+        initial=tuple((k,) for k in GUIDED_KINDS),
+    ),
     Counter("tokenize_count", "tgi_tokenize_request_count", "Tokenize calls"),
     Counter("tokenize_inputs", "tgi_tokenize_request_input_count", "Texts tokenized"),
     Counter(
@@ -270,6 +285,12 @@ CATALOGUE: tuple[Counter | Gauge | Histogram | Summary, ...] = (
         "prompt_load_duration",
         "tgi_prompt_load_duration",
         "Seconds per successful prompt-prefix lookup",
+        Buckets.DURATION,
+    ),
+    Histogram(
+        "guided_compile_duration",
+        "tgi_guided_compile_duration",
+        "Seconds per successful guided-decoding compilation (cache misses only)",
         Buckets.DURATION,
     ),
     Histogram(

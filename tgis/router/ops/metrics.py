@@ -153,6 +153,18 @@ class Metrics:
         """A prompt-prefix lookup on the shard succeeded in ``seconds`` (cache misses only)."""
         self._histograms["prompt_load_duration"].observe(seconds)
 
+    def guided_request(self, kind: str) -> None:
+        """A call with a guided-decoding constraint of ``kind`` (GUIDED_KINDS)."""
+        self._counters["guided_request"].inc(kind)
+
+    def guided_compile_failed(self, kind: str) -> None:
+        """The compiler refused a ``kind`` constraint (or ran past its time limit)."""
+        self._counters["guided_compile_failure"].inc(kind)
+
+    def guided_compiled(self, seconds: float) -> None:
+        """A constraint compiled in ``seconds`` (cache misses only)."""
+        self._histograms["guided_compile_duration"].observe(seconds)
+
     def request_succeeded(
         self,
         *,

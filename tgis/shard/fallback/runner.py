@@ -16,7 +16,7 @@ import torch
 
 from tgis.shard.fallback.engine import Forward, HfEngine
 from tgis.shard.step.plan import PlanLimits, ResolvedStep
-from tgis.shard.step.results import sample_tokens
+from tgis.shard.step.results import sample_tokens, start_masks
 from tgis.shard.step.runner import Computed, SequenceRunner
 from tgis.shard.step.sequence import Sequence
 from tgis.shard_api.messages import (
@@ -66,10 +66,15 @@ class HfRunner(SequenceRunner):
         return Computed(sampled, forward.input_details, errors)
 
     def _sample(self, forward: Forward) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
-        """One token per sampling item, with its details (``step.results.sample_tokens``)."""
+        """One token per sampling item, with its details (``step.results.sample_tokens``);
+        the guided rows' masks are filled after the forward here (the engine tells its
+        sampling rows only then)."""
         if forward.logits is None or not forward.sample_items:
             return {}, []
-        return sample_tokens(forward.logits, forward.sample_items, self.info, self.engine.history)
+        masks = start_masks(forward.sample_items, self.grammars, self.device)
+        return sample_tokens(
+            forward.logits, forward.sample_items, self.info, self.engine.history, masks
+        )
 
     def _commit(self, resolved: ResolvedStep, computed: Computed) -> tuple[InputTokenDetails, ...]:
         completed = super()._commit(resolved, computed)

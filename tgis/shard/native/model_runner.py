@@ -29,8 +29,9 @@ from tgis.shard.native.lora_rows import LoraRows, lora_kernel, lora_rows
 from tgis.shard.native.models import CausalLM, ForwardFn
 from tgis.shard.native.models.decoder import EmbeddingRows
 from tgis.shard.native.prefix_rows import embedding_rows
+from tgis.shard.step.guided import PendingMasks
 from tgis.shard.step.plan import PlanLimits, ResolvedStep, WorkItem
-from tgis.shard.step.results import sample_tokens
+from tgis.shard.step.results import sample_tokens, start_masks
 from tgis.shard.step.runner import Computed, SequenceRunner
 from tgis.shard.step.sequence import Sequence
 from tgis.shard.step.token_details import first_input_detail, token_details
@@ -162,8 +163,9 @@ class ModelRunner(SequenceRunner):
         self.block_tables.release(request_id)
 
     def _compute(self, resolved: ResolvedStep) -> Computed:
-        """Flatten the work into one varlen batch, run the model once, sample the rows whose
-        sequence gets a token and score the prompt positions asked for."""
+        """Flatten the work into one varlen batch, run the model once (the guided rows'
+        masks are filled meanwhile), sample the rows whose sequence gets a token and score
+        the prompt positions asked for."""
         if self.threads is not None:
             tokens = sum(item.num_tokens for item in resolved.work)
             rows = sum(1 for item in resolved.work if item.samples)
@@ -172,8 +174,9 @@ class ModelRunner(SequenceRunner):
                 torch.set_num_threads(wanted)
         try:
             batch = self._flatten(resolved.work)
+            masks = start_masks(batch.sample_items, self.grammars, self.device)
             hidden = self._hidden_states(batch.layout, batch.prefix_rows, batch.lora_rows)
-            sampled, errors = self._sample(hidden, batch)
+            sampled, errors = self._sample(hidden, batch, masks)
             input_details = self._input_details(hidden, batch, resolved.work)
         except BaseException:
             for seq in resolved.new:  # never registered: give their rows back
@@ -228,12 +231,14 @@ class ModelRunner(SequenceRunner):
         )
 
     def _sample(
-        self, hidden: torch.Tensor, batch: _FlatBatch
+        self, hidden: torch.Tensor, batch: _FlatBatch, masks: PendingMasks | None
     ) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
         if not batch.sample_items:
             return {}, []
         logits = self.model.compute_logits(hidden[batch.sample_rows])
-        return sample_tokens(logits, batch.sample_items, self.info, lambda seq: seq.token_ids)
+        return sample_tokens(
+            logits, batch.sample_items, self.info, lambda seq: seq.token_ids, masks
+        )
 
     def _input_details(
         self, hidden: torch.Tensor, batch: _FlatBatch, work: SequenceOf[WorkItem]

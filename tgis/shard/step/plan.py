@@ -25,6 +25,7 @@ import torch
 from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes, PrefixUnavailable
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
 from tgis.shard.errors import InvalidStepError
+from tgis.shard.step.guided import NO_GRAMMARS, Grammars, GuidedUnavailable
 from tgis.shard.step.sequence import Sequence
 from tgis.shard_api.messages import (
     NewSequence,
@@ -120,17 +121,19 @@ def resolve_plan(
     dropped: AbstractSet[int] = frozenset(),
     prefixes: Prefixes = NO_PREFIXES,
     adapters: Adapters = NO_ADAPTERS,
+    grammars: Grammars = NO_GRAMMARS,
 ) -> ResolvedStep:
     """Validate ``plan`` against ``sequences`` without changing them.
 
     ``dropped`` are sequences that failed on their own in an earlier step: the router may
     have scheduled them again before it saw the error, so they are skipped, not refused.
     ``prefixes`` gives new sequences their prompt-tuning prefix and ``adapters`` their
-    adapter (a sequence whose prefix or adapter cannot be used fails alone).
+    adapter (a sequence whose prefix or adapter cannot be used fails alone); ``grammars``
+    starts the matcher of a constrained one (compiled off this thread).
     """
     finished = set(plan.finished_request_ids)
     preempted = _preempted(plan, sequences, finished, limits)
-    new, errors = _new_sequences(plan, sequences, finished, limits, prefixes, adapters)
+    new, errors = _new_sequences(plan, sequences, finished, limits, prefixes, adapters, grammars)
     known = _Known(sequences, new, finished, {e.request_id for e in errors}, dropped)
     return ResolvedStep(
         finished=tuple(finished),
@@ -166,6 +169,7 @@ def _new_sequences(
     limits: PlanLimits,
     prefixes: Prefixes,
     adapters: Adapters,
+    grammars: Grammars,
 ) -> tuple[dict[int, Sequence], list[SequenceError]]:
     """The plan's new sequences by id, and the errors of those that fail alone;
     InvalidStepError for an id the shard already knows."""
@@ -176,7 +180,7 @@ def _new_sequences(
         rid = ns.request_id
         if (rid in sequences and rid not in finished) or rid in new or rid in failed:
             raise InvalidStepError(f"request {rid} is already known to the shard")
-        started = _new_sequence(ns, limits.vocab_size, prefixes, adapters)
+        started = _new_sequence(ns, limits.vocab_size, prefixes, adapters, grammars)
         if isinstance(started, SequenceError):
             errors.append(started)
             failed.add(rid)
@@ -186,11 +190,16 @@ def _new_sequences(
 
 
 def _new_sequence(
-    ns: NewSequence, vocab_size: int, prefixes: Prefixes, adapters: Adapters
+    ns: NewSequence, vocab_size: int, prefixes: Prefixes, adapters: Adapters, grammars: Grammars
 ) -> Sequence | SequenceError:
     """The sequence ``ns`` starts, or why it cannot run."""
     problem = check_new_sequence(ns, vocab_size)
-    prefix = encoder_prefix = lora = None
+    prefix = encoder_prefix = lora = guide = None
+    if problem is None and ns.sampling.grammar:
+        try:
+            guide = grammars.guide(ns.sampling.grammar)
+        except GuidedUnavailable as e:
+            problem = str(e)
     if problem is None and (ns.prefix_id or ns.adapter_id):
         try:
             if ns.prefix_id:
@@ -211,6 +220,7 @@ def _new_sequence(
         prefix=prefix,
         encoder_prefix=encoder_prefix,
         lora=lora,
+        guide=guide,
         sampling=ns.sampling,
         details=ns.details,
         seed=_seed(ns.sampling),

@@ -1,8 +1,10 @@
 """What both engines do with a forward pass's logits: sample, then commit the step.
 
 `sample_tokens` turns the logits of the sequences whose prompt is complete into one token
-each (rows with NaN logits fail on their own); `commit_step` applies a successful step to
-the sequences' state. Shared by the native `ModelRunner` and the transformers `HfRunner`.
+each (rows with NaN logits, or whose grammar cannot go on, fail on their own);
+`start_masks` queues the guided-decoding masks of those rows before the forward pass, so that
+they are filled while it runs; `commit_step` applies a successful step to the sequences'
+state. Shared by the native `ModelRunner` and the transformers `HfRunner`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence as SequenceOf
 
 import torch
 
+from tgis.shard.step.guided import Grammars, PendingMasks, TokenMasks
 from tgis.shard.step.plan import ResolvedStep, WorkItem
 from tgis.shard.step.sampling import NEG_INF, SamplingBatch, SamplingRow, argmax_rows, sample
 from tgis.shard.step.sequence import Sequence
@@ -19,31 +22,47 @@ from tgis.shard.step.token_details import token_details
 from tgis.shard_api.messages import InputTokenDetails, SequenceError, ShardInfo, TokenDetail
 
 
+def start_masks(
+    items: SequenceOf[WorkItem], grammars: Grammars, device: torch.device
+) -> PendingMasks | None:
+    """Queue the guided-decoding masks of the sampling rows ``items`` (None: no row has a
+    grammar); call before the forward pass, pass to ``sample_tokens`` after it."""
+    guides = [item.seq.guide for item in items]
+    if all(g is None for g in guides):
+        return None
+    return grammars.start_masks(guides, device)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     items: SequenceOf[WorkItem],
     info: ShardInfo,
     history: Callable[[Sequence], SequenceOf[int]],
+    masks: PendingMasks | None = None,
 ) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
     """One token (with its requested details) per row of ``logits`` / item of ``items``.
 
     ``history`` gives the ids the repetition penalty considers for a sequence. A row whose
     logits hold a NaN fails on its own (its choice is NaN: the argmax of a row with a NaN
-    is the NaN, and its softmax is NaN throughout).
+    is the NaN, and its softmax is NaN throughout); so does a row whose grammar cannot go
+    on (``masks``: from ``start_masks``).
     """
     items = list(items)
+    token_masks = masks.result() if masks is not None else None
     if all(item.seq.plain_greedy for item in items):
-        return _plain_greedy_tokens(logits, items, info)
+        return _plain_greedy_tokens(logits, items, info, token_masks)
+    eos_only = token_masks.eos_only if token_masks is not None else (False,) * len(items)
     rows = [
         SamplingRow(
             params=item.seq.sampling,
             token_ids=history(item.seq) if item.seq.sampling.repetition_penalty != 1.0 else (),
             num_generated=item.seq.num_generated,
             seed=item.seq.seed,
+            eos_forced=forced,
         )
-        for item in items
+        for item, forced in zip(items, eos_only, strict=True)
     ]
-    batch = SamplingBatch(rows, info.eos_token_ids, info.vocab_size, logits.device)
+    batch = SamplingBatch(rows, info.eos_token_ids, info.vocab_size, logits.device, token_masks)
     tokens, scores = sample(logits, batch)
     nan = torch.isnan(scores.gather(1, tokens[:, None])[:, 0])
     if batch.warpers is not None:  # a sampled row with a NaN can draw a non-NaN score
@@ -56,6 +75,7 @@ def sample_tokens(
             for item, b in zip(items, bad, strict=True)
             if b
         ]
+    errors += _mask_errors(items, token_masks, {e.request_id for e in errors})
     wanted = [item.seq.details if item.seq.details.generated_tokens else None for item in items]
     details = token_details(scores, tokens, wanted)
     failed = {e.request_id for e in errors}
@@ -67,15 +87,30 @@ def sample_tokens(
     return sampled, errors
 
 
+def _mask_errors(
+    items: SequenceOf[WorkItem], masks: TokenMasks | None, failed: set[int]
+) -> list[SequenceError]:
+    """The rows whose grammar cannot go on (and that did not fail otherwise)."""
+    if masks is None or not masks.errors:
+        return []
+    return [
+        SequenceError(items[row].seq.request_id, message)
+        for row, message in sorted(masks.errors.items())
+        if items[row].seq.request_id not in failed
+    ]
+
+
 def _plain_greedy_tokens(
-    logits: torch.Tensor, items: list[WorkItem], info: ShardInfo
+    logits: torch.Tensor, items: list[WorkItem], info: ShardInfo, masks: TokenMasks | None
 ) -> tuple[dict[int, TokenDetail], list[SequenceError]]:
     """``sample_tokens`` for greedy rows without penalties: the argmax, EOS masked while a
-    row is short of its min_new_tokens."""
+    row is short of its min_new_tokens (unless its grammar allows only EOS), then what the
+    grammars forbid."""
+    eos_only = masks.eos_only if masks is not None else (False,) * len(items)
     short = [
         i
         for i, item in enumerate(items)
-        if item.seq.num_generated < item.seq.sampling.min_new_tokens
+        if item.seq.num_generated < item.seq.sampling.min_new_tokens and not eos_only[i]
     ]
     eos = [t for t in info.eos_token_ids if 0 <= t < info.vocab_size]
     scores = logits
@@ -84,18 +119,25 @@ def _plain_greedy_tokens(
         rows = torch.tensor(short, dtype=torch.long, device=logits.device)
         ids = torch.tensor(eos, dtype=torch.long, device=logits.device)
         scores[rows[:, None], ids[None, :]] = NEG_INF
+    if masks is not None:
+        scores = masks.apply(scores)
     tokens = argmax_rows(scores)
     nan = torch.isnan(scores.gather(1, tokens[:, None].to(scores.device))[:, 0])
     bad = nan.tolist() if bool(nan.any()) else None
     wanted = [item.seq.details if item.seq.details.generated_tokens else None for item in items]
     details = token_details(scores, tokens, wanted)
-    sampled: dict[int, TokenDetail] = {}
-    errors: list[SequenceError] = []
-    for i, (item, detail) in enumerate(zip(items, details, strict=True)):
-        if bad is not None and bad[i]:
-            errors.append(SequenceError(item.seq.request_id, "the model produced NaN logits"))
-        else:
-            sampled[item.seq.request_id] = detail
+    errors = [
+        SequenceError(item.seq.request_id, "the model produced NaN logits")
+        for i, item in enumerate(items)
+        if bad is not None and bad[i]
+    ]
+    errors += _mask_errors(items, masks, {e.request_id for e in errors})
+    failed = {e.request_id for e in errors}
+    sampled = {
+        item.seq.request_id: detail
+        for item, detail in zip(items, details, strict=True)
+        if item.seq.request_id not in failed
+    }
     return sampled, errors
 
 
@@ -120,6 +162,8 @@ def commit_step(
         detail = sampled.get(seq.request_id)
         if detail is not None:
             seq.token_ids.append(detail.token_id)
+            if seq.guide is not None:
+                seq.guide.consume(detail.token_id)
         if item.completes_prompt and item.prompt_details and seq.request_id not in failed:
             completed.append(InputTokenDetails(seq.request_id, tuple(seq.input_details)))
             seq.input_details = []

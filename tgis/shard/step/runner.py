@@ -26,6 +26,7 @@ import torch
 
 from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
+from tgis.shard.step.guided import NO_GRAMMARS, Grammars
 from tgis.shard.step.plan import PlanLimits, ResolvedStep, resolve_plan
 from tgis.shard.step.results import commit_step
 from tgis.shard.step.sequence import Sequence
@@ -107,6 +108,8 @@ class SequenceRunner:
     prefixes: Prefixes = NO_PREFIXES
     # Adapters named by adapter_id (NO_ADAPTERS: every id is refused).
     adapters: Adapters = NO_ADAPTERS
+    # Guided decoding's matchers (NO_GRAMMARS: every constrained sequence fails alone).
+    grammars: Grammars = NO_GRAMMARS
 
     def reset(self) -> None:
         """Forget every sequence."""
@@ -166,7 +169,13 @@ class SequenceRunner:
         """Check the whole plan (InvalidStepError changes nothing), then forget finished
         sequences and drop the blocks of preempted ones."""
         resolved = resolve_plan(
-            plan, self.sequences, self.limits, self.dropped, self.prefixes, self.adapters
+            plan,
+            self.sequences,
+            self.limits,
+            self.dropped,
+            self.prefixes,
+            self.adapters,
+            self.grammars,
         )
         for rid in resolved.finished:
             self._forget(rid)

@@ -2,12 +2,14 @@
 
 The logits of each row go through, in this order (TGIS's ``HeterogeneousNextTokenChooser``):
 
-1. min_new_tokens: every EOS id gets ``-inf`` while the row has generated fewer tokens.
+1. min_new_tokens: every EOS id gets ``-inf`` while the row has generated fewer tokens
+   (unless the row's grammar allows nothing but EOS: then EOS wins).
 2. length penalty (rows past their min phase): EOS score ``s`` → ``s + |s| * (decay ** k - 1)``
    with ``k = generated - start_index`` when ``k > 0``.
 3. repetition penalty over the prompt and generated ids: ``x * p`` if ``x < 0`` else ``x / p``.
-4. only if some row samples: temperature, top-k, top-p, typical-p (greedy rows untouched).
-5. greedy rows take the argmax (lowest id on ties); sampled rows draw from the softmax by
+4. guided decoding: every token the row's grammar forbids gets ``-inf`` (``guided.py``).
+5. only if some row samples: temperature, top-k, top-p, typical-p (greedy rows untouched).
+6. greedy rows take the argmax (lowest id on ties); sampled rows draw from the softmax by
    inverting its cumulative distribution at one uniform number.
 
 The random numbers are counter-based: a row's uniform number is a fixed function of the
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tgis.shard.step.guided import TokenMasks
 from tgis.shard_api.messages import SamplingParams
 
 NEG_INF = float("-inf")
@@ -42,6 +45,7 @@ class SamplingRow:
     token_ids: Sequence[int]  # prompt + generated so far
     num_generated: int
     seed: int = 0  # the sequence's random stream (sampled rows)
+    eos_forced: bool = False  # its grammar allows only EOS: min_new_tokens does not mask it
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,10 @@ class SamplingBatch:
         eos_token_ids: Sequence[int],
         vocab_size: int,
         device: torch.device,
+        masks: TokenMasks | None = None,
     ) -> None:
         self.size = len(rows)
+        self.masks = masks
         self.vocab_size = vocab_size
         eos = [i for i in eos_token_ids if 0 <= i < vocab_size]
         self.eos_ids = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
@@ -84,12 +90,13 @@ class SamplingBatch:
             and self.penalties is None
             and self.eos_boost is None
             and (self.min_tokens_mask is None or self.eos_ids is None)
+            and masks is None
         )
         """Greedy rows only, nothing to process: the scores are the logits."""
 
     @staticmethod
     def _min_tokens_mask(rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor | None:
-        mask = [r.num_generated < r.params.min_new_tokens for r in rows]
+        mask = [r.num_generated < r.params.min_new_tokens and not r.eos_forced for r in rows]
         return torch.tensor(mask, device=device)[:, None] if any(mask) else None
 
     @staticmethod
@@ -155,22 +162,18 @@ class SamplingBatch:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Steps 1-4 on float32 ``logits`` [rows, vocab]; returns new scores (input untouched)."""
+    """Steps 1-5 on float32 ``logits`` [rows, vocab]; returns new scores (input untouched)."""
     scores = logits.float().clone()
     if batch.eos_ids is not None:
-        eos_scores = scores[:, batch.eos_ids]
-        if batch.min_tokens_mask is not None:
-            eos_scores = eos_scores.masked_fill(batch.min_tokens_mask, NEG_INF)
-        if batch.eos_boost is not None:
-            boosted = eos_scores + eos_scores.abs() * batch.eos_boost
-            eos_scores = torch.where(batch.eos_boost != 0, boosted, eos_scores)
-        scores[:, batch.eos_ids] = eos_scores
+        _eos_rules(scores, batch.eos_ids, batch)
     if batch.penalties is not None:
         pen = batch.penalties
         sub = scores[pen.rows]
         seen = sub.gather(1, pen.ids)
         seen = torch.where(seen < 0, seen * pen.penalty, seen / pen.penalty)
         scores[pen.rows] = sub.scatter(1, pen.ids, seen)
+    if batch.masks is not None:
+        scores = batch.masks.apply(scores)
     warpers = batch.warpers
     if warpers is not None:
         if warpers.temperature is not None:
@@ -182,6 +185,17 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if warpers.typical_p is not None:
             scores = _typical_p(scores, warpers.typical_p)
     return scores
+
+
+def _eos_rules(scores: torch.Tensor, eos_ids: torch.Tensor, batch: SamplingBatch) -> None:
+    """Steps 1-2 in place: min_new_tokens' EOS mask, then the length penalty's boost."""
+    eos_scores = scores[:, eos_ids]
+    if batch.min_tokens_mask is not None:
+        eos_scores = eos_scores.masked_fill(batch.min_tokens_mask, NEG_INF)
+    if batch.eos_boost is not None:
+        boosted = eos_scores + eos_scores.abs() * batch.eos_boost
+        eos_scores = torch.where(batch.eos_boost != 0, boosted, eos_scores)
+    scores[:, eos_ids] = eos_scores
 
 
 def _top_k(scores: torch.Tensor, top_k: tuple[int, ...]) -> torch.Tensor:
@@ -274,7 +288,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def choose_tokens(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Step 5: argmax for greedy rows, a seeded draw for sampled rows → ids [rows]."""
+    """Step 6: argmax for greedy rows, a seeded draw for sampled rows → ids [rows]."""
     tokens = argmax_rows(scores)
     warpers = batch.warpers
     if warpers is None:

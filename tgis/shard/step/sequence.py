@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tgis.shard.adapters.lora_layout import LoraWeights
+from tgis.shard.step.guided import Guide
 from tgis.shard_api.messages import DetailOptions, SamplingParams, TokenDetail
 
 
@@ -36,6 +37,9 @@ class Sequence:
     encoder_prefix: torch.Tensor | None = None
     # Its LoRA adapter, on the model's device (None: none; ``native/lora_rows.py``).
     lora: LoraWeights | None = None
+    # Its guided-decoding matcher (None: unconstrained; ``guided.py``). It has consumed
+    # every generated token, so a preempted sequence resumes with it as it was.
+    guide: Guide | None = None
     # Prompt-token details gathered chunk by chunk until the prompt completes.
     input_details: list[TokenDetail] = field(default_factory=list)
     # Greedy without penalties (at most EOS masked by min_new_tokens): the sampler's fast path.
