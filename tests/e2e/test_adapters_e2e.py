@@ -9,6 +9,7 @@ makes requests for the two LoRA adapters take turns while the plain one runs bes
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -180,3 +181,22 @@ def test_a_symlink_out_of_the_cache_is_refused(
     assert caught.value.details() == (
         "Invalid adapter id 'escape', must contain only alphanumeric, _ and - and /"
     )
+
+
+@pytest.mark.parametrize("adapter_id", ["sql-lora", "prompt"])
+def test_guided_decoding_with_an_adapter(
+    stub: pb_grpc.GenerationServiceStub, adapter_id: str
+) -> None:
+    """A LoRA or prompt-tuning adapter's output still keeps to the regex."""
+    regex = "[a-z]{2,4}-[0-9]{2}"
+    request = pb.BatchedGenerationRequest(
+        adapter_id=adapter_id,
+        requests=[pb.GenerationRequest(text=PROMPT)] * 2,
+        params=pb.Parameters(
+            decoding=pb.DecodingParameters(regex=regex),
+            stopping=pb.StoppingCriteria(max_new_tokens=20),
+        ),
+    )
+    for response in stub.Generate(request, timeout=120).responses:
+        assert response.stop_reason == pb.EOS_TOKEN
+        assert re.fullmatch(regex, response.text), response.text

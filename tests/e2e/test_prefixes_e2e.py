@@ -248,3 +248,21 @@ def test_prefix_loads_are_measured_once_per_prefix(
         with pytest.raises(grpc.RpcError):
             stub.Generate(request, timeout=60)
     assert counts() == (before[0], before[1] + 2)  # failures are not cached
+
+
+def test_guided_decoding_with_a_prefix(stub: pb_grpc.GenerationServiceStub) -> None:
+    """A prompt prefix's output still keeps to the choices."""
+    choices = ["alpha", "beta", "gamma"]
+    request = pb.BatchedGenerationRequest(
+        prefix_id="sentiment/v1",
+        requests=[pb.GenerationRequest(text=t) for t in PROMPTS],
+        params=pb.Parameters(
+            decoding=pb.DecodingParameters(
+                choice=pb.DecodingParameters.StringChoices(choices=choices)
+            ),
+            stopping=pb.StoppingCriteria(max_new_tokens=20),
+        ),
+    )
+    for response in stub.Generate(request, timeout=120).responses:
+        assert response.stop_reason == pb.EOS_TOKEN
+        assert response.text in choices
