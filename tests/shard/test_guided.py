@@ -232,7 +232,10 @@ def test_guided_sequence_beside_unguided_ones(runner: ModelRunner, case: str, mo
     )
     assert fresh.validate_tokens(ids) == len(ids)
     # Token details come from the masked scores: the chosen token is always allowed there.
-    assert all(detail.logprob > float("-inf") for detail in details_of(constrained, 2))
+    # and a forbidden token is never among the top-n.
+    details = details_of(constrained, 2)
+    assert all(detail.logprob > float("-inf") for detail in details)
+    assert all(t.logprob > float("-inf") for d in details for t in d.top_tokens)
 
 
 def test_min_new_tokens_never_leaves_the_language(runner: ModelRunner) -> None:
