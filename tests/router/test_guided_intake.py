@@ -47,7 +47,7 @@ def test_the_oneof_becomes_a_guided_request() -> None:
 
 
 def compiler(metrics: Metrics, **kwargs: float) -> GrammarCompiler:
-    return GrammarCompiler(embedded_tokenizer_json(), 4096, (2,), metrics, **kwargs)  # type: ignore[arg-type]
+    return GrammarCompiler(embedded_tokenizer_json, 4096, (2,), metrics, **kwargs)  # type: ignore[arg-type]
 
 
 def new_metrics() -> Metrics:

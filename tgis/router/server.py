@@ -141,7 +141,7 @@ class Router:
             adapters=adapter_kinds(info, self.shard.adapter_info),
             grammars=(
                 GrammarCompiler(
-                    self.tokenizer.to_json(), info.vocab_size, info.eos_token_ids, metrics
+                    self.tokenizer.to_json, info.vocab_size, info.eos_token_ids, metrics
                 )
                 if info.eos_token_ids
                 else None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -109,12 +110,13 @@ class GrammarCompiler:
     and EOS ids), off the event loop, with a cache.
 
     The llguidance tokenizer is built on first use, in the pool (a 128k vocabulary takes
-    a moment), so a server that never sees a guided request never builds it.
+    a moment), from ``tokenizer_json()``, so a server that never sees a guided request
+    neither serializes its tokenizer nor builds it.
     """
 
     def __init__(
         self,
-        tokenizer_json: str,
+        tokenizer_json: Callable[[], str],
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         metrics: Metrics,
@@ -174,7 +176,7 @@ class GrammarCompiler:
             import llguidance
 
             self._tokenizer = llguidance.LLTokenizer(
-                self._tokenizer_json, n_vocab=self._vocab_size, eos_token=self._eos or None
+                self._tokenizer_json(), n_vocab=self._vocab_size, eos_token=self._eos or None
             )
         return self._tokenizer
 
