@@ -119,9 +119,10 @@ def mask_times(model_dir: Path, rows: int, steps: int) -> tuple[float, float, fl
     logits = torch.randn(rows, vocab)
     times, allowed_counts = [], []
     for _ in range(steps):
+        scores = logits.clone()  # the sampler's own copy, which the masks change in place
         started = time.perf_counter()
         masks = grammars.start_masks(guides, torch.device("cpu")).result()
-        masks.apply(logits)
+        masks.apply_(scores)
         times.append(time.perf_counter() - started)
         for row, guide in enumerate(guides):
             allowed = masks.allowed[row].nonzero()[:, 0].tolist()

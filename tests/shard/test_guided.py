@@ -113,7 +113,8 @@ def test_masks_apply_as_llguidance_applies_them() -> None:
     ]
     masks = grammars.start_masks(guides, torch.device("cpu")).result()
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
-    got = masks.apply(logits)
+    got = logits.clone()
+    masks.apply_(got)
 
     tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab, eos_token=EOS)
     expected = logits.numpy().copy()

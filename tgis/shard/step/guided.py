@@ -69,12 +69,10 @@ class TokenMasks:
     eos_only: tuple[bool, ...]  # per row of the batch: the grammar allows EOS and nothing else
     errors: dict[int, str]  # row -> why its matcher cannot go on
 
-    def apply(self, scores: torch.Tensor) -> torch.Tensor:
-        """``scores`` [rows, vocab] with every token the grammars forbid at ``-inf``
-        (a copy; the input is untouched)."""
-        masked = scores.clone()
-        masked[self.rows] = scores[self.rows].masked_fill(~self.allowed, float("-inf"))
-        return masked
+    def apply_(self, scores: torch.Tensor) -> None:
+        """Set every token the grammars forbid to ``-inf`` in ``scores`` [rows, vocab], in
+        place (the sampler's own copy of the logits)."""
+        scores[self.rows] = scores[self.rows].masked_fill(~self.allowed, float("-inf"))
 
 
 class PendingMasks:

@@ -113,14 +113,14 @@ def _plain_greedy_tokens(
         if item.seq.num_generated < item.seq.sampling.min_new_tokens and not eos_only[i]
     ]
     eos = [t for t in info.eos_token_ids if 0 <= t < info.vocab_size]
-    scores = logits
-    if short and eos:
-        scores = logits.clone()
+    eos_masked = bool(short and eos)
+    scores = logits.clone() if eos_masked or masks is not None else logits
+    if eos_masked:
         rows = torch.tensor(short, dtype=torch.long, device=logits.device)
         ids = torch.tensor(eos, dtype=torch.long, device=logits.device)
         scores[rows[:, None], ids[None, :]] = NEG_INF
     if masks is not None:
-        scores = masks.apply(scores)
+        masks.apply_(scores)
     tokens = argmax_rows(scores)
     nan = torch.isnan(scores.gather(1, tokens[:, None].to(scores.device))[:, 0])
     bad = nan.tolist() if bool(nan.any()) else None

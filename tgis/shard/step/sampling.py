@@ -173,7 +173,7 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         seen = torch.where(seen < 0, seen * pen.penalty, seen / pen.penalty)
         scores[pen.rows] = sub.scatter(1, pen.ids, seen)
     if batch.masks is not None:
-        scores = batch.masks.apply(scores)
+        batch.masks.apply_(scores)
     warpers = batch.warpers
     if warpers is not None:
         if warpers.temperature is not None:
