@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
 from tests.e2e.server import LauncherProcess, healthy_launcher
+from tgis.pb import generation_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +18,10 @@ def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launch
     differences and wait for the server to be idle, so they do not see one another)."""
     with healthy_launcher(tmp_path_factory.mktemp("embedded")) as launcher:
         yield launcher
+
+
+@pytest.fixture(scope="module")
+def stub(server: LauncherProcess) -> Iterator[pb_grpc.GenerationServiceStub]:
+    """A client of the module's ``server`` fixture, for the module's duration."""
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        yield pb_grpc.GenerationServiceStub(channel)

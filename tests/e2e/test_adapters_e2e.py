@@ -68,12 +68,6 @@ def server(
         yield launcher
 
 
-@pytest.fixture(scope="module")
-def stub(server: LauncherProcess) -> Iterator[pb_grpc.GenerationServiceStub]:
-    with grpc.insecure_channel(server.grpc_target) as channel:
-        yield pb_grpc.GenerationServiceStub(channel)
-
-
 def params(new_tokens: int = NEW_TOKENS) -> pb.Parameters:
     return pb.Parameters(
         method=pb.GREEDY,

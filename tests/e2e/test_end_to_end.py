@@ -12,7 +12,6 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -32,12 +31,6 @@ PROMPT = "Return the number of"
 @pytest.fixture(scope="module")
 def server(embedded_server: LauncherProcess) -> LauncherProcess:
     return embedded_server
-
-
-@pytest.fixture(scope="module")
-def stub(server: LauncherProcess) -> Iterator[pb_grpc.GenerationServiceStub]:
-    with grpc.insecure_channel(server.grpc_target) as channel:
-        yield pb_grpc.GenerationServiceStub(channel)
 
 
 def greedy(max_new_tokens: int, min_new_tokens: int = 0, **response: bool) -> pb.Parameters:

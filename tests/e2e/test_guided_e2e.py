@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -50,12 +49,6 @@ GRAMMAR = 'root ::= "SELECT " col " FROM " tbl\ncol ::= [a-z] [a-z]?\ntbl ::= "u
 @pytest.fixture(scope="module")
 def server(embedded_server: LauncherProcess) -> LauncherProcess:
     return embedded_server
-
-
-@pytest.fixture(scope="module")
-def stub(server: LauncherProcess) -> Iterator[pb_grpc.GenerationServiceStub]:
-    with grpc.insecure_channel(server.grpc_target) as channel:
-        yield pb_grpc.GenerationServiceStub(channel)
 
 
 def params(

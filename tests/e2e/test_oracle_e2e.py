@@ -29,7 +29,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import torch
 from tokenizers import Tokenizer
@@ -81,12 +80,6 @@ def server(
         ["--model-name", str(model[0]), "--max-sequence-length", str(MAX_SEQUENCE_LENGTH)],
     ) as launcher:
         yield launcher
-
-
-@pytest.fixture(scope="module")
-def stub(server: LauncherProcess) -> Iterator[pb_grpc.GenerationServiceStub]:
-    with grpc.insecure_channel(server.grpc_target) as channel:
-        yield pb_grpc.GenerationServiceStub(channel)
 
 
 @pytest.fixture(scope="module")

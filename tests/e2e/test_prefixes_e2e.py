@@ -70,12 +70,6 @@ def server(
         yield launcher
 
 
-@pytest.fixture(scope="module")
-def stub(server: LauncherProcess) -> Iterator[pb_grpc.GenerationServiceStub]:
-    with grpc.insecure_channel(server.grpc_target) as channel:
-        yield pb_grpc.GenerationServiceStub(channel)
-
-
 def prefix_of(store: Path, prefix_id: str) -> torch.Tensor:
     item = store / prefix_id
     if (item / "decoder.pt").is_file():

@@ -55,12 +55,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess
         yield launcher
 
 
-@pytest.fixture(scope="module")
-def stub(server: LauncherProcess) -> Iterator[pb_grpc.GenerationServiceStub]:
-    with grpc.insecure_channel(server.grpc_target) as channel:
-        yield pb_grpc.GenerationServiceStub(channel)
-
-
 @dataclass
 class Stream:
     index: int
