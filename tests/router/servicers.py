@@ -12,6 +12,7 @@ from tgis.router.edge.tracing import Tracing
 from tgis.router.intake.adapters import AdapterKinds
 from tgis.router.intake.admission import Admission
 from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.guided import GrammarCompiler
 from tgis.router.intake.prefixes import PrefixLengths
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
@@ -34,6 +35,7 @@ def make_servicer(
     drain: Drain | None = None,
     tracing: Tracing | None = None,
     stalled_streams: StalledStreams | None = None,
+    grammars: GrammarCompiler | None = None,
 ) -> GenerationServicer:
     """``engine`` is the real Engine or a stand-in with its ``submit`` and ``abort``."""
     admission = Admission(
@@ -43,6 +45,7 @@ def make_servicer(
         metrics=metrics,
         prefixes=prefixes,
         adapters=adapters,
+        grammars=grammars,
     )
     return GenerationServicer(
         admission=admission,

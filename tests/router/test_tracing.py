@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.guided_tokenizers import embedded_tokenizer_json
 from tests.otlp_collector import ExportedSpan, OtlpCollector
 from tests.router.servicers import make_servicer
 from tests.router.test_servicer_metrics import Aborted, FakeContext, FakeEngine
@@ -22,6 +23,7 @@ from tgis.router.config import TracingConfig
 from tgis.router.edge.tracing import MISSING_PACKAGES_WARNING, otlp_target, setup_tracing
 from tgis.router.intake.adapters import AdapterKinds
 from tgis.router.intake.concurrency import ConcurrencyLimiter
+from tgis.router.intake.guided import GrammarCompiler
 from tgis.router.intake.prefixes import PrefixLengths
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
@@ -149,3 +151,72 @@ def test_spans_of_generate_and_stream_calls(
     assert unary.status_code == 0  # unset: fine
     assert stream.status_code == 2  # error
     assert [s.name for s in children(stream)] == ["inference", "queue", "validation"]
+
+
+def test_guided_compilation_is_a_span_under_validation(
+    engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call with a guided field gets a ``guided_compile`` span (its kind) inside its
+    validation span; a refused constraint marks both with the compiler's message."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    metrics = Metrics(max_sequence_length=64, max_new_tokens=40, max_batch_size=4)
+    grammars = GrammarCompiler(embedded_tokenizer_json, 4096, (2,), metrics)
+    D = pb.DecodingParameters
+    with OtlpCollector() as collector:
+        tracing = setup_tracing(TracingConfig(endpoint=collector.endpoint))
+        assert tracing is not None
+        servicer = make_servicer(
+            engine=engine,
+            tokenizer=engine.tokenizer,
+            limits=ServerLimits.from_args(64, 40),
+            limiter=ConcurrencyLimiter(4),
+            metrics=metrics,
+            default_include_stop_seqs=True,
+            is_seq2seq=False,
+            tracing=tracing,
+            grammars=grammars,
+        )
+
+        async def calls() -> None:
+            for decoding, correlation in (
+                (D(regex="a b"), "ok"),
+                (D(regex="(unclosed"), "bad"),
+                (D(), "plain"),
+            ):
+                params = pb.Parameters(decoding=decoding)
+                request = pb.BatchedGenerationRequest(
+                    requests=[pb.GenerationRequest(text="a")], params=params
+                )
+                context = FakeContext(("x-correlation-id", correlation))
+                try:
+                    await servicer.Generate(request, context)  # type: ignore[arg-type]
+                except Aborted:
+                    assert correlation == "bad"
+
+        asyncio.run(calls())
+        tracing.shutdown(10)
+        spans = collector.spans
+    grammars.close()
+
+    roots = {s.attributes["correlation_id"]: s for s in spans if s.name.startswith("fmaas.")}
+    by_parent: dict[str, list[ExportedSpan]] = {}
+    for span in spans:
+        by_parent.setdefault(span.parent_span_id, []).append(span)
+
+    def validation_and_compile(root: ExportedSpan) -> tuple[ExportedSpan, list[ExportedSpan]]:
+        (validation,) = [s for s in by_parent[root.span_id] if s.name == "validation"]
+        return validation, by_parent.get(validation.span_id, [])
+
+    validation, (compiled,) = validation_and_compile(roots["ok"])
+    assert compiled.name == "guided_compile" and compiled.attributes["kind"] == "regex"
+    assert validation.start_ns <= compiled.start_ns <= compiled.end_ns <= validation.end_ns
+    assert (validation.status_code, compiled.status_code) == (0, 0)
+
+    validation, (refused,) = validation_and_compile(roots["bad"])
+    assert refused.status_code == 2 and refused.status_message.startswith("Invalid regex: ")
+    assert validation.status_code == 2
+    assert validation.status_message.endswith(refused.status_message)
+    assert roots["bad"].status_code == 2
+
+    validation, children = validation_and_compile(roots["plain"])
+    assert children == [] and validation.status_code == 0

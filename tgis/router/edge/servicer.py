@@ -77,7 +77,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 self.admission.check_batch_size(count)
                 with self.admission.permits(count):
                     texts = [r.text for r in request.requests]
-                    validated = await self._validate(request, texts, arrival)
+                    validated = await self._validate(request, texts, arrival, span)
                     states = self._submit(validated, arrival, span)
                     try:
                         responses = await self.replies.unary(states, kind, arrival)
@@ -100,7 +100,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 with self.admission.permits(1):
                     if not request.HasField("request"):
                         raise ValidationError("missing request")
-                    validated = await self._validate(request, [request.request.text], arrival)
+                    validated = await self._validate(request, [request.request.text], arrival, span)
                     (state,) = self._submit(validated, arrival, span)
                     try:
                         async with aclosing(self._pump(state, arrival)) as messages:
@@ -116,6 +116,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         request: pb.BatchedGenerationRequest | pb.SingleGenerationRequest,
         texts: Sequence[str],
         arrival: float,
+        span: RequestSpan | None,
     ) -> list[ValidatedRequest]:
         call = api.generation_call(
             request,
@@ -123,7 +124,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             default_include_stop_seqs=self.default_include_stop_seqs,
             now=time.monotonic(),
         )
-        return await self.admission.validate(call, arrival)
+        on_compile = None if span is None else span.guided_compiled
+        return await self.admission.validate(call, arrival, on_compile)
 
     def _submit(
         self, validated: Sequence[ValidatedRequest], arrival: float, span: RequestSpan | None

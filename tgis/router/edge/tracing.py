@@ -10,6 +10,8 @@ One trace per Generate / GenerateStream call, its parent taken from the W3C
     fmaas.GenerationService/Generate      the whole call (correlation_id, prefix_id and
                                           adapter_id when sent, status)
     ├── validation                        parameters checked, inputs tokenized
+    │   └── guided_compile                the guided constraint compiled (kind; cached
+    │                                     ones take microseconds), when the call has one
     ├── queue          (one per input)    submitted to the engine .. first scheduled
     └── inference      (one per input)    first scheduled .. last token
 
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from tgis.router.config import TracingConfig
 from tgis.router.core.request_state import RequestState
-from tgis.router.request_types import StopReason
+from tgis.router.request_types import GuidedKind, StopReason
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -93,8 +95,18 @@ class Tracing:
         )
         return RequestSpan(self, span, arrival)
 
-    def child(self, parent: Span, name: str, start: float, end: float, **attributes: Any) -> Span:
-        from opentelemetry.trace import set_span_in_context
+    def child(
+        self,
+        parent: Span,
+        name: str,
+        start: float,
+        end: float,
+        error: str | None = None,
+        **attributes: Any,
+    ) -> Span:
+        """A span under ``parent`` from ``start`` to ``end``, already ended (its status is
+        ERROR with ``error`` when one is given: an ended span's status cannot change)."""
+        from opentelemetry.trace import Status, StatusCode, set_span_in_context
 
         span = self._tracer.start_span(
             name,
@@ -102,6 +114,8 @@ class Tracing:
             start_time=self.epoch_ns(start),
             attributes=attributes,
         )
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, error))
         span.end(end_time=self.epoch_ns(max(end, start)))
         return span
 
@@ -122,6 +136,7 @@ class RequestSpan:
         self.arrival = arrival
         self.validated_at: float | None = None
         self.states: Sequence[RequestState] = ()
+        self.compile: tuple[GuidedKind, float, float, str | None] | None = None
 
     def adapters(self, prefix_id: str | None, adapter_id: str | None) -> None:
         """The request's ``prefix_id`` and ``adapter_id``, as span attributes of the same
@@ -130,6 +145,12 @@ class RequestSpan:
             self.span.set_attribute("prefix_id", prefix_id)
         if adapter_id is not None:
             self.span.set_attribute("adapter_id", adapter_id)
+
+    def guided_compiled(
+        self, kind: GuidedKind, start: float, end: float, error: str | None
+    ) -> None:
+        """The guided constraint was compiled (``error``: the refusal)."""
+        self.compile = (kind, start, end, error)
 
     def validated(self, states: Sequence[RequestState], at: float) -> None:
         """Validation ended and these inputs went to the engine at ``at``."""
@@ -143,9 +164,11 @@ class RequestSpan:
         end = time.monotonic() if end is None else end
         tracing, span = self._tracing, self.span
         validation_end = self.validated_at if self.validated_at is not None else end
-        child = tracing.child(span, "validation", self.arrival, validation_end)
-        if self.validated_at is None and error is not None:
-            child.set_status(Status(StatusCode.ERROR, error))
+        refused = error if self.validated_at is None else None
+        child = tracing.child(span, "validation", self.arrival, validation_end, refused)
+        if self.compile is not None:
+            kind, start, compiled, refusal = self.compile
+            tracing.child(child, "guided_compile", start, compiled, refusal, kind=kind.value)
         for index, state in enumerate(self.states):
             started = None if state.started_at is None else min(state.started_at, end)
             tracing.child(

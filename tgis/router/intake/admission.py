@@ -16,7 +16,7 @@ once, the validation time since the RPC arrived.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -48,13 +48,18 @@ from tgis.router.ops.metrics import Metrics
 from tgis.router.request_types import (
     NO_ADAPTERS,
     GenerationParams,
+    GuidedKind,
     GuidedRequest,
     ResolvedAdapters,
     ValidatedRequest,
 )
 from tgis.shard_api.messages import AdapterInfo, AdapterKind
 
-__all__ = ["GUIDED_UNAVAILABLE_MESSAGE", "Admission", "GenerationCall"]
+__all__ = ["GUIDED_UNAVAILABLE_MESSAGE", "Admission", "CompileObserver", "GenerationCall"]
+
+CompileObserver = Callable[[GuidedKind, float, float, "str | None"], None]
+"""Told of a guided constraint's compilation: (kind, start, end, error or None), monotonic
+seconds; the call's span records it (``edge/tracing.py``)."""
 
 GUIDED_UNAVAILABLE_MESSAGE = "guided decoding is not available: the model has no EOS token"
 
@@ -133,15 +138,18 @@ class Admission:
 
     # ---- validation -----------------------------------------------------------------------
 
-    async def validate(self, call: GenerationCall, arrival: float) -> list[ValidatedRequest]:
+    async def validate(
+        self, call: GenerationCall, arrival: float, on_compile: CompileObserver | None = None
+    ) -> list[ValidatedRequest]:
         """Check the parameters, resolve the adapter and the prompt prefix, tokenize and
-        check every input (first error wins).
+        check every input (first error wins); ``on_compile`` is told when and how a guided
+        constraint was compiled.
 
         Raises:
             ValidationError: the first refusal, counted as a validation failure.
         """
         try:
-            validated = await self._validate(call)
+            validated = await self._validate(call, on_compile)
         except ValidationError:
             self.metrics.request_failure("validation")
             raise
@@ -151,7 +159,9 @@ class Admission:
         self.metrics.validation_done(time.monotonic() - arrival)
         return validated
 
-    async def _validate(self, call: GenerationCall) -> list[ValidatedRequest]:
+    async def _validate(
+        self, call: GenerationCall, on_compile: CompileObserver | None
+    ) -> list[ValidatedRequest]:
         validate_params(call.params, self.limits)
         adapters = await self.resolve_adapters(call.prefix_id, call.adapter_id)
         encoded = await self._encode(call.texts)
@@ -165,14 +175,23 @@ class Admission:
         )
         if call.params.guided is None:
             return validated
-        grammar = await self._grammar(call.params.guided)
+        grammar = await self._grammar(call.params.guided, on_compile)
         return [replace(v, sampling=replace(v.sampling, grammar=grammar)) for v in validated]
 
-    async def _grammar(self, guided: GuidedRequest) -> str:
+    async def _grammar(self, guided: GuidedRequest, on_compile: CompileObserver | None) -> str:
         """The compiled constraint (last: the other checks are cheaper)."""
         if self.grammars is None:
             raise ValidationError(GUIDED_UNAVAILABLE_MESSAGE)
-        return await self.grammars.compile(guided)
+        start = time.monotonic()
+        try:
+            grammar = await self.grammars.compile(guided)
+        except ValidationError as err:
+            if on_compile is not None:
+                on_compile(guided.kind, start, time.monotonic(), err.message)
+            raise
+        if on_compile is not None:
+            on_compile(guided.kind, start, time.monotonic(), None)
+        return grammar
 
     async def _encode(self, texts: Sequence[str]) -> list[list[int]]:
         """The inputs' token ids (rule 13 when the tokenizer fails); every raw length is
