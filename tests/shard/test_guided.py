@@ -284,3 +284,26 @@ def test_masks_are_bits_of_the_vocabulary() -> None:
     words = bitmask[0].astype(np.uint32)
     expected = [(int(words[t // 32]) >> (t % 32)) & 1 == 1 for t in range(4096)]
     assert masks.allowed[0].tolist() == expected
+
+
+@pytest.mark.slow
+def test_the_compiled_step_stays_in_use_and_agrees(
+    model_dir: Path, runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the compiled forward (``TGIS_COMPILE=1``), a guided sequence beside unguided
+    ones gets the eager step's tokens: the mask is applied outside the compiled graph."""
+    from tgis.shard.native.compiled import CompiledForward
+
+    sampling = {
+        1: SamplingParams(),
+        2: SamplingParams(grammar=grammar_source(CASES["json_schema"])),
+        3: SamplingParams(temperature=0.8, seed=3, grammar=grammar_source(CASES["regex"])),
+    }
+    eager = run(runner, sampling, steps=60)
+    monkeypatch.setenv("TGIS_COMPILE", "1")
+    compiled_runner = load_runner(ShardConfig(model_name=str(model_dir), kv_cache_blocks=64))
+    assert isinstance(compiled_runner, ModelRunner)
+    assert isinstance(compiled_runner.forward, CompiledForward)
+    compiled = run(compiled_runner, sampling, steps=60)
+    assert compiled.generated == eager.generated
+    assert eager.generated[2][-1] == EOS and eager.generated[3][-1] == EOS
