@@ -140,6 +140,9 @@ class Router:
         self.step_id = 0
         self._finished: list[int] = []
         self._preempted: list[int] = []
+        # Leading blocks borrowed from another sequence (a prefix-cache hit), by request.
+        self.shared: dict[int, int] = {}
+        self._cached: dict[int, int] = {}
 
     def add(
         self,
@@ -168,15 +171,24 @@ class Router:
         self.computed[request_id] = 0
         self.generated[request_id] = []
 
+    def share(self, request_id: int, source_id: int, num_blocks: int) -> None:
+        """Give a sequence not yet computed ``source_id``'s first ``num_blocks`` blocks as
+        a prefix-cache hit: its next step starts after them (``cached_tokens``)."""
+        assert self.computed[request_id] == 0 and not self.tables[request_id]
+        self.tables[request_id] = self.tables[source_id][:num_blocks]
+        self.shared[request_id] = num_blocks
+        self.computed[request_id] = self._cached[request_id] = num_blocks * self.block_size
+
     def finish(self, request_id: int) -> None:
-        """Free the sequence's blocks; the shard forgets it with the next step."""
-        self.free.extend(self.tables.pop(request_id))
+        """Free the sequence's blocks (not borrowed ones); the shard forgets it with the
+        next step."""
+        self.free.extend(self.tables.pop(request_id)[self.shared.pop(request_id, 0) :])
         self._finished.append(request_id)
 
     def preempt(self, request_id: int) -> None:
         """Take the sequence's blocks back; the shard drops its block table with the next
         step, and it is resumed by scheduling all its known tokens again from position 0."""
-        self.free.extend(self.tables[request_id])
+        self.free.extend(self.tables[request_id][self.shared.pop(request_id, 0) :])
         self.tables[request_id] = []
         self.computed[request_id] = 0
         self._preempted.append(request_id)
@@ -189,7 +201,10 @@ class Router:
             blocks = [self.free.pop() for _ in range(max(need, 0))]
             self.tables[rid].extend(blocks)
             self.computed[rid] += n
-            scheduled.append(ScheduledSequence(rid, n, tuple(blocks)))
+            cached = self._cached.pop(rid, 0)
+            if cached:  # the first step after a hit sends the whole table
+                blocks = list(self.tables[rid])
+            scheduled.append(ScheduledSequence(rid, n, tuple(blocks), cached))
         self.step_id += 1
         plan = StepPlan(
             step_id=self.step_id,

@@ -62,6 +62,7 @@ PLAN = StepPlan(
     scheduled=(
         ScheduledSequence(3, 3, (0,)),
         ScheduledSequence(4, 1, (1, 2)),
+        ScheduledSequence(5, 7, (3, 4, 5), cached_tokens=32),
         ScheduledSequence(1, 1),
     ),
     finished_request_ids=(9, 10),
@@ -117,13 +118,14 @@ def test_info_round_trip() -> None:
         step_channel="/tmp/x-0.steps",
         adapters_enabled=True,
         max_loras=3,
+        prefix_caching=True,
     )
     back = info_from_pb(shard_pb2.InfoResponse.FromString(info_to_pb(info).SerializeToString()))
     assert back == info and back.is_seq2seq
-    assert (back.adapters_enabled, back.max_loras) == (True, 3)
-    # An older shard's Info (no adapter fields) reads as adapters disabled.
+    assert (back.adapters_enabled, back.max_loras, back.prefix_caching) == (True, 3, True)
+    # An older shard's Info (no adapter fields) reads as adapters disabled, no prefix cache.
     plain = info_from_pb(shard_pb2.InfoResponse(block_size=16))
-    assert (plain.adapters_enabled, plain.max_loras) == (False, 0)
+    assert (plain.adapters_enabled, plain.max_loras, plain.prefix_caching) == (False, 0, False)
 
 
 def test_adapter_lookup_response_round_trip() -> None:

@@ -114,7 +114,12 @@ def plan_to_pb(plan: StepPlan) -> shard_pb2.StepRequest:
             entry.details.CopyFrom(_details_to_pb(ns.details))
     add = pb.scheduled.add
     for s in plan.scheduled:
-        add(request_id=s.request_id, num_tokens=s.num_tokens, new_block_ids=s.new_block_ids)
+        add(
+            request_id=s.request_id,
+            num_tokens=s.num_tokens,
+            new_block_ids=s.new_block_ids,
+            cached_tokens=s.cached_tokens,
+        )
     return pb
 
 
@@ -134,7 +139,7 @@ def plan_from_pb(pb: shard_pb2.StepRequest) -> StepPlan:
             for ns in pb.new_sequences
         ),
         scheduled=tuple(
-            ScheduledSequence(s.request_id, s.num_tokens, tuple(s.new_block_ids))
+            ScheduledSequence(s.request_id, s.num_tokens, tuple(s.new_block_ids), s.cached_tokens)
             for s in pb.scheduled
         ),
         finished_request_ids=tuple(pb.finished_request_ids),
@@ -213,6 +218,7 @@ def info_to_pb(info: ShardInfo) -> shard_pb2.InfoResponse:
         step_channel=info.step_channel,
         adapters_enabled=info.adapters_enabled,
         max_loras=info.max_loras,
+        prefix_caching=info.prefix_caching,
     )
 
 
@@ -232,6 +238,7 @@ def info_from_pb(pb: shard_pb2.InfoResponse) -> ShardInfo:
         step_channel=pb.step_channel,
         adapters_enabled=pb.adapters_enabled,
         max_loras=pb.max_loras,
+        prefix_caching=pb.prefix_caching,
     )
 
 

@@ -136,11 +136,14 @@ class NewSequence:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSequence:
-    """One sequence's share of a step: how many tokens to compute, which blocks it gained."""
+    """One sequence's share of a step: how many tokens to compute, which blocks it gained,
+    and (a prefix-cache hit, only when it starts from position 0) how many leading
+    positions those blocks already hold."""
 
     request_id: int
     num_tokens: int
     new_block_ids: tuple[int, ...] = ()
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +248,9 @@ class ShardInfo:
     """An adapter cache is configured (``AdapterLookup`` and ``NewSequence.adapter_id``)."""
     max_loras: int = 0
     """Most different LoRA adapters one step may contain (0: adapters disabled, or no LoRA)."""
+    prefix_caching: bool = False
+    """The engine starts sequences after cached tokens (``ScheduledSequence.cached_tokens``);
+    False for the transformers fallback and encoder-decoder engines."""
 
     @property
     def is_seq2seq(self) -> bool:

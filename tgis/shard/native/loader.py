@@ -131,6 +131,7 @@ def _info(
         dtype=dtype_name(dtype),
         device=str(device),
         attention_backend=attention.name,
+        prefix_caching=True,
     )
 
 

@@ -102,6 +102,7 @@ class ModelRunner(SequenceRunner):
             num_blocks=kv_cache.num_blocks,
             block_size=kv_cache.block_size,
             device=device,
+            prefix_caching=info.prefix_caching,
         )
 
     def reset(self) -> None:

@@ -63,17 +63,19 @@ class WorkItem:
         num_tokens: int,
         new_block_ids: tuple[int, ...] = (),
         start: int | None = None,
+        fresh_table: bool = False,
     ) -> WorkItem:
         """The work of computing ``seq``'s next ``num_tokens`` tokens from ``start``
         (default: its computed count; 0 when it is resumed after a preemption, which also
-        drops its old blocks)."""
+        drops its old blocks). ``fresh_table``: ``new_block_ids`` is the whole table, the
+        first ``start`` positions already in it (a prefix-cache hit)."""
         start = seq.num_computed if start is None else start
         end = start + num_tokens
         return cls(
             seq=seq,
             start=start,
             end=end,
-            prior_blocks=len(seq.block_table) if start else 0,
+            prior_blocks=len(seq.block_table) if start and not fresh_table else 0,
             new_block_ids=new_block_ids,
             samples=end == len(seq.token_ids),
             completes_prompt=start < seq.prompt_len <= end,
@@ -112,6 +114,8 @@ class PlanLimits:
     device: torch.device
     # False for engines that cannot recompute generated tokens (encoder-decoder fallback).
     resumes_generated: bool = True
+    # The engine starts sequences after cached tokens (ScheduledSequence.cached_tokens).
+    prefix_caching: bool = False
 
 
 def resolve_plan(
@@ -268,9 +272,14 @@ def _work(
 
 def _work_item(s: ScheduledSequence, seq: Sequence, restart: bool, limits: PlanLimits) -> WorkItem:
     """The work of one scheduled sequence (from position 0 when ``restart``, a resume after
-    a preemption); InvalidStepError when its token count or blocks do not fit."""
+    a preemption; after its ``cached_tokens``, a prefix-cache hit); InvalidStepError when
+    its token count or blocks do not fit."""
     rid = s.request_id
     computed = 0 if restart else seq.num_computed
+    cached = s.cached_tokens
+    if cached:
+        _check_cached(s, seq, computed, limits)
+        computed = cached
     uncomputed = len(seq.token_ids) - computed
     if not 1 <= s.num_tokens <= uncomputed:
         raise InvalidStepError(
@@ -282,14 +291,34 @@ def _work_item(s: ScheduledSequence, seq: Sequence, restart: bool, limits: PlanL
         raise InvalidStepError(
             f"request {rid}: block id {bad[0]} out of range (num_blocks {limits.num_blocks})"
         )
-    table_len = (0 if restart else len(seq.block_table)) + len(s.new_block_ids)
+    table_len = (0 if restart or cached else len(seq.block_table)) + len(s.new_block_ids)
     needed = computed + s.num_tokens
     if table_len * limits.block_size < needed:
         raise InvalidStepError(
             f"request {rid}: {table_len} block(s) cannot hold {needed} tokens "
             f"(block size {limits.block_size})"
         )
-    return WorkItem.plan(seq, s.num_tokens, s.new_block_ids, computed)
+    return WorkItem.plan(seq, s.num_tokens, s.new_block_ids, computed, fresh_table=cached > 0)
+
+
+def _check_cached(s: ScheduledSequence, seq: Sequence, computed: int, limits: PlanLimits) -> None:
+    """InvalidStepError unless ``s.cached_tokens`` may be used: an engine with the prefix
+    cache, a sequence starting from position 0 that wants no input-token details yet, whole
+    blocks, and at least one token left to compute."""
+    rid, cached = s.request_id, s.cached_tokens
+    problem = None
+    if not limits.prefix_caching:
+        problem = "this engine has no prefix cache"
+    elif computed:
+        problem = f"the sequence has {computed} computed token(s)"
+    elif cached % limits.block_size:
+        problem = f"not a whole number of blocks (block size {limits.block_size})"
+    elif cached >= len(seq.token_ids):
+        problem = f"the sequence has only {len(seq.token_ids)} known token(s)"
+    elif seq.details.input_tokens and seq.num_generated == 0:
+        problem = "the sequence asked for input-token details"
+    if problem is not None:
+        raise InvalidStepError(f"request {rid}: cached_tokens {cached}: {problem}")
 
 
 def check_new_sequence(ns: NewSequence, vocab_size: int) -> str | None:
