@@ -78,7 +78,7 @@ def _plant(path: Path, text: str) -> str:
             "Protobuf-generated modules only",
         ),
         (
-            "router/core/block_allocator.py",
+            "router/core/block_pool.py",
             "\ndef _late() -> None:\n    from tgis.router.core import scheduler  # noqa\n",
             "No import cycles",
         ),

@@ -173,7 +173,9 @@ def make_engine(
     engine = Engine(
         shard=shard,  # type: ignore[arg-type]
         scheduler=new_scheduler(
-            SchedulerLimits(max_batch_size=batch_size, max_batch_prefill_tokens=batch_tokens), info
+            SchedulerLimits(max_batch_size=batch_size, max_batch_prefill_tokens=batch_tokens),
+            info,
+            prefix_caching=True,
         ),
         output=OutputRules.for_shard(RouterTokenizer(str(MODEL_DIR / "tokenizer.json")), info),
         metrics=Metrics(max_sequence_length=1024, max_new_tokens=1023, max_batch_size=batch_size),
@@ -335,7 +337,7 @@ def test_abort_and_queue_deadline() -> None:
         await asyncio.sleep(0.02)
         assert state.finish_reason == StopReason.CANCELLED
         assert any(state.request_id in p.finished_request_ids for p in shard.plans)
-        assert engine.scheduler.allocator.num_free == INFO.num_blocks
+        assert engine.scheduler.blocks.num_free == INFO.num_blocks
         expired = engine.submit(request(5, deadline=time.monotonic() - 1), time.monotonic())
         final = await final_event(expired)
         await engine.stop()
@@ -395,7 +397,7 @@ def test_requests_beyond_kv_capacity_are_preempted_and_all_finish() -> None:
             assert (final.generated_token_count, final.stop_reason) == (20, StopReason.MAX_TOKENS)
         assert engine.scheduler.preemption_count > 0
         assert any(p.preempted_request_ids for p in shard.plans)
-        assert engine.scheduler.allocator.num_free == SMALL_KV.num_blocks
+        assert engine.scheduler.blocks.num_free == SMALL_KV.num_blocks
         assert gauge(engine, "tgi_batch_current_size") == 0
         assert gauge(engine, "tgi_queue_size") == 0
         assert gauge(engine, "tgi_kv_cache_used_blocks") == 0
@@ -450,7 +452,7 @@ def test_out_of_memory_again_on_the_retry_fails_its_requests() -> None:
         done = [f for f in finals if isinstance(f, TokenEvent)]
         assert failed and done
         assert all(f.generated_token_count == 8 for f in done)  # type: ignore[union-attr]
-        assert engine.scheduler.allocator.num_free == INFO.num_blocks
+        assert engine.scheduler.blocks.num_free == INFO.num_blocks
 
     run(scenario())
 

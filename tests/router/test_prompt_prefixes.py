@@ -201,6 +201,7 @@ async def router_stack(
                 max_loras=info.max_loras or None,
             ),
             info,
+            prefix_caching=True,
         ),
         metrics=metrics,
     )

@@ -15,7 +15,7 @@ import pytest
 
 from tgis.embedded_model import MODEL_DIR
 from tgis.router.core.batching import SchedulerLimits
-from tgis.router.core.block_allocator import BlockAllocator, blocks_for
+from tgis.router.core.block_pool import BlockPool, blocks_for
 from tgis.router.core.detokenizer import IncrementalDetokenizer
 from tgis.router.core.request_state import RequestState, RequestStatus, TokenEvent
 from tgis.router.core.scheduler import Scheduler
@@ -120,7 +120,7 @@ def test_blocks_for_rounds_up() -> None:
 
 
 def test_allocator_allocates_grows_and_releases() -> None:
-    allocator = BlockAllocator(num_blocks=4, block_size=4)
+    allocator = BlockPool(num_blocks=4, block_size=4)
     owned = allocator.allocate(1)
     assert owned == [0]
     assert allocator.missing(owned, 9) == 2
@@ -138,7 +138,7 @@ def test_allocator_allocates_grows_and_releases() -> None:
 
 
 def test_new_requests_join_the_running_batch_at_the_next_step() -> None:
-    scheduler = Scheduler(BlockAllocator(64, 4), limits())
+    scheduler = Scheduler(BlockPool(64, 4), limits())
     first = make_state(1, prompt_len=5, max_new_tokens=10)
     scheduler.add(first)
     step = scheduler.schedule(now=0.0)
@@ -161,7 +161,7 @@ def test_new_requests_join_the_running_batch_at_the_next_step() -> None:
 
 
 def test_steps_planned_on_top_of_unanswered_ones_count_their_tokens() -> None:
-    scheduler = Scheduler(BlockAllocator(64, 4), limits())
+    scheduler = Scheduler(BlockPool(64, 4), limits())
     state = make_state(1, prompt_len=5, max_new_tokens=3)
     scheduler.add(state)
     first = scheduler.schedule(0.0)
@@ -182,7 +182,7 @@ def test_steps_planned_on_top_of_unanswered_ones_count_their_tokens() -> None:
 
 
 def test_a_stop_found_one_step_late_drops_the_token_computed_meanwhile() -> None:
-    scheduler = Scheduler(BlockAllocator(64, 4), limits())
+    scheduler = Scheduler(BlockPool(64, 4), limits())
     state = make_state(1, prompt_len=2, max_new_tokens=10)
     scheduler.add(state)
     first = scheduler.schedule(0.0)
@@ -191,7 +191,7 @@ def test_a_stop_found_one_step_late_drops_the_token_computed_meanwhile() -> None
     update = scheduler.update(first, StepOutput(first.plan.step_id, (eos,)), 0.0)
     ((_, event),) = update.events
     assert isinstance(event, TokenEvent) and event.stop_reason is StopReason.EOS_TOKEN
-    assert state.status is RequestStatus.FINISHED and scheduler.allocator.num_free == 64
+    assert state.status is RequestStatus.FINISHED and scheduler.blocks.num_free == 64
     late = SampledToken(1, TokenDetail(77))
     assert not scheduler.update(second, StepOutput(second.plan.step_id, (late,)), 0.0).events
     assert state.generated_ids == [EOS]
@@ -199,7 +199,7 @@ def test_a_stop_found_one_step_late_drops_the_token_computed_meanwhile() -> None
 
 
 def test_a_sequence_error_fails_only_that_request() -> None:
-    scheduler = Scheduler(BlockAllocator(64, 4), limits())
+    scheduler = Scheduler(BlockPool(64, 4), limits())
     a, b = make_state(1, 3, 5), make_state(2, 3, 5)
     scheduler.add(a)
     scheduler.add(b)
@@ -216,7 +216,7 @@ def test_a_sequence_error_fails_only_that_request() -> None:
 
 
 def test_long_prompts_are_chunked_and_decodes_do_not_count_against_the_budget() -> None:
-    scheduler = Scheduler(BlockAllocator(64, 4), limits(prefill=6))
+    scheduler = Scheduler(BlockPool(64, 4), limits(prefill=6))
     decoding = make_state(1, prompt_len=2, max_new_tokens=50)
     scheduler.add(decoding)
     complete(scheduler, scheduler.schedule(0.0))
@@ -235,7 +235,7 @@ def test_long_prompts_are_chunked_and_decodes_do_not_count_against_the_budget() 
 
 
 def test_a_budget_shared_by_chunks_admits_the_last_request_partially() -> None:
-    scheduler = Scheduler(BlockAllocator(64, 4), limits(prefill=10))
+    scheduler = Scheduler(BlockPool(64, 4), limits(prefill=10))
     for rid, length in ((1, 4), (2, 9), (3, 2)):
         scheduler.add(make_state(rid, length, 5))
     step = scheduler.schedule(0.0)
@@ -247,27 +247,27 @@ def test_a_budget_shared_by_chunks_admits_the_last_request_partially() -> None:
 
 
 def test_admission_respects_batch_size_and_keeps_headroom() -> None:
-    scheduler = Scheduler(BlockAllocator(8, 4), limits(batch=2))
+    scheduler = Scheduler(BlockPool(8, 4), limits(batch=2))
     states = [make_state(i, prompt_len=8, max_new_tokens=8) for i in range(1, 5)]
     for s in states:
         scheduler.add(s)
     plan = scheduler.schedule(now=0.0).plan
     assert [s.request_id for s in plan.new_sequences] == [1, 2]  # batch size 2
     scheduler.finish(states[0])
-    assert scheduler.allocator.num_free == 6  # freed at once
+    assert scheduler.blocks.num_free == 6  # freed at once
     plan = scheduler.schedule(now=0.0).plan
     assert plan.finished_request_ids == (1,)
     assert [s.request_id for s in plan.new_sequences] == [3]
     # 2 prompt blocks + 1 block of headroom must be free to admit next to others: 2 free.
-    scheduler = Scheduler(BlockAllocator(6, 4), limits())
+    scheduler = Scheduler(BlockPool(6, 4), limits())
     for s in [make_state(i, prompt_len=8, max_new_tokens=8) for i in range(1, 4)]:
         scheduler.add(s)
     assert [s.request_id for s in scheduler.schedule(0.0).plan.new_sequences] == [1, 2]
-    assert scheduler.allocator.num_free == 2 and len(scheduler.waiting) == 1
+    assert scheduler.blocks.num_free == 2 and len(scheduler.waiting) == 1
 
 
 def test_a_lone_request_needs_no_headroom() -> None:
-    scheduler = Scheduler(BlockAllocator(4, 4), limits())
+    scheduler = Scheduler(BlockPool(4, 4), limits())
     scheduler.add(make_state(1, prompt_len=15, max_new_tokens=1))
     assert [s.request_id for s in scheduler.schedule(0.0).plan.new_sequences] == [1]
 
@@ -280,7 +280,7 @@ def test_waiting_served_ratio_and_max_waiting_tokens(
     waiting: int, ratio: float, joins_at_step: int
 ) -> None:
     scheduler = Scheduler(
-        BlockAllocator(256, 4), limits(max_waiting_tokens=5, waiting_served_ratio=ratio)
+        BlockPool(256, 4), limits(max_waiting_tokens=5, waiting_served_ratio=ratio)
     )
     for rid in range(1, 5):
         scheduler.add(make_state(rid, 3, 100))
@@ -301,7 +301,7 @@ def test_waiting_served_ratio_and_max_waiting_tokens(
 
 
 def test_decode_without_a_free_block_preempts_the_youngest() -> None:
-    scheduler = Scheduler(BlockAllocator(6, 4), limits())
+    scheduler = Scheduler(BlockPool(6, 4), limits())
     a, b, c = (make_state(i, prompt_len=4, max_new_tokens=50) for i in (1, 2, 3))
     for s in (a, b, c):
         scheduler.add(s)
@@ -310,7 +310,7 @@ def test_decode_without_a_free_block_preempts_the_youngest() -> None:
     complete(scheduler, step)
     step = scheduler.schedule(0.0)  # each decode needs its 2nd block: 3 free
     complete(scheduler, step)
-    assert scheduler.allocator.num_free == 0
+    assert scheduler.blocks.num_free == 0
     for _ in range(3):
         complete(scheduler, scheduler.schedule(0.0))
     step = scheduler.schedule(0.0)  # position 8: a 3rd block each, none free
@@ -340,7 +340,7 @@ def test_decode_without_a_free_block_preempts_the_youngest() -> None:
 
 
 def test_preempted_while_its_token_is_on_the_way() -> None:
-    scheduler = Scheduler(BlockAllocator(4, 4), limits())
+    scheduler = Scheduler(BlockPool(4, 4), limits())
     a, b = make_state(1, 4, 50), make_state(2, 8, 50)
     scheduler.add(a)
     scheduler.add(b)
@@ -361,7 +361,7 @@ def test_preempted_while_its_token_is_on_the_way() -> None:
 
 
 def test_the_needy_youngest_preempts_itself_and_goes_before_fresh_requests() -> None:
-    scheduler = Scheduler(BlockAllocator(4, 4), limits())
+    scheduler = Scheduler(BlockPool(4, 4), limits())
     a, b = make_state(1, 4, 50), make_state(2, 8, 50)
     scheduler.add(a)
     scheduler.add(b)
@@ -375,7 +375,7 @@ def test_the_needy_youngest_preempts_itself_and_goes_before_fresh_requests() -> 
 
 
 def test_reserve_mode_allocates_the_worst_case_and_never_preempts() -> None:
-    scheduler = Scheduler(BlockAllocator(8, 4), limits(preemption=False))
+    scheduler = Scheduler(BlockPool(8, 4), limits(preemption=False))
     states = [make_state(i, prompt_len=4, max_new_tokens=8) for i in range(1, 4)]
     for s in states:
         scheduler.add(s)
@@ -392,7 +392,7 @@ def test_reserve_mode_allocates_the_worst_case_and_never_preempts() -> None:
 
 
 def test_finished_and_cancelled_requests_free_blocks_at_once_running_or_queued() -> None:
-    scheduler = Scheduler(BlockAllocator(4, 4), limits())
+    scheduler = Scheduler(BlockPool(4, 4), limits())
     a, b, c = make_state(1, 4, 50), make_state(2, 8, 50), make_state(3, 1, 5)
     for s in (a, b, c):
         scheduler.add(s)
@@ -400,16 +400,16 @@ def test_finished_and_cancelled_requests_free_blocks_at_once_running_or_queued()
     assert scheduler.schedule(0.0).plan.preempted_request_ids == (2,)  # queued, shard knows it
     scheduler.finish(c)  # never admitted: nothing for the shard to forget
     scheduler.finish(b)  # queued after preemption: the shard must forget it
-    assert scheduler.allocator.num_free == 2
+    assert scheduler.blocks.num_free == 2
     scheduler.finish(a)
-    assert scheduler.allocator.num_free == 4
+    assert scheduler.blocks.num_free == 4
     plan = scheduler.schedule(0.0).plan
     assert sorted(plan.finished_request_ids) == [1, 2] and not plan.scheduled
     assert not scheduler.has_work
 
 
 def test_a_failed_step_is_undone_and_its_messages_sent_again() -> None:
-    scheduler = Scheduler(BlockAllocator(4, 4), limits())
+    scheduler = Scheduler(BlockPool(4, 4), limits())
     a, b = make_state(1, 4, 50), make_state(2, 8, 50)
     scheduler.add(a)
     scheduler.add(b)
@@ -423,7 +423,7 @@ def test_a_failed_step_is_undone_and_its_messages_sent_again() -> None:
     assert again.preempted_request_ids == (2,)
     assert again.scheduled == step.plan.scheduled  # the same work, same blocks announced
     # A new sequence whose announcing step failed is announced again.
-    fresh = Scheduler(BlockAllocator(8, 4), limits())
+    fresh = Scheduler(BlockPool(8, 4), limits())
     fresh.add(make_state(1, 5, 3))
     first = fresh.schedule(0.0)
     fresh.step_failed(first)
@@ -431,7 +431,7 @@ def test_a_failed_step_is_undone_and_its_messages_sent_again() -> None:
 
 
 def test_two_failed_steps_are_undone_latest_first() -> None:
-    scheduler = Scheduler(BlockAllocator(16, 4), limits())
+    scheduler = Scheduler(BlockPool(16, 4), limits())
     a = make_state(1, 4, 50)
     scheduler.add(a)
     first = scheduler.schedule(0.0)
@@ -448,7 +448,7 @@ def test_two_failed_steps_are_undone_latest_first() -> None:
 
 
 def test_no_starvation_a_long_head_is_admitted_before_anything_behind_it() -> None:
-    scheduler = Scheduler(BlockAllocator(16, 4), limits(prefill=64))
+    scheduler = Scheduler(BlockPool(16, 4), limits(prefill=64))
     rng = random.Random(5)
     next_id = 1
     admitted_order: list[int] = []
@@ -472,7 +472,7 @@ def test_no_starvation_a_long_head_is_admitted_before_anything_behind_it() -> No
 
 
 def test_a_prefix_is_prompt_tokens_in_blocks_chunks_and_the_new_sequence() -> None:
-    scheduler = Scheduler(BlockAllocator(64, 4), limits(prefill=8))
+    scheduler = Scheduler(BlockPool(64, 4), limits(prefill=8))
     state = make_state(1, prompt_len=5, max_new_tokens=3, prefix=6)
     assert (state.request.input_length, state.prompt_length) == (5, 11)
     scheduler.add(state)
@@ -497,20 +497,20 @@ def test_a_prefix_is_prompt_tokens_in_blocks_chunks_and_the_new_sequence() -> No
     complete(scheduler, step)
     assert state.finish_reason is StopReason.MAX_TOKENS
     assert state.generated_ids == [token_for(1, i) for i in range(3)]
-    assert scheduler.allocator.num_free == 64
+    assert scheduler.blocks.num_free == 64
 
 
 def test_a_prefix_counts_in_admission_and_in_the_reserved_worst_case() -> None:
     # 6 blocks of 4: a 16-token prompt (prefix 12 + input 4) takes 4, leaving no room for
     # another such request next to it (4 blocks + 1 of headroom > 2 free).
-    scheduler = Scheduler(BlockAllocator(6, 4), limits())
+    scheduler = Scheduler(BlockPool(6, 4), limits())
     first, second = make_state(1, 4, 2, prefix=12), make_state(2, 4, 2, prefix=12)
     scheduler.add(first)
     scheduler.add(second)
     step = scheduler.schedule(0.0)
     assert [s.request_id for s in step.plan.new_sequences] == [1]
     assert len(first.block_ids) == 4 and list(scheduler.waiting) == [second]
-    reserve = Scheduler(BlockAllocator(64, 4), limits(preemption=False))
+    reserve = Scheduler(BlockPool(64, 4), limits(preemption=False))
     state = make_state(1, prompt_len=5, max_new_tokens=8, prefix=6)
     assert state.worst_case_length == 19
     reserve.add(state)
@@ -519,7 +519,7 @@ def test_a_prefix_counts_in_admission_and_in_the_reserved_worst_case() -> None:
 
 
 def test_a_preempted_request_recomputes_its_prefix_too() -> None:
-    scheduler = Scheduler(BlockAllocator(64, 4), limits())
+    scheduler = Scheduler(BlockPool(64, 4), limits())
     state = make_state(1, prompt_len=3, max_new_tokens=10, prefix=5)
     scheduler.add(state)
     for _ in range(3):  # the prompt, then two decodes
@@ -540,7 +540,7 @@ def running_loras(scheduler: Scheduler) -> set[str]:
 
 
 def test_max_loras_holds_a_third_lora_adapter_until_a_slot_frees() -> None:
-    scheduler = Scheduler(BlockAllocator(256, 4), limits(max_loras=2))
+    scheduler = Scheduler(BlockPool(256, 4), limits(max_loras=2))
     a1 = make_state(1, 4, 50, lora="a")
     b = make_state(2, 4, 50, lora="b")
     plain = make_state(3, 4, 50)
@@ -584,7 +584,7 @@ def test_max_loras_holds_a_third_lora_adapter_until_a_slot_frees() -> None:
 
 
 def test_a_resumed_lora_request_waits_for_a_slot_too() -> None:
-    scheduler = Scheduler(BlockAllocator(256, 4), limits(max_loras=1))
+    scheduler = Scheduler(BlockPool(256, 4), limits(max_loras=1))
     a, b = make_state(1, 4, 50, lora="a"), make_state(2, 4, 50, lora="b")
     scheduler.add(a)
     scheduler.add(b)
@@ -606,7 +606,7 @@ def test_a_resumed_lora_request_waits_for_a_slot_too() -> None:
 
 
 def test_without_max_loras_any_number_of_adapters_runs() -> None:
-    scheduler = Scheduler(BlockAllocator(256, 4), limits())
+    scheduler = Scheduler(BlockPool(256, 4), limits())
     for rid in range(1, 6):
         scheduler.add(make_state(rid, 4, 5, lora=f"l{rid}"))
     assert len(scheduler.schedule(0.0).admitted) == 5
@@ -703,7 +703,7 @@ class SimShard:
 
 
 def check_invariants(scheduler: Scheduler, lim: SchedulerLimits) -> None:
-    allocator = scheduler.allocator
+    allocator = scheduler.blocks
     owned = [b for s in scheduler.running for b in s.block_ids]
     assert len(owned) == len(set(owned)) == allocator.num_used <= allocator.num_blocks
     assert all(not s.block_ids for s in scheduler.waiting)
@@ -742,7 +742,7 @@ def run_random_workload(seed: int) -> Scheduler:
         max_loras=adapter_rng.choice([None, 1, 2, 3]),
     )
     depth = rng.choice([1, 2, 2])
-    scheduler = Scheduler(BlockAllocator(num_blocks, block_size), lim)
+    scheduler = Scheduler(BlockPool(num_blocks, block_size), lim)
     shard = SimShard(num_blocks, block_size, rng)
     states: list[RequestState] = []
     in_flight: deque[ScheduledStep] = deque()
@@ -814,7 +814,7 @@ def run_random_workload(seed: int) -> Scheduler:
         check_invariants(scheduler, lim)
     else:
         pytest.fail("the workload never drained")
-    assert scheduler.allocator.num_free == num_blocks
+    assert scheduler.blocks.num_free == num_blocks
     assert not shard.seqs, "the shard still holds sequences the router forgot"
     assert not shard.dropped, "the shard still remembers failed sequences"
     assert all(s.status is RequestStatus.FINISHED for s in states)
@@ -837,7 +837,7 @@ def test_random_workloads_preempt() -> None:
 
 
 def test_budget_holds_count_steps_that_leave_the_head_waiting_for_prefill_budget() -> None:
-    scheduler = Scheduler(BlockAllocator(64, 4), limits(batch=8, prefill=10))
+    scheduler = Scheduler(BlockPool(64, 4), limits(batch=8, prefill=10))
     first, second = make_state(1, prompt_len=10, max_new_tokens=2), make_state(2, 3, 2)
     scheduler.add(first)
     scheduler.add(second)

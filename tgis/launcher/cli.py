@@ -193,6 +193,11 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
 @_option("--tls-key-path", envvar="TLS_KEY_PATH")
 @_option("--tls-client-ca-cert-path", envvar="TLS_CLIENT_CA_CERT_PATH")
 @_flag("--output-special-tokens", "OUTPUT_SPECIAL_TOKENS", "Keep special tokens in output text.")
+@_flag(
+    "--disable-prefix-caching",
+    "DISABLE_PREFIX_CACHING",
+    "Compute every prompt in full: no reuse of cached KV blocks of earlier prompts.",
+)
 @_option(
     "cuda_process_memory_fraction",
     "-c",

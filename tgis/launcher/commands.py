@@ -151,6 +151,7 @@ def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list
                 ("--tls-client-ca-cert-path", flags.tls_client_ca_cert_path),
                 ("--json-output", flags.json_output),
                 ("--output-special-tokens", flags.output_special_tokens),
+                ("--disable-prefix-caching", flags.disable_prefix_caching),
                 ("--default-include-stop-seqs", flags.default_include_stop_seqs),
                 ("--shutdown-grace-period", flags.shutdown_grace_period),
                 ("--otlp-endpoint", flags.otlp_endpoint),

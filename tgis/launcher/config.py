@@ -81,6 +81,7 @@ class LauncherConfig:
     tls_key_path: str | None = None
     tls_client_ca_cert_path: str | None = None
     output_special_tokens: bool = False
+    disable_prefix_caching: bool = False
     cuda_process_memory_fraction: float = 1.0
     default_include_stop_seqs: bool = True
     otlp_endpoint: str | None = None

@@ -113,6 +113,12 @@ def _default_tokenization_workers() -> int:
 @click.option("--tls-key-path", envvar="TLS_KEY_PATH")
 @click.option("--tls-client-ca-cert-path", envvar="TLS_CLIENT_CA_CERT_PATH")
 @click.option("--output-special-tokens", envvar="OUTPUT_SPECIAL_TOKENS", is_flag=True)
+@click.option(
+    "--disable-prefix-caching",
+    envvar="DISABLE_PREFIX_CACHING",
+    is_flag=True,
+    help="Compute every prompt in full (no reuse of cached KV blocks).",
+)
 @click.option("--default-include-stop-seqs", envvar="DEFAULT_INCLUDE_STOP_SEQS", is_flag=True)
 @click.option(
     "--otlp-endpoint",

@@ -84,6 +84,9 @@ class RouterConfig:
     tls: TlsConfig | None = None
     output_special_tokens: bool = False
     default_include_stop_seqs: bool = False
+    disable_prefix_caching: bool = False
+    """Compute every prompt in full (the prefix cache is on by default where the shard's
+    engine supports it)."""
     shard_connect_timeout: float = 60.0
     pipeline_depth: int = 2
     """Steps in flight: 2 overlaps the router's work with the shard's, 1 is the serial loop."""

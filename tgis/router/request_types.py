@@ -152,6 +152,12 @@ class ValidatedRequest:
         return len(self.input_ids)
 
     @property
+    def cache_identity(self) -> tuple[str, str, int]:
+        """What besides token ids changes this request's KV: the prefix-cache hash chain
+        starts from it (``core/prefix_cache.py``)."""
+        return (self.adapter_id, self.prefix_id, self.prefix_length)
+
+    @property
     def lora_id(self) -> str:
         """The LoRA adapter applied to this request ("": none), what ``max_loras`` counts."""
         return self.adapter_id if self.adapter_kind is AdapterKind.LORA else ""

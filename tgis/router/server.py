@@ -109,10 +109,11 @@ class Router:
     def _engine(self, info: ShardInfo, metrics: Metrics) -> Engine:
         config = self.config
         limits = scheduler_limits(config, info)
-        scheduler = new_scheduler(limits, info)
-        capacity = scheduler.allocator.num_blocks
+        scheduler = new_scheduler(limits, info, prefix_caching=not config.disable_prefix_caching)
+        capacity = scheduler.blocks.num_blocks
         startup.check_capacity(config, info, capacity)
         startup.log_batching(limits, capacity, info)
+        startup.log_prefix_caching(not config.disable_prefix_caching, info)
         startup.warn_adjusted_limits(config)
         engine = Engine(
             shard=self.shard,

@@ -7,7 +7,7 @@ import logging
 
 from tgis.router.config import RouterConfig
 from tgis.router.core.batching import SchedulerLimits
-from tgis.router.core.block_allocator import blocks_for
+from tgis.router.core.block_pool import blocks_for
 from tgis.router.errors import StartupError
 from tgis.shard_api.messages import ShardInfo
 
@@ -60,6 +60,20 @@ def log_batching(limits: SchedulerLimits, capacity: int, info: ShardInfo) -> Non
         limits.waiting_served_ratio,
         "preemption" if limits.preemption else "worst case reserved (encoder-decoder)",
     )
+
+
+def log_prefix_caching(asked: bool, info: ShardInfo) -> None:
+    """Say once whether prompts' cached KV blocks are reused, and why not."""
+    if not asked:
+        log.info("prefix caching: off (--disable-prefix-caching)")
+    elif not info.prefix_caching:
+        log.info(
+            "prefix caching: off, the %s engine does not support it (%s)",
+            info.attention_backend,
+            "encoder-decoder model" if info.is_seq2seq else "transformers fallback",
+        )
+    else:
+        log.info("prefix caching: on, in blocks of %d tokens", info.block_size)
 
 
 def warn_adjusted_limits(config: RouterConfig) -> None:

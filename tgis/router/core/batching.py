@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tgis.router.config import RouterConfig
-from tgis.router.core.block_allocator import blocks_for
+from tgis.router.core.block_pool import blocks_for
 from tgis.shard_api.messages import ShardInfo
 
 

@@ -299,6 +299,7 @@ class Engine:
             self.metrics.request_preempted()
         if step.budget_hold:
             self.metrics.prefill_budget_exceeded()
+        self.metrics.prefix_cache_looked_up(step.cache_queried, step.cache_hits)
 
     def _update_gauges(self) -> None:
         scheduler = self.scheduler
@@ -312,7 +313,9 @@ class Engine:
             input_tokens += s.request.input_length + generated
             remaining += s.request.stopping.max_new_tokens - generated
         self.metrics.set_batch(len(running), input_tokens, remaining)
-        self.metrics.set_kv_cache(scheduler.allocator.num_used, scheduler.allocator.num_blocks)
+        blocks = scheduler.blocks
+        self.metrics.set_kv_cache(blocks.num_used, blocks.num_blocks)
+        self.metrics.set_prefix_cache(blocks.num_cached, blocks.num_idle)
 
     def _fail_unservable_head(self) -> bool:
         """With nothing running, the head of the queue always fits (start-up checks one
@@ -322,7 +325,7 @@ class Engine:
         state = scheduler.unservable_head()
         if state is None:
             return False
-        capacity = scheduler.allocator.num_blocks
+        capacity = scheduler.blocks.num_blocks
         log.error(
             "request %d cannot fit in %d KV blocks",
             state.request_id,

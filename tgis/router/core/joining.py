@@ -3,7 +3,9 @@
 From the front of the queue only (no skipping), while the batch has slots
 (``max_batch_size``), the step's prefill budget lasts (the last one admitted may get a
 partial chunk), their KV blocks fit with ``headroom`` free blocks left next to running
-sequences (none into an empty batch), and their LoRA adapters fit in ``max_loras``. Fresh
+sequences (none into an empty batch), and their LoRA adapters fit in ``max_loras``. A
+request's prefix-cache hit is found here: its cached tokens cost no budget, its cached
+blocks no fresh block (an idle one still uses up a free block). Fresh
 requests joining a non-empty batch must also pass TGI's joining rule; resumed (preempted)
 requests, which always lead the queue, never wait for it.
 """
@@ -15,18 +17,19 @@ import math
 from collections.abc import Collection, Sequence
 
 from tgis.router.core.batching import SchedulerLimits
-from tgis.router.core.block_allocator import BlockAllocator
+from tgis.router.core.block_pool import BlockPool
+from tgis.router.core.prefix_cache import CacheHit, PrefixCache
 from tgis.router.core.request_state import RequestState
 
 __all__ = ["NONE_JOIN", "Joiners", "admission_blocks", "choose_joiners", "may_join"]
 
 
-def admission_blocks(state: RequestState, allocator: BlockAllocator, preemption: bool) -> int:
-    """Blocks a request takes when admitted: every token it knows, or, without preemption
-    (encoder-decoder), its worst case."""
+def admission_blocks(state: RequestState, blocks: BlockPool, preemption: bool) -> int:
+    """Blocks a request holds when admitted (cached ones included): every token it knows,
+    or, without preemption (encoder-decoder), its worst case."""
     if preemption:
-        return allocator.blocks_for(state.known_length)
-    return allocator.blocks_for(state.worst_case_length)
+        return blocks.blocks_for(state.known_length)
+    return blocks.blocks_for(state.worst_case_length)
 
 
 def may_join(
@@ -41,32 +44,39 @@ def may_join(
 
 
 class Joiners:
-    """The requests chosen at one step, whether any of them is fresh (never admitted
-    before: the joining rule's clock restarts), and whether the head of the queue waited
-    only because the prefill budget ran out (``budget_hold``)."""
+    """The requests chosen at one step with their prefix-cache hits, whether any of them is
+    fresh (never admitted before: the joining rule's clock restarts), and whether the head
+    of the queue waited only because the prefill budget ran out (``budget_hold``)."""
 
-    __slots__ = ("budget_hold", "chosen", "fresh")
+    __slots__ = ("budget_hold", "chosen", "fresh", "hits")
 
-    def __init__(self, chosen: Sequence[RequestState], fresh: bool, budget_hold: bool) -> None:
+    def __init__(
+        self,
+        chosen: Sequence[RequestState],
+        hits: Sequence[CacheHit],
+        fresh: bool,
+        budget_hold: bool,
+    ) -> None:
         self.chosen = chosen
+        self.hits = hits
         self.fresh = fresh
         self.budget_hold = budget_hold
 
 
-NONE_JOIN = Joiners((), False, False)
+NONE_JOIN = Joiners((), (), False, False)
 """Nothing to admit (an empty queue)."""
 
 
 def choose_joiners(
     waiting: Collection[RequestState],
     running: Collection[RequestState],
-    allocator: BlockAllocator,
+    cache: PrefixCache,
     limits: SchedulerLimits,
     headroom: int,
     budget: int,
     steps_since_admission: int,
 ) -> Joiners:
-    """The requests to admit this step, in queue order (the allocator is only read)."""
+    """The requests to admit this step, in queue order (the block pool is only read)."""
     if not waiting:
         return NONE_JOIN
     slots = limits.max_batch_size - len(running)
@@ -77,7 +87,9 @@ def choose_joiners(
         if max_loras is not None
         else set()
     )
+    pool = cache.pool
     chosen: list[RequestState] = []
+    hits: list[CacheHit] = []
     blocks = 0
     budget_hold = False
     for state in waiting:
@@ -89,14 +101,16 @@ def choose_joiners(
         lora = state.request.lora_id
         if max_loras is not None and lora and lora not in loras and len(loras) >= max_loras:
             break
-        need = admission_blocks(state, allocator, limits.preemption)
-        if blocks + need + (headroom if running or chosen else 0) > allocator.num_free:
+        hit = cache.lookup(state)
+        need = admission_blocks(state, pool, limits.preemption) - len(hit.blocks) + hit.idle
+        if blocks + need + (headroom if running or chosen else 0) > pool.num_free:
             break
         if lora:
             loras.add(lora)
         chosen.append(state)
+        hits.append(hit)
         blocks += need
-        budget -= min(state.uncomputed, budget)
+        budget -= min(state.uncomputed - hit.tokens, budget)
     # Resumed requests are older than every fresh one, so they lead the queue.
     resumed = list(itertools.takewhile(lambda s: s.preemptions > 0, chosen))
     fresh = len(chosen) - len(resumed)
@@ -111,5 +125,5 @@ def choose_joiners(
             limits.waiting_served_ratio,
         )
     ):
-        return Joiners(resumed, False, budget_hold)
-    return Joiners(chosen, fresh > 0, budget_hold)
+        return Joiners(resumed, hits[: len(resumed)], False, budget_hold)
+    return Joiners(chosen, hits, fresh > 0, budget_hold)

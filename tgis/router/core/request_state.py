@@ -65,7 +65,13 @@ class RequestState:
     pending_tokens: int = 0
     """Tokens the shard samples in steps sent but not answered yet (the overlap)."""
     block_ids: list[int] = field(default_factory=list)
-    """KV blocks this request owns (none while queued, preempted included)."""
+    """KV blocks this request holds (none while queued, preempted included); the first
+    ones may be shared cached blocks."""
+    registered_blocks: int = 0
+    """How many of ``block_ids`` are in the prefix cache (shared, or registered by it)."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """The prefix-cache hashes of its full blocks of known tokens computed so far (they do
+    not depend on where the blocks are, so they outlive a preemption)."""
     blocks_sent: int = 0
     """How many of `block_ids` the shard has been told about."""
     num_computed: int = 0

@@ -22,6 +22,9 @@ Policy in brief (ARCHITECTURE.md, "Scheduling", has all of it and the why):
   without preemption, for encoder-decoder engines), one more each ``block_size`` decoded
   tokens. A decode without a free block preempts the youngest running sequences; a step
   that preempted admits nothing.
+* **Prefix cache** (``prefix_cache.py``): an admitted request starts with the cached
+  blocks of its longest cached prefix, already computed (only the rest counts against the
+  prefill budget); the blocks each step filled are registered when its output is back.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tgis.router.core.batching import SchedulerLimits, kv_capacity_blocks
-from tgis.router.core.block_allocator import BlockAllocator
+from tgis.router.core.block_pool import BlockPool
 from tgis.router.core.joining import admission_blocks, choose_joiners
+from tgis.router.core.prefix_cache import PrefixCache
 from tgis.router.core.request_state import (
     InputTokensEvent,
     RequestState,
@@ -53,15 +57,18 @@ from tgis.shard_api.messages import (
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list and the block allocator."""
+    """Owns the waiting queue, the running list, the block pool and the prefix cache."""
 
-    def __init__(self, allocator: BlockAllocator, limits: SchedulerLimits) -> None:
-        self.allocator = allocator
+    def __init__(
+        self, blocks: BlockPool, limits: SchedulerLimits, prefix_caching: bool = False
+    ) -> None:
+        self.blocks = blocks
+        self.cache = PrefixCache(blocks, prefix_caching)
         self.limits = limits
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         # Blocks kept free when admitting next to running sequences (vLLM keeps 1 %).
-        self.headroom = max(1, allocator.num_blocks // 100) if limits.preemption else 0
+        self.headroom = max(1, blocks.num_blocks // 100) if limits.preemption else 0
         self.hold_admissions = False
         """Set after an out-of-memory step that is retried with fewer sequences."""
         self.preemption_count = 0
@@ -91,8 +98,7 @@ class Scheduler:
             self.waiting.remove(state)
         else:
             return
-        self.allocator.release(state.block_ids)
-        state.blocks_sent = 0
+        self._release(state)
         state.status = RequestStatus.FINISHED
         state.finish_reason = reason
         if state.request_id in self._preempted_ids:
@@ -145,8 +151,7 @@ class Scheduler:
         front; it is recomputed when it is admitted again. Preempt youngest first, so the
         queue stays in arrival order."""
         self.running.remove(state)
-        self.allocator.release(state.block_ids)
-        state.blocks_sent = 0
+        self._release(state)
         state.num_computed = 0
         state.status = RequestStatus.WAITING
         state.preemptions += 1
@@ -155,12 +160,18 @@ class Scheduler:
             self._preempted_ids.append(state.request_id)
         self.waiting.appendleft(state)
 
+    def _release(self, state: RequestState) -> None:
+        self.blocks.release(state.block_ids)
+        state.blocks_sent = 0
+        state.registered_blocks = 0
+
     # ---- a step's output -------------------------------------------------------------------
 
     def update(self, step: ScheduledStep, output: StepOutput, now: float) -> StepUpdate:
-        """Apply a step's output: per-sequence errors, input-token details, then one token per
-        sampling sequence (detokenized, checked against its stopping criteria; finished
-        requests leave at once). Tokens of requests that already ended are dropped."""
+        """Apply a step's output: per-sequence errors, the blocks it filled into the prefix
+        cache, input-token details, then one token per sampling sequence (detokenized,
+        checked against its stopping criteria; finished requests leave at once). Tokens of
+        requests that already ended are dropped."""
         update = StepUpdate()
         states = step.states
         for rid in step.samples:
@@ -169,6 +180,11 @@ class Scheduler:
             state = states.get(error.request_id)
             if state is not None:
                 self.fail(state, GenerationError(error.message), update)
+        for rid, computed in step.computed_after.items():
+            state = states[rid]
+            # A request that ended or was preempted since let go of these blocks.
+            if state.status is RequestStatus.RUNNING:
+                self.cache.register(state, computed)
         for details in output.input_tokens:
             state = states[details.request_id]
             if state.status is not RequestStatus.FINISHED:
@@ -283,7 +299,10 @@ class Scheduler:
             plan=plan,
             states=draft.states,
             samples=frozenset(draft.samples),
+            computed_after=draft.computed_after,
             prompt_tokens=draft.prompt_tokens,
+            cache_queried=draft.cache_queried,
+            cache_hits=draft.cache_hits,
             admitted=tuple(admitted),
             joined_running_batch=bool(admitted) and already_running,
             preemptions=preemptions,
@@ -313,9 +332,7 @@ class Scheduler:
     def _make_room_for_decode(self, state: RequestState) -> bool:
         """Preempt the youngest running sequences until ``state``'s next token has its
         block; False when ``state`` itself had to go."""
-        while self.allocator.missing(state.block_ids, state.num_computed + 1) > (
-            self.allocator.num_free
-        ):
+        while self.blocks.missing(state.block_ids, state.num_computed + 1) > (self.blocks.num_free):
             victim = self.running[-1]
             self.preempt(victim)
             if victim is state:
@@ -328,7 +345,7 @@ class Scheduler:
         joiners = choose_joiners(
             self.waiting,
             self.running,
-            self.allocator,
+            self.cache,
             self.limits,
             self.headroom,
             draft.budget,
@@ -337,11 +354,17 @@ class Scheduler:
         if joiners.fresh:
             self._steps_since_admission = 0
         admitted: list[RequestState] = []
-        for state in joiners.chosen:
+        for hit in joiners.hits:  # first, so that no allocation below evicts them
+            self.blocks.share(hit.blocks)
+        for state, hit in zip(joiners.chosen, joiners.hits, strict=True):
             self.waiting.popleft()
-            state.block_ids = self.allocator.allocate(
-                admission_blocks(state, self.allocator, self.limits.preemption)
-            )
+            state.block_ids = list(hit.blocks)
+            state.registered_blocks = len(hit.blocks)
+            state.num_computed = hit.tokens
+            fresh = admission_blocks(state, self.blocks, self.limits.preemption) - len(hit.blocks)
+            state.block_ids += self.blocks.allocate(fresh)
+            draft.cache_queried += hit.queried
+            draft.cache_hits += hit.tokens
             state.status = RequestStatus.RUNNING
             if state.started_at is None:
                 state.started_at = now
@@ -358,6 +381,7 @@ class Scheduler:
             draft.prompt_tokens += num_tokens
         draft.scheduled.append(self._chunk(state, num_tokens, draft.new_sequences, draft.samples))
         draft.states[state.request_id] = state
+        draft.computed_after[state.request_id] = state.num_computed
 
     def _chunk(
         self,
@@ -369,14 +393,16 @@ class Scheduler:
         if not state.known_to_shard:
             new_sequences.append(state.request.new_sequence(state.request_id))
             state.known_to_shard = True
-        self.allocator.grow(state.block_ids, state.num_computed + num_tokens)
+        # Its first chunk since admission after a prefix-cache hit: the shard is told.
+        cached = state.num_computed if state.blocks_sent == 0 else 0
+        self.blocks.grow(state.block_ids, state.num_computed + num_tokens)
         new_blocks = tuple(state.block_ids[state.blocks_sent :])
         state.blocks_sent = len(state.block_ids)
         state.num_computed += num_tokens
         if state.num_computed == state.known_length:
             state.pending_tokens += 1
             samples.add(state.request_id)
-        return ScheduledSequence(state.request_id, num_tokens, new_blocks)
+        return ScheduledSequence(state.request_id, num_tokens, new_blocks, cached)
 
 
 @dataclass(slots=True)
@@ -389,9 +415,14 @@ class _Draft:
     new_sequences: list[NewSequence] = field(default_factory=list)
     states: dict[int, RequestState] = field(default_factory=dict)
     samples: set[int] = field(default_factory=set)
+    computed_after: dict[int, int] = field(default_factory=dict)
+    cache_queried: int = 0
+    cache_hits: int = 0
 
 
-def new_scheduler(limits: SchedulerLimits, info: ShardInfo) -> Scheduler:
+def new_scheduler(limits: SchedulerLimits, info: ShardInfo, prefix_caching: bool) -> Scheduler:
     """An empty scheduler over the KV blocks the router may allocate
-    (:func:`kv_capacity_blocks`)."""
-    return Scheduler(BlockAllocator(kv_capacity_blocks(limits, info), info.block_size), limits)
+    (:func:`kv_capacity_blocks`), caching prefixes when ``prefix_caching`` is asked for
+    and the shard's engine can (``ShardInfo.prefix_caching``)."""
+    pool = BlockPool(kv_capacity_blocks(limits, info), info.block_size)
+    return Scheduler(pool, limits, prefix_caching and info.prefix_caching)

@@ -20,8 +20,14 @@ class ScheduledStep:
     """The request of every scheduled sequence, by id."""
     samples: frozenset[int]
     """Request ids whose chunk completes every known token: the shard samples for them."""
+    computed_after: dict[int, int]
+    """Each scheduled request's computed positions once the step has run."""
     prompt_tokens: int
     """Prompt or recompute tokens (the rest are decodes)."""
+    cache_queried: int = 0
+    """Known tokens of the requests admitted that looked up the prefix cache."""
+    cache_hits: int = 0
+    """Of those, the tokens found cached (not computed)."""
     admitted: tuple[RequestState, ...] = ()
     """Fresh requests admitted by this step (not resumed ones)."""
     joined_running_batch: bool = False

@@ -174,6 +174,16 @@ CATALOGUE: tuple[Counter | Gauge | Histogram | Summary, ...] = (
         "tgi_request_preemption_count",
         "Running requests preempted to free KV-cache blocks",
     ),
+    Counter(
+        "prefix_cache_queries",
+        "tgi_prefix_cache_queries",
+        "Known tokens of admitted requests looked up in the prefix cache",
+    ),
+    Counter(
+        "prefix_cache_hits",
+        "tgi_prefix_cache_hits",
+        "Of those, tokens found cached (their KV reused, not computed)",
+    ),
     Gauge("batch_size", "tgi_batch_current_size", "Requests in the running batch"),
     Gauge(
         "batch_input_tokens",
@@ -193,6 +203,16 @@ CATALOGUE: tuple[Counter | Gauge | Histogram | Summary, ...] = (
     ),
     Gauge("kv_cache_used_blocks", "tgi_kv_cache_used_blocks", "KV-cache blocks in use"),
     Gauge("kv_cache_total_blocks", "tgi_kv_cache_total_blocks", "KV-cache blocks the shard has"),
+    Gauge(
+        "prefix_cache_blocks",
+        "tgi_prefix_cache_blocks",
+        "KV-cache blocks holding a cached prompt prefix (in use or idle)",
+    ),
+    Gauge(
+        "prefix_cache_idle_blocks",
+        "tgi_prefix_cache_idle_blocks",
+        "Cached blocks no request holds (free: evicted, oldest first, when blocks run out)",
+    ),
     Summary(
         "raw_input_length",
         "tgi_request_raw_input_length",

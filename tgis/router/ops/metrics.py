@@ -232,6 +232,18 @@ class Metrics:
         self._gauges["kv_cache_total_blocks"].set(total_blocks)
         self._gauges["kv_cache_usage"].set(used_blocks / total_blocks if total_blocks else 0.0)
 
+    def set_prefix_cache(self, cached_blocks: int, idle_blocks: int) -> None:
+        self._gauges["prefix_cache_blocks"].set(cached_blocks)
+        self._gauges["prefix_cache_idle_blocks"].set(idle_blocks)
+
+    def prefix_cache_looked_up(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Admitted requests looked up ``queried_tokens`` known tokens, ``hit_tokens`` of
+        them cached."""
+        if queried_tokens:
+            self._counters["prefix_cache_queries"].inc(amount=queried_tokens)
+        if hit_tokens:
+            self._counters["prefix_cache_hits"].inc(amount=hit_tokens)
+
     def batch_concatenated(self) -> None:
         self._counters["batch_concatenation"].inc()
 
