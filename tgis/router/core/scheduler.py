@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
 
 from tgis.router.core.batching import SchedulerLimits, kv_capacity_blocks
 from tgis.router.core.block_pool import BlockPool
@@ -43,13 +42,12 @@ from tgis.router.core.request_state import (
     RequestStatus,
     TokenEvent,
 )
+from tgis.router.core.step_draft import StepDraft
 from tgis.router.core.steps import ScheduledStep, StepUpdate
 from tgis.router.core.stopping import StopDecision
 from tgis.router.errors import GenerationError
 from tgis.router.request_types import StopReason
 from tgis.shard_api.messages import (
-    NewSequence,
-    ScheduledSequence,
     ShardInfo,
     StepOutput,
     StepPlan,
@@ -275,7 +273,7 @@ class Scheduler:
 
         ``base_step_id`` is the step still running that this one is planned on (0: none).
         """
-        draft = _Draft(self.limits.max_batch_prefill_tokens)
+        draft = StepDraft(self.limits.max_batch_prefill_tokens)
         preemptions = self._schedule_running(draft)
         self._steps_since_admission += 1
         already_running = bool(self.running)
@@ -309,7 +307,7 @@ class Scheduler:
             budget_hold=budget_hold,
         )
 
-    def _schedule_running(self, draft: _Draft) -> int:
+    def _schedule_running(self, draft: StepDraft) -> int:
         """Every running sequence's work, oldest first: the next prompt (or recompute) chunk
         within the budget, or one decode token (preempting the youngest when its block is
         missing). Returns the preemptions."""
@@ -322,11 +320,11 @@ class Scheduler:
                 continue  # nothing to compute, or only waiting for its last token
             if state.prefilling:
                 if draft.budget > 0:
-                    self._add(draft, state, min(state.uncomputed, draft.budget), prompt=True)
+                    draft.add(self.blocks, state, min(state.uncomputed, draft.budget), prompt=True)
                 continue
             if not self._make_room_for_decode(state):
                 break  # it preempted itself: it was the youngest
-            self._add(draft, state, 1, prompt=False)
+            draft.add(self.blocks, state, 1, prompt=False)
         return self.preemption_count - before
 
     def _make_room_for_decode(self, state: RequestState) -> bool:
@@ -339,7 +337,7 @@ class Scheduler:
                 break
         return state.status is RequestStatus.RUNNING
 
-    def _admit(self, draft: _Draft, now: float) -> tuple[list[RequestState], bool]:
+    def _admit(self, draft: StepDraft, now: float) -> tuple[list[RequestState], bool]:
         """Admit from the front of the queue (``joining.py``); returns the fresh requests
         admitted and whether the head waited for the prefill budget alone."""
         joiners = choose_joiners(
@@ -371,53 +369,8 @@ class Scheduler:
             if state.preemptions == 0:
                 admitted.append(state)
             self.running.append(state)
-            self._add(draft, state, min(state.uncomputed, draft.budget), prompt=True)
+            draft.add(self.blocks, state, min(state.uncomputed, draft.budget), prompt=True)
         return admitted, joiners.budget_hold
-
-    def _add(self, draft: _Draft, state: RequestState, num_tokens: int, *, prompt: bool) -> None:
-        """Schedule ``num_tokens`` of ``state`` in the step (prompt ones from the budget)."""
-        if prompt:
-            draft.budget -= num_tokens
-            draft.prompt_tokens += num_tokens
-        draft.scheduled.append(self._chunk(state, num_tokens, draft.new_sequences, draft.samples))
-        draft.states[state.request_id] = state
-        draft.computed_after[state.request_id] = state.num_computed
-
-    def _chunk(
-        self,
-        state: RequestState,
-        num_tokens: int,
-        new_sequences: list[NewSequence],
-        samples: set[int],
-    ) -> ScheduledSequence:
-        if not state.known_to_shard:
-            new_sequences.append(state.request.new_sequence(state.request_id))
-            state.known_to_shard = True
-        # Its first chunk since admission after a prefix-cache hit: the shard is told.
-        cached = state.num_computed if state.blocks_sent == 0 else 0
-        self.blocks.grow(state.block_ids, state.num_computed + num_tokens)
-        new_blocks = tuple(state.block_ids[state.blocks_sent :])
-        state.blocks_sent = len(state.block_ids)
-        state.num_computed += num_tokens
-        if state.num_computed == state.known_length:
-            state.pending_tokens += 1
-            samples.add(state.request_id)
-        return ScheduledSequence(state.request_id, num_tokens, new_blocks, cached)
-
-
-@dataclass(slots=True)
-class _Draft:
-    """The step being built: its remaining prefill budget and what it holds so far."""
-
-    budget: int
-    prompt_tokens: int = 0
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    new_sequences: list[NewSequence] = field(default_factory=list)
-    states: dict[int, RequestState] = field(default_factory=dict)
-    samples: set[int] = field(default_factory=set)
-    computed_after: dict[int, int] = field(default_factory=dict)
-    cache_queried: int = 0
-    cache_hits: int = 0
 
 
 def new_scheduler(limits: SchedulerLimits, info: ShardInfo, prefix_caching: bool) -> Scheduler:
