@@ -8,7 +8,7 @@ the real one does (and more: no block is ever in two live block tables).
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import pytest
@@ -620,8 +620,14 @@ def test_without_max_loras_any_number_of_adapters_runs() -> None:
 class SimSequence:
     tokens: list[int]
     prompt_len: int
+    identity: tuple[str, str, int] = ("", "", 0)
     computed: int = 0
     table: list[int] = field(default_factory=list)
+
+    def slot(self, position: int) -> tuple[tuple[str, str, int], tuple[int, ...]]:
+        """What the KV entry of ``position`` depends on: the adapter and prefix, and every
+        token up to it."""
+        return self.identity, tuple(self.tokens[: position + 1])
 
 
 class StepRefused(Exception):
@@ -631,7 +637,11 @@ class StepRefused(Exception):
 
 class SimShard:
     """The shard's bookkeeping, with assertions for every rule a plan must follow, the
-    executor's stale-base rule and the skipping of sequences that failed on their own."""
+    executor's stale-base rule and the skipping of sequences that failed on their own.
+
+    It remembers what every KV slot was computed from (``SimSequence.slot``), so a
+    prefix-cache hit is checked to hold exactly the sequence's own keys and values, and a
+    block another live sequence holds is never written."""
 
     def __init__(self, num_blocks: int, block_size: int, rng: random.Random) -> None:
         self.num_blocks = num_blocks
@@ -640,6 +650,8 @@ class SimShard:
         self.seqs: dict[int, SimSequence] = {}
         self.dropped: set[int] = set()
         self.last_completed = 0
+        self.slots: dict[int, object] = {}  # block * block_size + offset -> what it holds
+        self.cache_hits = 0  # tokens started from cached blocks
 
     def prefill_tokens(self, plan: StepPlan) -> int:
         """Tokens of the plan that are prompt or recompute tokens (not decodes), judged
@@ -670,7 +682,8 @@ class SimShard:
             assert not ns.prefix_length or bool(ns.prefix_id) != ns.adapter_id.startswith("pt")
             # A prefix's virtual positions come first (-1: no token id).
             prompt = [-1] * ns.prefix_length + list(ns.prompt_token_ids)
-            self.seqs[ns.request_id] = SimSequence(prompt, ns.prompt_length)
+            identity = (ns.adapter_id, ns.prefix_id, ns.prefix_length)
+            self.seqs[ns.request_id] = SimSequence(prompt, ns.prompt_length, identity)
         seen = set()
         tokens = []
         errors = []
@@ -682,9 +695,18 @@ class SimShard:
                 assert rid in self.dropped, f"unknown request {rid}"
                 continue
             seq = self.seqs[rid]
+            if chunk.cached_tokens:
+                self._start_after_cached(seq, chunk)
             assert 1 <= chunk.num_tokens <= len(seq.tokens) - seq.computed
             seq.table += chunk.new_block_ids
             assert len(seq.table) * self.block_size >= seq.computed + chunk.num_tokens
+            for position in range(seq.computed, seq.computed + chunk.num_tokens):
+                block = seq.table[position // self.block_size]
+                others = [r for r, o in self.seqs.items() if r != rid and block in o.table]
+                assert not others, f"request {rid} writes block {block} that {others} hold"
+                self.slots[block * self.block_size + position % self.block_size] = seq.slot(
+                    position
+                )
             seq.computed += chunk.num_tokens
             if seq.computed == len(seq.tokens):
                 if self.rng.random() < 0.01:  # the sequence fails on its own
@@ -696,16 +718,35 @@ class SimShard:
                 seq.tokens.append(token)
                 tokens.append(SampledToken(rid, TokenDetail(token)))
         live = [b for seq in self.seqs.values() for b in seq.table]
-        assert len(live) == len(set(live)), "a block is in two block tables"
         assert all(0 <= b < self.num_blocks for b in live)
+        for seq in self.seqs.values():
+            assert len(seq.table) == len(set(seq.table)), "a block twice in one table"
         self.last_completed = plan.step_id
         return StepOutput(plan.step_id, tuple(tokens), errors=tuple(errors))
 
+    def _start_after_cached(self, seq: SimSequence, chunk: ScheduledSequence) -> None:
+        """A prefix-cache hit: whole blocks, from position 0, at least one token left, and
+        every cached slot computed from this sequence's own adapter, prefix and tokens."""
+        cached = chunk.cached_tokens
+        assert seq.computed == 0 and not seq.table
+        assert cached % self.block_size == 0 and cached < len(seq.tokens)
+        assert len(chunk.new_block_ids) * self.block_size >= cached + chunk.num_tokens
+        for position in range(cached):
+            block = chunk.new_block_ids[position // self.block_size]
+            slot = self.slots.get(block * self.block_size + position % self.block_size)
+            assert slot == seq.slot(position), f"cached position {position} holds other KV"
+        seq.computed = cached
+        self.cache_hits += cached
+
 
 def check_invariants(scheduler: Scheduler, lim: SchedulerLimits) -> None:
-    allocator = scheduler.blocks
-    owned = [b for s in scheduler.running for b in s.block_ids]
-    assert len(owned) == len(set(owned)) == allocator.num_used <= allocator.num_blocks
+    pool = scheduler.blocks
+    held = Counter(b for s in scheduler.running for b in s.block_ids)
+    assert all(len(s.block_ids) == len(set(s.block_ids)) for s in scheduler.running)
+    assert len(held) == pool.num_used <= pool.num_blocks
+    assert all(pool.refs(b) == held.get(b, 0) for b in range(pool.num_blocks))
+    if not scheduler.cache.enabled:
+        assert set(held.values()) <= {1} and pool.num_cached == 0
     assert all(not s.block_ids for s in scheduler.waiting)
     assert len(scheduler.running) <= lim.max_batch_size
     if lim.max_loras is not None:
@@ -721,12 +762,14 @@ def check_invariants(scheduler: Scheduler, lim: SchedulerLimits) -> None:
         assert s.generated_ids == expected
 
 
-def run_random_workload(seed: int) -> Scheduler:
+def run_random_workload(seed: int, caching: bool = False) -> tuple[Scheduler, SimShard]:
     """Random arrivals (long and short), cancellations and timeouts of queued or running
     requests, EOS, per-sequence errors, failed shard calls, tight KV capacity (so preemption
     happens), random limits, and one or two steps in flight (as the engine overlaps them);
     every step's plan is checked by ``SimShard`` and every state by ``check_invariants``;
-    then everything drains."""
+    then everything drains. Every prompt starts with the same ids, so with ``caching`` the
+    prefix cache finds blocks of other requests (same adapter and prefix) and its own
+    after a preemption."""
     rng = random.Random(seed)
     prefix_rng = random.Random(seed + 1_000_000)  # leaves the workload's own draws alone
     adapter_rng = random.Random(seed + 2_000_000)  # so does this one
@@ -742,7 +785,7 @@ def run_random_workload(seed: int) -> Scheduler:
         max_loras=adapter_rng.choice([None, 1, 2, 3]),
     )
     depth = rng.choice([1, 2, 2])
-    scheduler = Scheduler(BlockPool(num_blocks, block_size), lim)
+    scheduler = Scheduler(BlockPool(num_blocks, block_size), lim, prefix_caching=caching)
     shard = SimShard(num_blocks, block_size, rng)
     states: list[RequestState] = []
     in_flight: deque[ScheduledStep] = deque()
@@ -823,7 +866,8 @@ def run_random_workload(seed: int) -> Scheduler:
         if s.finish_reason is StopReason.MAX_TOKENS:
             assert len(s.generated_ids) == s.request.stopping.max_new_tokens
         assert len(s.generated_ids) <= s.request.stopping.max_new_tokens
-    return scheduler
+    assert scheduler.blocks.num_used == 0
+    return scheduler, shard
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -831,9 +875,19 @@ def test_random_workloads_never_exceed_capacity_and_return_every_block(seed: int
     run_random_workload(seed)
 
 
-def test_random_workloads_preempt() -> None:
-    counts = [run_random_workload(seed).preemption_count for seed in range(8)]
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workloads_with_the_prefix_cache(seed: int) -> None:
+    """The same workloads with the prefix cache: every hit holds the request's own KV (the
+    simulated shard checks each cached slot), no held block is written by another, and
+    every block comes back."""
+    run_random_workload(seed, caching=True)
+
+
+def test_random_workloads_preempt_and_hit_the_cache() -> None:
+    counts = [run_random_workload(seed)[0].preemption_count for seed in range(8)]
     assert sum(c > 0 for c in counts) >= 4, counts
+    hits = [run_random_workload(seed, caching=True)[1].cache_hits for seed in range(8)]
+    assert sum(h > 0 for h in hits) >= 6, hits
 
 
 def test_budget_holds_count_steps_that_leave_the_head_waiting_for_prefill_budget() -> None:
