@@ -34,6 +34,7 @@ from tgis.router.request_types import (
 from tgis.shard_api.messages import (
     AdapterKind,
     SampledToken,
+    ScheduledSequence,
     SequenceError,
     StepOutput,
     StepPlan,
