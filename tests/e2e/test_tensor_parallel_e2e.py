@@ -1,5 +1,6 @@
-"""`text-generation-launcher --num-shard 2` on CPU (gloo): the same text as one shard, and
-SIGTERM stops every rank cleanly."""
+"""`text-generation-launcher --num-shard 2` on CPU (gloo): the same text as one shard (a
+long prompt's second run from the prefix cache included), and SIGTERM stops every rank
+cleanly."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import grpc
 import pytest
 
 from tests.e2e.models import save_tiny_llama
+from tests.e2e.probes import metric_sample
 from tests.e2e.server import LauncherProcess, descendants, is_alive, start_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -19,6 +21,7 @@ from tgis.pb import generation_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["Return the number of", "The file is", "A"]
+LONG_PROMPT = "Every rank reads the cached blocks of this prompt. " * 8
 NEW_TOKENS = 12
 
 
@@ -38,7 +41,8 @@ def start(log_dir: Path, model: Path, num_shard: int) -> LauncherProcess:
 
 
 def generate(launcher: LauncherProcess) -> list[str]:
-    """Greedy texts of PROMPTS in one batch, then one seeded sampled text."""
+    """Greedy texts of PROMPTS in one batch, then one seeded sampled text, then a long
+    prompt twice (the second run starts from its cached blocks)."""
     stopping = pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
     greedy = pb.Parameters(method=pb.GREEDY, stopping=stopping)
     sampled = pb.Parameters(
@@ -49,7 +53,8 @@ def generate(launcher: LauncherProcess) -> list[str]:
     with grpc.insecure_channel(launcher.grpc_target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         texts = []
-        for params, prompts in ((greedy, PROMPTS), (sampled, PROMPTS[:1])):
+        rounds = ((greedy, PROMPTS), (sampled, PROMPTS[:1]), (greedy, [LONG_PROMPT]))
+        for params, prompts in (*rounds, (greedy, [LONG_PROMPT])):
             request = pb.BatchedGenerationRequest(
                 requests=[pb.GenerationRequest(text=p) for p in prompts], params=params
             )
@@ -84,6 +89,7 @@ def test_two_shards_generate_the_same_text_and_stop_cleanly(
 ) -> None:
     launcher = two_shards
     assert generate(launcher) == single_shard_texts
+    assert (metric_sample(launcher, "tgi_prefix_cache_hits") or 0) >= 64
     sockets = sorted(p.name for p in launcher.socket_dir.glob("shard-*"))
     # Both ranks serve gRPC; rank 0 alone runs Steps (its step channel).
     assert sockets == ["shard-0", "shard-0.steps", "shard-1"]
