@@ -146,7 +146,9 @@ def assert_same(got: list[Any], want: list[Any]) -> None:
     assert [outcome(r) for r in got] == [outcome(r) for r in want]
     for g, w in zip(got, want, strict=True):
         for a, b in zip(
-            list(g.tokens) + list(g.input_tokens), list(w.tokens) + list(w.input_tokens)
+            list(g.tokens) + list(g.input_tokens),
+            list(w.tokens) + list(w.input_tokens),
+            strict=True,
         ):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-3, nan_ok=True)
 
