@@ -53,6 +53,7 @@ def test_defaults_are_tgis_defaults() -> None:
         "tls_key_path": None,
         "tls_client_ca_cert_path": None,
         "output_special_tokens": False,
+        "disable_prefix_caching": False,
         "cuda_process_memory_fraction": 1.0,
         "default_include_stop_seqs": True,
         "otlp_endpoint": None,
