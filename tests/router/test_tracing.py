@@ -10,6 +10,7 @@ import logging
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,13 @@ from tests.router.test_servicer_metrics import Aborted, FakeContext, FakeEngine
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.router.config import TracingConfig
-from tgis.router.edge.tracing import MISSING_PACKAGES_WARNING, otlp_target, setup_tracing
+from tgis.router.edge.servicer import GenerationServicer
+from tgis.router.edge.tracing import (
+    MISSING_PACKAGES_WARNING,
+    Tracing,
+    otlp_target,
+    setup_tracing,
+)
 from tgis.router.intake.adapters import AdapterKinds
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.guided import GrammarCompiler
@@ -47,6 +54,23 @@ def engine() -> Iterator[FakeEngine]:
     tokenizer = RouterTokenizer(str(MODEL_DIR / "tokenizer.json"))
     yield FakeEngine(tokenizer)
     tokenizer.close()
+
+
+def traced_servicer(
+    engine: FakeEngine, tracing: Tracing, metrics: Metrics, **parts: Any
+) -> GenerationServicer:
+    """A servicer of ``engine`` with tracing on (``parts``: prefixes, adapters, grammars)."""
+    return make_servicer(
+        engine=engine,
+        tokenizer=engine.tokenizer,
+        limits=ServerLimits.from_args(64, 40),
+        limiter=ConcurrencyLimiter(4),
+        metrics=metrics,
+        default_include_stop_seqs=True,
+        is_seq2seq=False,
+        tracing=tracing,
+        **parts,
+    )
 
 
 def test_otlp_target() -> None:
@@ -82,17 +106,12 @@ def test_spans_of_generate_and_stream_calls(
         tracing = setup_tracing(TracingConfig(endpoint=collector.endpoint, service_name="svc"))
         assert tracing is not None
         metrics = Metrics(max_sequence_length=64, max_new_tokens=40, max_batch_size=4)
-        servicer = make_servicer(
-            engine=engine,
-            tokenizer=engine.tokenizer,
-            limits=ServerLimits.from_args(64, 40),
-            limiter=ConcurrencyLimiter(4),
-            metrics=metrics,
-            default_include_stop_seqs=True,
-            is_seq2seq=False,
+        servicer = traced_servicer(
+            engine,
+            tracing,
+            metrics,
             prefixes=PrefixLengths(_prefix_length, metrics),
             adapters=AdapterKinds(_lora),
-            tracing=tracing,
         )
 
         async def calls() -> None:
@@ -165,17 +184,7 @@ def test_guided_compilation_is_a_span_under_validation(
     with OtlpCollector() as collector:
         tracing = setup_tracing(TracingConfig(endpoint=collector.endpoint))
         assert tracing is not None
-        servicer = make_servicer(
-            engine=engine,
-            tokenizer=engine.tokenizer,
-            limits=ServerLimits.from_args(64, 40),
-            limiter=ConcurrencyLimiter(4),
-            metrics=metrics,
-            default_include_stop_seqs=True,
-            is_seq2seq=False,
-            tracing=tracing,
-            grammars=grammars,
-        )
+        servicer = traced_servicer(engine, tracing, metrics, grammars=grammars)
 
         async def calls() -> None:
             for decoding, correlation in (

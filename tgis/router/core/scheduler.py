@@ -330,7 +330,7 @@ class Scheduler:
     def _make_room_for_decode(self, state: RequestState) -> bool:
         """Preempt the youngest running sequences until ``state``'s next token has its
         block; False when ``state`` itself had to go."""
-        while self.blocks.missing(state.block_ids, state.num_computed + 1) > (self.blocks.num_free):
+        while self.blocks.missing(state.block_ids, state.num_computed + 1) > self.blocks.num_free:
             victim = self.running[-1]
             self.preempt(victim)
             if victim is state:
