@@ -234,3 +234,37 @@ def test_eviction_and_preemption_under_a_small_kv_budget(
         assert_same(generate(cached, prompts), generate(uncached, prompts))
     assert (metric_sample(cached, "tgi_request_preemption_count") or 0.0) > preempted
     assert (metric_sample(cached, "tgi_kv_cache_used_blocks") or 0.0) == 0
+
+
+def tokenize_with(server: LauncherProcess, adapter_id: str) -> None:
+    """A Tokenize call naming ``adapter_id``: the shard loads the adapter on the way."""
+    request = pb.BatchedTokenizeRequest(
+        requests=[pb.TokenizeRequest(text="hi")], adapter_id=adapter_id
+    )
+    for stub in stub_of(server):
+        stub.Tokenize(request, timeout=60)
+
+
+def test_an_adapter_rewritten_in_its_store_never_meets_its_old_blocks(
+    cached: LauncherProcess, uncached: LauncherProcess, model: Path, stores: dict[str, str]
+) -> None:
+    """An adapter is served (its blocks cached), rewritten under the same id, and pushed
+    out of the shard's adapter cache by eight others: the next request finds other contents
+    than the router looked up and fails alone, saying so; the one after it is served with
+    the new contents, exactly as the server without the cache serves them."""
+    root = Path(stores["ADAPTER_CACHE"])
+    save_random_lora(model, root / "swap", seed=5, r=8, alpha=16)
+    text = SYSTEM + "Which version answers?"
+    old = generate(cached, [text], adapter_id="swap")
+    assert generate(cached, [text], adapter_id="swap")[0].text == old[0].text  # from cache
+    save_random_lora(model, root / "swap", seed=6, r=8, alpha=16)
+    for i in range(8):  # the shard keeps --max-loras (8) LoRA adapters
+        save_random_lora(model, root / f"filler-{i}", seed=10 + i, r=8, alpha=16)
+        tokenize_with(cached, f"filler-{i}")
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(cached, [text], adapter_id="swap")
+    assert refused.value.code() == grpc.StatusCode.UNKNOWN
+    assert "adapter 'swap' changed in its store" in (refused.value.details() or "")
+    new = generate(cached, [text], adapter_id="swap")
+    assert_same(new, generate(uncached, [text], adapter_id="swap"))
+    assert [t.logprob for t in new[0].tokens] != [t.logprob for t in old[0].tokens]

@@ -13,7 +13,7 @@ from tgis.router.intake.adapters import AdapterKinds
 from tgis.router.intake.admission import Admission
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.guided import GrammarCompiler
-from tgis.router.intake.prefixes import PrefixLengths
+from tgis.router.intake.prefixes import PrefixInfos
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
 from tgis.router.ops.drain import Drain
@@ -30,7 +30,7 @@ def make_servicer(
     metrics: Metrics,
     default_include_stop_seqs: bool,
     is_seq2seq: bool,
-    prefixes: PrefixLengths | None = None,
+    prefixes: PrefixInfos | None = None,
     adapters: AdapterKinds | None = None,
     drain: Drain | None = None,
     tracing: Tracing | None = None,

@@ -11,7 +11,7 @@ import pytest
 
 from tests.prometheus_tools import Exposition, parse_exposition
 from tgis.router.core.shard_client import PrefixLookupError, ShardError, ShardFailure
-from tgis.router.intake.prefixes import CACHE_CAPACITY, CACHE_TTL_S, PrefixLengths
+from tgis.router.intake.prefixes import CACHE_CAPACITY, CACHE_TTL_S, PrefixInfos
 from tgis.router.ops.metrics import Metrics
 
 
@@ -49,11 +49,11 @@ class FakeShard:
 
 def make(
     lengths: dict[str, int] | None = None, **kwargs: Any
-) -> tuple[PrefixLengths, FakeShard, FakeClock, Metrics]:
+) -> tuple[PrefixInfos, FakeShard, FakeClock, Metrics]:
     clock = FakeClock()
     shard = FakeShard(clock, lengths)
     metrics = Metrics(max_sequence_length=64, max_new_tokens=32, max_batch_size=4)
-    return PrefixLengths(shard.lookup, metrics, clock=clock, **kwargs), shard, clock, metrics
+    return PrefixInfos(shard.lookup, metrics, clock=clock, **kwargs), shard, clock, metrics
 
 
 def scrape(metrics: Metrics) -> Exposition:

@@ -1,7 +1,7 @@
 """Prompt prefixes (``prefix_id``) through the router, end to end over real gRPC.
 
 The router is the real one, composed as ``server.py`` does (ShardClient, Engine,
-PrefixLengths, GenerationServicer on a gRPC server), on Unix sockets; the shard is a
+PrefixInfos, GenerationServicer on a gRPC server), on Unix sockets; the shard is a
 stand-in ``ShardService`` that knows a few prefix lengths, answers ``PrefixLookup`` with
 the statuses and messages of the real shard, and runs Steps on the step channel the way
 the real one counts them: a prefix's virtual positions first, then the input's, in every
@@ -35,7 +35,7 @@ from tgis.router.core.scheduler import new_scheduler
 from tgis.router.core.shard_client import PrefixLookupError, ShardClient, ShardError, ShardFailure
 from tgis.router.intake.adapters import adapter_kinds
 from tgis.router.intake.concurrency import ConcurrencyLimiter
-from tgis.router.intake.prefixes import PrefixLengths
+from tgis.router.intake.prefixes import PrefixInfos
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
 from tgis.router.ops.metrics import Metrics
@@ -43,6 +43,7 @@ from tgis.shard_api.channel import StepChannelServer, step_channel_path
 from tgis.shard_api.messages import (
     InputTokenDetails,
     NewSequence,
+    PrefixInfo,
     SampledToken,
     SequenceError,
     StepOutput,
@@ -82,7 +83,13 @@ class PrefixShard(shard_pb2_grpc.ShardServiceServicer):
         self.chunks: list[tuple[int, int, int]] = []
         """(request id, num_tokens, new blocks) of every scheduled chunk."""
         self.sequences: dict[int, FakeSequence] = {}
+        self.versions: dict[str, str] = {}
+        """Each prefix's contents now (default ``v-<id>``): a new sequence that names another
+        version fails alone, as on the real shard."""
         self._lock = threading.Lock()
+
+    def version(self, prefix_id: str) -> str:
+        return self.versions.get(prefix_id, f"v-{prefix_id}")
 
     async def Info(self, request: Any, context: Any) -> shard_pb2.InfoResponse:
         return shard_pb2.InfoResponse(
@@ -98,6 +105,7 @@ class PrefixShard(shard_pb2_grpc.ShardServiceServicer):
             device="none",
             attention_backend="none",
             step_channel=self.step_channel,
+            prefix_caching=True,
         )
 
     async def Health(self, request: Any, context: Any) -> shard_pb2.HealthResponse:
@@ -121,7 +129,9 @@ class PrefixShard(shard_pb2_grpc.ShardServiceServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "the prefix store is broken")
         if prefix_id not in PREFIXES:
             await context.abort(grpc.StatusCode.NOT_FOUND, f'prefix id "{prefix_id}" not found')
-        return shard_pb2.PrefixLookupResponse(prefix_length=PREFIXES[prefix_id])
+        return shard_pb2.PrefixLookupResponse(
+            prefix_length=PREFIXES[prefix_id], version=self.version(prefix_id)
+        )
 
     def step(self, plan: StepPlan) -> StepOutput:
         """Counts as the real shard does (prefix positions included); token 300 + n."""
@@ -130,13 +140,19 @@ class PrefixShard(shard_pb2_grpc.ShardServiceServicer):
                 self.sequences.pop(rid, None)
             for rid in plan.preempted_request_ids:
                 self.sequences[rid].computed = 0
-            for new in plan.new_sequences:
-                self.new_sequences.append(new)
-                self.sequences[new.request_id] = FakeSequence(new)
             tokens: list[SampledToken] = []
             inputs: list[InputTokenDetails] = []
             errors: list[SequenceError] = []
+            for new in plan.new_sequences:
+                self.new_sequences.append(new)
+                if new.prefix_version and new.prefix_version != self.version(new.prefix_id):
+                    errors.append(SequenceError(new.request_id, "prefix changed"))
+                else:
+                    self.sequences[new.request_id] = FakeSequence(new)
+            failed = {e.request_id for e in errors}
             for chunk in plan.scheduled:
+                if chunk.request_id in failed:
+                    continue
                 self.chunks.append((chunk.request_id, chunk.num_tokens, len(chunk.new_block_ids)))
                 seq = self.sequences[chunk.request_id]
                 if not 1 <= chunk.num_tokens <= seq.known - seq.computed:
@@ -213,7 +229,7 @@ async def router_stack(
         metrics=metrics,
         default_include_stop_seqs=True,
         is_seq2seq=False,
-        prefixes=PrefixLengths(client.prefix_length, metrics),
+        prefixes=PrefixInfos(client.prefix_info, metrics),
         adapters=adapter_kinds(info, client.adapter_info),
     )
     router = grpc.aio.server()
@@ -402,6 +418,32 @@ def test_batch_shares_the_prefix_and_responses_exclude_it() -> None:
     run(scenario)
 
 
+def test_a_prefix_rewritten_on_the_shard_fails_one_request_then_is_looked_up_again() -> None:
+    """The router sends the version it looked up (its prefix cache is on); the shard holds
+    other contents now and fails that sequence; the router forgets its answer, so the next
+    request looks the prefix up again and runs."""
+
+    async def scenario(stack: Stack) -> None:
+        request = pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text="hello")],
+            prefix_id="nested/prefix",
+            params=details(max_new_tokens=2),
+        )
+        await stack.stub.Generate(request)
+        assert stack.shard.new_sequences[-1].prefix_version == "v-nested/prefix"
+        stack.shard.versions["nested/prefix"] = "v2"
+        code, message = await refusal(stack.stub.Generate(request))
+        assert code == grpc.StatusCode.UNKNOWN
+        assert message == "Request failed during generation: prefix changed"
+        assert stack.shard.lookups == ["nested/prefix"]
+        response = await stack.stub.Generate(request)
+        assert response.responses[0].generated_token_count == 2
+        assert stack.shard.lookups == ["nested/prefix"] * 2
+        assert stack.shard.new_sequences[-1].prefix_version == "v2"
+
+    run(scenario)
+
+
 def test_the_prefix_counts_in_the_length_limits() -> None:
     async def scenario(stack: Stack) -> None:
         text = "The quick brown fox"  # 10 tokens: 10 + 40 + 30 > 64
@@ -464,17 +506,17 @@ def test_a_prefix_is_chunked_like_any_prompt() -> None:
 def test_shard_client_prefix_length() -> None:
     async def scenario(stack: Stack) -> None:
         client = stack.client
-        assert await client.prefix_length("sentiment") == 6
+        assert await client.prefix_info("sentiment") == PrefixInfo(6, "v-sentiment")
         with pytest.raises(PrefixLookupError) as info:
-            await client.prefix_length("x")
+            await client.prefix_info("x")
         assert info.value.message == 'prefix id "x" not found'
         with pytest.raises(PrefixLookupError) as info:
-            await client.prefix_length("bad_tensor")
+            await client.prefix_info("bad_tensor")
         assert info.value.message == BAD_TENSOR
         with pytest.raises(PrefixLookupError):
-            await client.prefix_length("rank_refused")
+            await client.prefix_info("rank_refused")
         with pytest.raises(ShardError) as error:
-            await client.prefix_length("store_broken")
+            await client.prefix_info("store_broken")
         assert error.value.failure is ShardFailure.ERROR
         assert error.value.detail == "the prefix store is broken"
 
@@ -487,7 +529,7 @@ def test_shard_client_prefix_length_without_a_shard() -> None:
         client = ShardClient(os.path.join(workdir, "nobody"))
         try:
             with pytest.raises(ShardError) as error:
-                await client.prefix_length("p", timeout=5.0)
+                await client.prefix_info("p", timeout=5.0)
             assert error.value.failure is ShardFailure.CONNECTION
         finally:
             await client.close()

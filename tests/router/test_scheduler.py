@@ -53,11 +53,12 @@ def make_state(
     *,
     lora: str = "",
     tuning: int = 0,
+    versions: tuple[str, str] = ("", ""),
 ) -> RequestState:
     """A request of ``prompt_len`` input tokens, after a prompt prefix of ``prefix`` virtual
     tokens (id ``p<prefix>``) when ``prefix`` > 0, or after a prompt-tuning adapter of
     ``tuning`` virtual tokens (id ``pt<tuning>``) when ``tuning`` > 0; with LoRA adapter
-    ``lora`` when it is set."""
+    ``lora`` when it is set; ``versions``: of the adapter's and the prefix's contents."""
     assert not (lora and tuning) and not (prefix and tuning)
     stopping = StoppingParams(max_new_tokens=max_new_tokens)
     sampling = SamplingParams()
@@ -76,6 +77,8 @@ def make_state(
         prefix_length=prefix or tuning,
         adapter_id=adapter_id,
         adapter_kind=kind,
+        adapter_version=versions[0] if adapter_id else "",
+        prefix_version=versions[1] if prefix else "",
     )
     return RequestState(
         request_id=request_id,
@@ -621,11 +624,11 @@ def test_without_max_loras_any_number_of_adapters_runs() -> None:
 class SimSequence:
     tokens: list[int]
     prompt_len: int
-    identity: tuple[str, str, int] = ("", "", 0)
+    identity: tuple[str, ...] = ()
     computed: int = 0
     table: list[int] = field(default_factory=list)
 
-    def slot(self, position: int) -> tuple[tuple[str, str, int], tuple[int, ...]]:
+    def slot(self, position: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """What the KV entry of ``position`` depends on: the adapter and prefix, and every
         token up to it."""
         return self.identity, tuple(self.tokens[: position + 1])
@@ -683,7 +686,13 @@ class SimShard:
             assert not ns.prefix_length or bool(ns.prefix_id) != ns.adapter_id.startswith("pt")
             # A prefix's virtual positions come first (-1: no token id).
             prompt = [-1] * ns.prefix_length + list(ns.prompt_token_ids)
-            identity = (ns.adapter_id, ns.prefix_id, ns.prefix_length)
+            identity = (
+                ns.adapter_id,
+                ns.adapter_version,
+                ns.prefix_id,
+                ns.prefix_version,
+                str(ns.prefix_length),
+            )
             self.seqs[ns.request_id] = SimSequence(prompt, ns.prompt_length, identity)
         seen = set()
         tokens = []
@@ -769,11 +778,13 @@ def run_random_workload(seed: int, caching: bool = False) -> tuple[Scheduler, Si
     happens), random limits, and one or two steps in flight (as the engine overlaps them);
     every step's plan is checked by ``SimShard`` and every state by ``check_invariants``;
     then everything drains. Every prompt starts with the same ids, so with ``caching`` the
-    prefix cache finds blocks of other requests (same adapter and prefix) and its own
-    after a preemption."""
+    prefix cache finds blocks of other requests (same adapter and prefix, same versions of
+    their contents) and its own after a preemption."""
     rng = random.Random(seed)
     prefix_rng = random.Random(seed + 1_000_000)  # leaves the workload's own draws alone
     adapter_rng = random.Random(seed + 2_000_000)  # so does this one
+    # Adapters and prefixes come in two versions of their contents (rewritten in a store).
+    version_rng = random.Random(seed + 3_000_000)
     block_size = rng.choice([1, 2, 4, 16])
     max_len = rng.randrange(8, 80)
     num_blocks = blocks_for(max_len, block_size) + rng.randrange(0, 12)
@@ -810,6 +821,7 @@ def run_random_workload(seed: int, caching: bool = False) -> tuple[Scheduler, Si
                     prefix - tuning,
                     lora=lora,
                     tuning=tuning,
+                    versions=(version_rng.choice("12"), version_rng.choice("12")),
                 )
                 scheduler.add(state)
                 states.append(state)

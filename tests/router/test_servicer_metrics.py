@@ -26,11 +26,12 @@ from tgis.router.core.stopping import StopChecker
 from tgis.router.edge.servicer import GenerationServicer
 from tgis.router.errors import GenerationError
 from tgis.router.intake.concurrency import ConcurrencyLimiter
-from tgis.router.intake.prefixes import PrefixLengths
+from tgis.router.intake.prefixes import PrefixInfos
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
 from tgis.router.ops.metrics import Metrics
 from tgis.router.request_types import StopReason, ValidatedRequest
+from tgis.shard_api.messages import PrefixInfo
 
 MAX_SEQUENCE_LENGTH = 64
 MAX_NEW_TOKENS = 40
@@ -282,7 +283,7 @@ def prefixed_servicer(
         metrics=metrics,
         default_include_stop_seqs=True,
         is_seq2seq=False,
-        prefixes=None if lookup is None else PrefixLengths(lookup, metrics),
+        prefixes=None if lookup is None else PrefixInfos(lookup, metrics),
     )
 
 
@@ -298,8 +299,8 @@ def test_a_known_prefix_is_validated_with_and_recorded_without(
 
     engine.submit = record  # type: ignore[method-assign]
 
-    async def lookup(prefix_id: str) -> int:
-        return {"pt": 30}[prefix_id]
+    async def lookup(prefix_id: str) -> PrefixInfo:
+        return PrefixInfo({"pt": 30}[prefix_id], "v1")
 
     servicer = prefixed_servicer(engine, tokenizer, metrics, lookup)
     texts = ["The quick brown fox", "hello"]
@@ -309,7 +310,9 @@ def test_a_known_prefix_is_validated_with_and_recorded_without(
     response = generate(servicer, request)
     lengths = [len(tokenizer.encode(t)) for t in texts]
     assert [r.input_token_count for r in response.responses] == lengths
-    assert [(v.prefix_id, v.prefix_length) for v in submitted] == [("pt", 30)] * 2
+    assert [(v.prefix_id, v.prefix_length, v.prefix_version) for v in submitted] == [
+        ("pt", 30, "v1")
+    ] * 2
     # 40 new tokens after 30 + input do not fit in 64: lowered, the prefix counted.
     assert [v.stopping.max_new_tokens for v in submitted] == [
         MAX_SEQUENCE_LENGTH - 30 - n for n in lengths
@@ -337,7 +340,7 @@ def test_a_known_prefix_is_validated_with_and_recorded_without(
 def test_a_shard_failure_during_the_lookup_is_a_validation_error(
     engine: FakeEngine, tokenizer: RouterTokenizer, metrics: Metrics
 ) -> None:
-    async def lookup(prefix_id: str) -> int:
+    async def lookup(prefix_id: str) -> PrefixInfo:
         raise ShardError(ShardFailure.CONNECTION, "Could not connect to Text Generation server")
 
     servicer = prefixed_servicer(engine, tokenizer, metrics, lookup)

@@ -31,18 +31,18 @@ from tgis.router.edge.tracing import (
 from tgis.router.intake.adapters import AdapterKinds
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.guided import GrammarCompiler
-from tgis.router.intake.prefixes import PrefixLengths
+from tgis.router.intake.prefixes import PrefixInfos
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
 from tgis.router.ops.metrics import Metrics
-from tgis.shard_api.messages import AdapterInfo, AdapterKind
+from tgis.shard_api.messages import AdapterInfo, AdapterKind, PrefixInfo
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
 
 
-async def _prefix_length(prefix_id: str) -> int:
-    return 2
+async def _prefix_info(prefix_id: str) -> PrefixInfo:
+    return PrefixInfo(2)
 
 
 async def _lora(adapter_id: str) -> AdapterInfo:
@@ -110,7 +110,7 @@ def test_spans_of_generate_and_stream_calls(
             engine,
             tracing,
             metrics,
-            prefixes=PrefixLengths(_prefix_length, metrics),
+            prefixes=PrefixInfos(_prefix_info, metrics),
             adapters=AdapterKinds(_lora),
         )
 

@@ -161,9 +161,9 @@ def test_causal_prefixed_and_plain_batch_matches_transformers(
         4: ("long", PROMPT_B),
     }
     for rid, (prefix_id, prompt) in cases.items():
-        length = runner.lookup_prefix(prefix_id) if prefix_id else 0
+        length = runner.lookup_prefix(prefix_id).length if prefix_id else 0
         router.add(rid, prompt, details=LOGPROBS, prefix_id=prefix_id, prefix_length=length)
-    assert runner.lookup_prefix("long") == 20
+    assert runner.lookup_prefix("long").length == 20
     router.step({1: 5 + len(PROMPT_A), 2: 3 + len(PROMPT_B), 3: len(PROMPT_C), 4: 7})
     router.step({1: 1, 2: 1, 3: 1, 4: 10})  # the chunk ends at position 17 of 20
     router.step({1: 1, 2: 1, 3: 1, 4: 20 + len(PROMPT_B) - 17})
@@ -234,7 +234,7 @@ def test_seq2seq_prefixes_match_transformers(seq2seq: TinyModel, store: Path) ->
         4: ("", [*PROMPT_B, eos]),
         5: ("both", [*PROMPT_A, eos]),
     }
-    lengths = {rid: runner.lookup_prefix(p) if p else 0 for rid, (p, _) in cases.items()}
+    lengths = {rid: runner.lookup_prefix(p).length if p else 0 for rid, (p, _) in cases.items()}
     assert [lengths[r] for r in (1, 2, 3)] == [4, 2, 10]
     router = Router(runner, seed=5)
     for rid in (1, 2, 3, 4):

@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,10 @@ from tgis.shard.adapters import adapter_cache
 from tgis.shard.adapters.adapter_cache import AdapterCache
 from tgis.shard.adapters.lora_layout import LoraPart, LoraSite, LoraWeights
 from tgis.shard.adapters.prefix_store import PrefixStore
+from tgis.shard.adapters.prefixes import PrefixUnavailable
+from tgis.shard.adapters.request_adapters import Adapters
 from tgis.shard.adapters.store_paths import StoreError, StoreErrorKind
-from tgis.shard_api.messages import AdapterInfo, AdapterKind
+from tgis.shard_api.messages import AdapterKind, NewSequence
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 64, 4, 2, 16, 128, 2
 KV = KV_HEADS * HEAD_DIM
@@ -195,8 +198,10 @@ def make_cache(
 def test_all_seven_targets_match_peft(base: LlamaForCausalLM, root: Path) -> None:
     model = save_lora(base, root / "all")
     cache = make_cache(root)
-    assert cache.lookup("all") == AdapterInfo(AdapterKind.LORA, 0)
+    info = cache.lookup("all")
+    assert (info.kind, info.prefix_length) == (AdapterKind.LORA, 0)
     weights = cache.lora("all")
+    assert info.version == weights.version and len(info.version) == 16
     assert weights.adapter_id == "all"
     assert weights.rank == 4
     assert sorted(weights.pairs) == list(range(4 * LAYERS))
@@ -571,17 +576,22 @@ def test_prompt_tuning_adapter(base: LlamaForCausalLM, root: Path) -> None:
     embeddings = save_prompt_tuning(base, root / "pt", tokens=5)
     assert embeddings.shape == (5, H)
     cache = make_cache(root)
-    assert cache.lookup("pt") == AdapterInfo(AdapterKind.PROMPT_TUNING, prefix_length=5)
-    assert cache.lookup("pt").prefix_length == 5  # known now: no config re-read needed
-    torch.testing.assert_close(cache.prompt_embeddings("pt"), embeddings)
+    info = cache.lookup("pt")
+    assert (info.kind, info.prefix_length) == (AdapterKind.PROMPT_TUNING, 5)
+    assert cache.lookup("pt") == info  # known now: no config re-read needed
+    loaded = cache.load("pt")
+    assert loaded.info == info and loaded.lora is None and loaded.prompt is not None
+    torch.testing.assert_close(loaded.prompt, embeddings)
     assert cache.cached_ids() == []  # the LoRA LRU holds LoRA only
     with pytest.raises(StoreError, match="is a prompt-tuning adapter, not LoRA"):
         cache.lora("pt")
 
 
-def test_prompt_embeddings_of_a_lora_adapter_is_refused(saved: Path, root: Path) -> None:
-    with pytest.raises(StoreError, match="is a LoRA adapter, not prompt tuning"):
-        make_cache(root).prompt_embeddings("x")
+def test_a_lora_adapter_loads_weights_and_no_prompt(saved: Path, root: Path) -> None:
+    loaded = make_cache(root).load("x")
+    assert loaded.info.kind is AdapterKind.LORA
+    assert loaded.prompt is None and loaded.lora is not None
+    assert loaded.info.version == loaded.lora.version
 
 
 def test_prompt_tuning_errors(base: LlamaForCausalLM, root: Path) -> None:
@@ -670,3 +680,51 @@ def test_failures_are_not_cached(saved: Path, root: Path, monkeypatch: pytest.Mo
     cache.max_rank = 16  # fixed: the next lookup loads it
     assert cache.lookup("x").kind is AdapterKind.LORA
     assert cache.cached_ids() == ["x"]
+
+
+# --- content versions ----------------------------------------------------------------------
+
+
+def test_the_version_follows_the_files_not_the_load(base: LlamaForCausalLM, root: Path) -> None:
+    """Read again unchanged (after eviction): the same version. The weights or the config
+    rewritten: another, which a sequence that asked for the old one is refused over."""
+    save_lora(base, root / "v", targets=["q_proj"])
+    cache = make_cache(root, max_cached=1)
+    first = cache.lookup("v").version
+    save_lora(base, root / "other", targets=["q_proj"])
+    cache.lookup("other")  # evicts "v"
+    assert cache.cached_ids() == ["other"]
+    assert cache.lookup("v").version == first
+    config_path = root / "v" / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["lora_alpha"] = config["lora_alpha"] * 2
+    config_path.write_text(json.dumps(config))
+    cache.lookup("other")
+    rescaled = cache.lookup("v").version
+    assert rescaled != first
+    adapters = Adapters(cache, max_loras=1)
+    old = NewSequence(request_id=1, prompt_token_ids=(1, 2), adapter_id="v", adapter_version=first)
+    with pytest.raises(PrefixUnavailable, match="adapter 'v' changed in its store"):
+        adapters.for_sequence(old)
+    _, weights = adapters.for_sequence(replace(old, adapter_version=rescaled))
+    assert weights is not None and weights.version == rescaled
+    _, unchecked = adapters.for_sequence(replace(old, adapter_version=""))
+    assert unchecked is weights
+
+
+def test_a_prompt_tuning_adapter_is_versioned_by_its_embeddings(
+    base: LlamaForCausalLM, root: Path
+) -> None:
+    save_prompt_tuning(base, root / "pt", tokens=5)
+    cache = make_cache(root)
+    before = cache.lookup("pt").version
+    adapters = Adapters(cache, max_loras=1)
+    ns = NewSequence(1, (1,), adapter_id="pt", prefix_length=5, adapter_version=before)
+    embeddings, lora = adapters.for_sequence(ns)
+    assert embeddings is not None and lora is None
+    fresh = make_cache(root)  # another rank, or this one after the prefix cache let it go
+    torch.manual_seed(4)
+    save_file({"prompt_embeddings": torch.randn(5, H)}, root / "pt" / "adapter_model.safetensors")
+    assert fresh.lookup("pt").version != before
+    with pytest.raises(PrefixUnavailable, match="adapter 'pt' changed in its store"):
+        Adapters(fresh, max_loras=1).for_sequence(ns)

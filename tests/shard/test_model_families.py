@@ -250,7 +250,7 @@ def test_prompt_prefix_matches_hf_inputs_embeds(family_model: TinyModel, tmp_pat
     runner = make_runner(family_model.path, prefix_store_path=str(tmp_path / "store"))
     router = Router(runner)
     prompt = PROMPTS[2]
-    router.add(1, prompt, prefix_id="p", prefix_length=runner.lookup_prefix("p"))
+    router.add(1, prompt, prefix_id="p", prefix_length=runner.lookup_prefix("p").length)
     router.step({1: 4 + len(prompt)})
     for _ in range(NEW_TOKENS - 1):
         router.decode([1])

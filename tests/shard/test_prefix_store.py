@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,10 @@ from tgis.shard.adapters.prefix_store import (
     max_prefix_length,
     prompt_cache_bytes,
 )
+from tgis.shard.adapters.prefixes import Prefixes, PrefixUnavailable
 from tgis.shard.adapters.store_paths import StoreError, StoreErrorKind
 from tgis.shard.errors import StartupError
+from tgis.shard_api.messages import NewSequence
 
 DIM = 8
 CPU = torch.device("cpu")
@@ -356,3 +359,47 @@ def test_concurrent_failure_reaches_every_waiter(
     run_together(worker, 16)
     assert len(calls) == 1
     assert errors == ["Prefix embedding tensor dim 9 does not match model (8)"] * 16
+
+
+# --- content versions ----------------------------------------------------------------------
+
+
+def test_the_version_is_a_digest_of_the_files_read(tmp_path: Path) -> None:
+    """Equal files, equal versions (whatever the id, however often read); a rewritten file,
+    another version; for encoder-decoder models both files count."""
+    tensor = torch.randn(4, DIM)
+    _save(tmp_path, "a", "decoder.pt", tensor)
+    _save(tmp_path, "b", "decoder.pt", tensor)
+    first = _store(tmp_path).get("a").version
+    assert len(first) == 16
+    assert _store(tmp_path).get("b").version == first
+    _save(tmp_path, "a", "decoder.pt", tensor + 1)
+    assert _store(tmp_path).get("a").version != first
+    store = _store(tmp_path)
+    assert store.get("b").version == first  # cached: what is in memory
+    _save(tmp_path, "b", "decoder.pt", tensor + 1)
+    assert store.get("b").version == first
+    seq2seq = _store(tmp_path, is_encoder_decoder=True)
+    _save(tmp_path, "e", "decoder.pt", torch.randn(4, DIM))
+    without_encoder = seq2seq.get("e").version
+    _save(tmp_path, "e", "encoder.pt", torch.randn(4, DIM))
+    assert _store(tmp_path, is_encoder_decoder=True).get("e").version != without_encoder
+
+
+def test_a_sequence_is_refused_a_prefix_of_other_contents(tmp_path: Path) -> None:
+    _save(tmp_path, "p", "decoder.pt", torch.randn(3, DIM))
+    looked_up = Prefixes(_store(tmp_path)).lookup("p")
+    assert looked_up.length == 3
+    ns = NewSequence(
+        request_id=1,
+        prompt_token_ids=(5,),
+        prefix_id="p",
+        prefix_length=3,
+        prefix_version=looked_up.version,
+    )
+    _save(tmp_path, "p", "decoder.pt", torch.randn(3, DIM))
+    reread = Prefixes(_store(tmp_path))
+    with pytest.raises(PrefixUnavailable, match="prompt prefix 'p' changed in its store"):
+        reread.embeddings(ns)
+    assert reread.embeddings(replace(ns, prefix_version="")).length == 3  # not checked
+    assert reread.embeddings(replace(ns, prefix_version=reread.lookup("p").version)).length == 3

@@ -84,9 +84,9 @@ LOGPROBS = DetailOptions(logprobs=True, generated_tokens=True)
 
 def test_lookup_reports_virtual_tokens(tiny_model: TinyModel, store: Path) -> None:
     runner = make_runner(tiny_model, store)
-    assert runner.lookup_prefix("tuned") == 5
-    assert runner.lookup_prefix("team/nested") == 3
-    assert runner.lookup_prefix("peft") == 20
+    assert runner.lookup_prefix("tuned").length == 5
+    assert runner.lookup_prefix("team/nested").length == 3
+    assert runner.lookup_prefix("peft").length == 20
 
 
 @pytest.mark.parametrize(
@@ -137,7 +137,7 @@ def test_prefixed_and_plain_sequences_in_one_batch_match_transformers(
         4: ("peft", PROMPT_B),
     }
     for rid, (prefix_id, prompt) in cases.items():
-        length = runner.lookup_prefix(prefix_id) if prefix_id else 0
+        length = runner.lookup_prefix(prefix_id).length if prefix_id else 0
         router.add(rid, prompt, details=LOGPROBS, prefix_id=prefix_id, prefix_length=length)
     peft_prompt = 20 + len(PROMPT_B)
     # Step 1: everything but the PEFT prompt whole, its first 7 virtual tokens.

@@ -346,7 +346,7 @@ def test_prefixes_and_preemption_on_a_quantized_model(
     )
     prompt = PROMPTS[2]
     router = Router(runner)
-    router.add(1, prompt, prefix_id="p", prefix_length=runner.lookup_prefix("p"))
+    router.add(1, prompt, prefix_id="p", prefix_length=runner.lookup_prefix("p").length)
     router.add(2, prompt)
     router.add(3, prompt)
     router.step({1: 4 + len(prompt), 2: len(prompt), 3: len(prompt)})

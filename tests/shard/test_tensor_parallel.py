@@ -24,7 +24,13 @@ from tp_utils import (
 from tests.lora_oracle import save_random_lora
 from tgis.shard.cli import main
 from tgis.shard.native.lockstep import with_seeds
-from tgis.shard_api.messages import DetailOptions, SamplingParams, ScheduledSequence, StepPlan
+from tgis.shard_api.messages import (
+    DetailOptions,
+    PrefixInfo,
+    SamplingParams,
+    ScheduledSequence,
+    StepPlan,
+)
 
 PROMPT = (9, 30, 31, 200, 17, 4, 99, 100, 101, 5, 6, 7, 8, 250, 3, 3, 40, 41, 42, 43)
 DETAILS = DetailOptions(
@@ -122,8 +128,11 @@ def test_prompt_prefixes_on_two_ranks_match_one(tmp_path: Path) -> None:
     config = {"prefix_store_path": str(store), "lookups": ["p", "gone"]}
     single = run_plans(path, make_plans(requests), 1, **config)[0]
     reports = run_plans(path, make_plans(requests), 2, **config)
-    assert single.lookups == [6, 'StoreError: prefix id "gone" not found']
-    assert reports[0].lookups == single.lookups
+    found, gone = single.lookups
+    assert isinstance(found, PrefixInfo)
+    assert found.length == 6 and len(found.version) == 16
+    assert gone == 'StoreError: prefix id "gone" not found'
+    assert reports[0].lookups == single.lookups  # every rank read the same contents
     assert_same_outputs(single.outputs, reports[0].outputs)
     assert sum(len(o.tokens) for o in reports[0].outputs if not isinstance(o, str)) == 4 + 3
     failed = [e for o in reports[0].outputs if not isinstance(o, str) for e in o.errors]

@@ -149,7 +149,7 @@ class RankReport:
     num_blocks: int = 0
     world_size: int = 1
     worker_error: str | None = None  # a rank > 0 that left its loop with an error
-    lookups: list[int | str] = field(default_factory=list)  # rank 0's prefix lookups
+    lookups: list[object] = field(default_factory=list)  # rank 0's prefix lookups
     adapter_lookups: list[object] = field(default_factory=list)  # rank 0's adapter lookups
 
 

@@ -118,6 +118,9 @@ class ResolvedAdapters:
     """The prefix's virtual tokens, or a prompt-tuning adapter's."""
     adapter_id: str = ""
     adapter_kind: AdapterKind | None = None
+    prefix_version: str = ""
+    adapter_version: str = ""
+    """The versions of their contents the shard reported (``PrefixInfo``, ``AdapterInfo``)."""
 
 
 NO_ADAPTERS = ResolvedAdapters()
@@ -144,6 +147,10 @@ class ValidatedRequest:
     # input of a batch) and its kind (None without one).
     adapter_id: str = ""
     adapter_kind: AdapterKind | None = None
+    # The versions of the prefix's and the adapter's contents when the router looked them
+    # up ("": none): the prefix cache keys blocks by them.
+    prefix_version: str = ""
+    adapter_version: str = ""
 
     @property
     def input_length(self) -> int:
@@ -152,10 +159,16 @@ class ValidatedRequest:
         return len(self.input_ids)
 
     @property
-    def cache_identity(self) -> tuple[str, str, int]:
+    def cache_identity(self) -> tuple[str, str, str, str, int]:
         """What besides token ids changes this request's KV: the prefix-cache hash chain
         starts from it (``core/prefix_cache.py``)."""
-        return (self.adapter_id, self.prefix_id, self.prefix_length)
+        return (
+            self.adapter_id,
+            self.adapter_version,
+            self.prefix_id,
+            self.prefix_version,
+            self.prefix_length,
+        )
 
     @property
     def lora_id(self) -> str:
@@ -168,11 +181,12 @@ class ValidatedRequest:
         virtual tokens and the input's."""
         return self.prefix_length + len(self.input_ids)
 
-    def new_sequence(self, request_id: int) -> NewSequence:
+    def new_sequence(self, request_id: int, *, versioned: bool = False) -> NewSequence:
         """How the shard first hears of this input as request ``request_id``: its prompt,
         its prompt prefix or prompt-tuning adapter (whose virtual tokens come first in every
         count of its steps, as in :attr:`prompt_length`), its adapter, its sampling and the
-        token details it asked for."""
+        token details it asked for; ``versioned`` (the prefix cache is on): the versions of
+        the prefix's and the adapter's contents, which the shard checks."""
         response = self.params.response
         return NewSequence(
             request_id=request_id,
@@ -180,6 +194,8 @@ class ValidatedRequest:
             prefix_id=self.prefix_id,
             prefix_length=self.prefix_length,
             adapter_id=self.adapter_id,
+            prefix_version=self.prefix_version if versioned else "",
+            adapter_version=self.adapter_version if versioned else "",
             sampling=self.sampling,
             details=DetailOptions(
                 logprobs=response.token_logprobs,

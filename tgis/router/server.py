@@ -35,7 +35,7 @@ from tgis.router.intake.adapters import adapter_kinds
 from tgis.router.intake.admission import Admission
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.guided import GrammarCompiler
-from tgis.router.intake.prefixes import PrefixLengths
+from tgis.router.intake.prefixes import PrefixInfos
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
 from tgis.router.ops.drain import Drain
@@ -138,7 +138,7 @@ class Router:
             ),
             limiter=ConcurrencyLimiter(config.max_concurrent_requests),
             metrics=metrics,
-            prefixes=PrefixLengths(self.shard.prefix_length, metrics),
+            prefixes=PrefixInfos(self.shard.prefix_info, metrics),
             adapters=adapter_kinds(info, self.shard.adapter_info),
             grammars=(
                 GrammarCompiler(

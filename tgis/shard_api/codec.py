@@ -17,6 +17,7 @@ from tgis.shard_api.messages import (
     LengthPenalty,
     ModelKind,
     NewSequence,
+    PrefixInfo,
     SampledToken,
     SamplingParams,
     ScheduledSequence,
@@ -108,6 +109,10 @@ def plan_to_pb(plan: StepPlan) -> shard_pb2.StepRequest:
             entry.prefix_length = ns.prefix_length
         if ns.adapter_id:
             entry.adapter_id = ns.adapter_id
+        if ns.prefix_version:
+            entry.prefix_version = ns.prefix_version
+        if ns.adapter_version:
+            entry.adapter_version = ns.adapter_version
         if ns.sampling != _GREEDY:
             entry.sampling.CopyFrom(sampling_to_pb(ns.sampling))
         if ns.details != _NO_DETAILS:
@@ -135,6 +140,8 @@ def plan_from_pb(pb: shard_pb2.StepRequest) -> StepPlan:
                 prefix_id=ns.prefix_id,
                 prefix_length=ns.prefix_length,
                 adapter_id=ns.adapter_id,
+                prefix_version=ns.prefix_version,
+                adapter_version=ns.adapter_version,
             )
             for ns in pb.new_sequences
         ),
@@ -249,8 +256,22 @@ def adapter_to_pb(adapter: AdapterInfo) -> shard_pb2.AdapterLookupResponse:
     return shard_pb2.AdapterLookupResponse(
         kind=shard_pb2.AdapterKind.Name(adapter.kind.value),
         prefix_length=adapter.prefix_length,
+        version=adapter.version,
     )
 
 
 def adapter_from_pb(pb: shard_pb2.AdapterLookupResponse) -> AdapterInfo:
-    return AdapterInfo(kind=AdapterKind(pb.kind), prefix_length=pb.prefix_length)
+    return AdapterInfo(
+        kind=AdapterKind(pb.kind), prefix_length=pb.prefix_length, version=pb.version
+    )
+
+
+# ---- PrefixLookupResponse --------------------------------------------------------------------
+
+
+def prefix_to_pb(prefix: PrefixInfo) -> shard_pb2.PrefixLookupResponse:
+    return shard_pb2.PrefixLookupResponse(prefix_length=prefix.length, version=prefix.version)
+
+
+def prefix_from_pb(pb: shard_pb2.PrefixLookupResponse) -> PrefixInfo:
+    return PrefixInfo(length=pb.prefix_length, version=pb.version)

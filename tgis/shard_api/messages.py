@@ -34,15 +34,26 @@ class AdapterKind(Enum):
 
 @dataclass(frozen=True, slots=True)
 class AdapterInfo:
-    """The shard's answer to ``AdapterLookup``: the adapter's kind and, for a prompt-tuning
-    adapter, its number of virtual tokens (0 for LoRA)."""
+    """The shard's answer to ``AdapterLookup``: the adapter's kind, for a prompt-tuning
+    adapter its number of virtual tokens (0 for LoRA), and the version of its contents
+    (a digest of the files read: it changes when the adapter is rewritten in its store)."""
 
     kind: AdapterKind
     prefix_length: int = 0
+    version: str = ""
 
     @property
     def is_lora(self) -> bool:
         return self.kind is AdapterKind.LORA
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixInfo:
+    """The shard's answer to ``PrefixLookup``: a prompt-tuning prefix's virtual tokens and
+    the version of its contents (a digest of the files read)."""
+
+    length: int
+    version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +138,11 @@ class NewSequence:
     prefix_id: str = ""
     prefix_length: int = 0
     adapter_id: str = ""
+    # The versions of the prefix's and the adapter's contents the router looked up ("": not
+    # checked). The prefix cache keys blocks by them; contents now of another version fail
+    # the sequence alone.
+    prefix_version: str = ""
+    adapter_version: str = ""
 
     @property
     def prompt_length(self) -> int:

@@ -15,8 +15,15 @@ import grpc
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
 from tgis.shard_api.channel import StepChannelClient, StepFailed
-from tgis.shard_api.codec import adapter_from_pb, info_from_pb
-from tgis.shard_api.messages import AdapterInfo, ShardInfo, StepErrorCode, StepOutput, StepPlan
+from tgis.shard_api.codec import adapter_from_pb, info_from_pb, prefix_from_pb
+from tgis.shard_api.messages import (
+    AdapterInfo,
+    PrefixInfo,
+    ShardInfo,
+    StepErrorCode,
+    StepOutput,
+    StepPlan,
+)
 
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 PREFIX_LOOKUP_TIMEOUT_S = 30.0
@@ -150,9 +157,11 @@ class ShardClient:
     async def reset(self) -> None:
         await self._call(self._stub.Reset, shard_pb2.ResetRequest(), 30.0)
 
-    async def prefix_length(self, prefix_id: str, timeout: float = PREFIX_LOOKUP_TIMEOUT_S) -> int:
-        """The number of virtual tokens of prompt prefix ``prefix_id``; the shard loads it
-        into its prefix cache on the way.
+    async def prefix_info(
+        self, prefix_id: str, timeout: float = PREFIX_LOOKUP_TIMEOUT_S
+    ) -> PrefixInfo:
+        """The number of virtual tokens of prompt prefix ``prefix_id`` and the version of
+        its contents; the shard loads it into its prefix cache on the way.
 
         Raises:
             PrefixLookupError: the shard refused the prefix (missing, invalid id or tensor),
@@ -161,7 +170,7 @@ class ShardClient:
         """
         request = shard_pb2.PrefixLookupRequest(prefix_id=prefix_id)
         response = await self._lookup(self._stub.PrefixLookup, request, timeout, PrefixLookupError)
-        return int(response.prefix_length)
+        return prefix_from_pb(response)
 
     async def adapter_info(
         self, adapter_id: str, timeout: float = ADAPTER_LOOKUP_TIMEOUT_S

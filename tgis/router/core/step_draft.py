@@ -18,6 +18,8 @@ class StepDraft:
     step had run (``Scheduler.step_failed`` undoes them when it does not)."""
 
     budget: int
+    versioned: bool = False
+    """New sequences carry their prefix and adapter versions (the prefix cache is on)."""
     prompt_tokens: int = 0
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     new_sequences: list[NewSequence] = field(default_factory=list)
@@ -34,7 +36,8 @@ class StepDraft:
             self.budget -= num_tokens
             self.prompt_tokens += num_tokens
         if not state.known_to_shard:
-            self.new_sequences.append(state.request.new_sequence(state.request_id))
+            new = state.request.new_sequence(state.request_id, versioned=self.versioned)
+            self.new_sequences.append(new)
             state.known_to_shard = True
         # Its first chunk since admission after a prefix-cache hit: the shard is told.
         cached = state.num_computed if state.blocks_sent == 0 else 0

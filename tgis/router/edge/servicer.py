@@ -32,7 +32,7 @@ from tgis.router.errors import GenerationError, RouterError, TokenizationError, 
 from tgis.router.intake.admission import Admission
 from tgis.router.ops.metrics import Metrics
 from tgis.router.ops.stalled_streams import StalledStreams
-from tgis.router.request_types import ValidatedRequest
+from tgis.router.request_types import StopReason, ValidatedRequest
 
 __all__ = ["GenerationServicer"]
 
@@ -136,8 +136,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return states
 
     def _abort(self, states: Sequence[RequestState]) -> None:
+        """Cancel the call's requests that are still live; the prefix and adapter of one
+        that failed are looked up again by the next call."""
         for state in states:
             self.engine.abort(state)
+            if state.finish_reason is StopReason.ERROR:
+                self.admission.forget_lookups(state.request)
 
     async def _pump(
         self, state: RequestState, arrival: float

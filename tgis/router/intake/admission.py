@@ -30,7 +30,7 @@ from tgis.router.intake.adapters import AdapterKinds
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.guided import GrammarCompiler
 from tgis.router.intake.limits import client_batch_size_error
-from tgis.router.intake.prefixes import PrefixLengths
+from tgis.router.intake.prefixes import PrefixInfos
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import (
     ADAPTERS_DISABLED_MESSAGE,
@@ -53,7 +53,7 @@ from tgis.router.request_types import (
     ResolvedAdapters,
     ValidatedRequest,
 )
-from tgis.shard_api.messages import AdapterInfo, AdapterKind
+from tgis.shard_api.messages import AdapterInfo, AdapterKind, PrefixInfo
 
 __all__ = ["GUIDED_UNAVAILABLE_MESSAGE", "Admission", "CompileObserver", "GenerationCall"]
 
@@ -76,7 +76,7 @@ class GenerationCall:
     """vllm-tgis-adapter's ``adapter_id``: "" when absent or empty (no adapter)."""
 
 
-async def _no_prefixes(prefix_id: str) -> int:
+async def _no_prefixes(prefix_id: str) -> PrefixInfo:
     """The lookup of a router without a shard: no prefix exists (the shard's message)."""
     raise PrefixLookupError(f'prefix id "{prefix_id}" not found')
 
@@ -98,7 +98,7 @@ class Admission:
         limits: ServerLimits,
         limiter: ConcurrencyLimiter,
         metrics: Metrics,
-        prefixes: PrefixLengths | None = None,
+        prefixes: PrefixInfos | None = None,
         adapters: AdapterKinds | None = None,
         grammars: GrammarCompiler | None = None,
     ) -> None:
@@ -106,7 +106,7 @@ class Admission:
         self.limits = limits
         self.limiter = limiter
         self.metrics = metrics
-        self.prefixes = prefixes if prefixes is not None else PrefixLengths(_no_prefixes, metrics)
+        self.prefixes = prefixes if prefixes is not None else PrefixInfos(_no_prefixes, metrics)
         self.adapters = adapters
         self.grammars = grammars
 
@@ -231,12 +231,29 @@ class Admission:
         if prefix_id is not None:
             if kind is AdapterKind.PROMPT_TUNING:
                 raise ValidationError(PREFIX_WITH_PROMPT_TUNING_MESSAGE)
-            length = await self._prefix_length(prefix_id)
-            return ResolvedAdapters(prefix_id, length, adapter_id, kind)
+            prefix = await self._prefix_info(prefix_id)
+            return ResolvedAdapters(
+                prefix_id,
+                prefix.length,
+                adapter_id,
+                kind,
+                prefix_version=prefix.version,
+                adapter_version="" if adapter is None else adapter.version,
+            )
         if adapter is None:
             return NO_ADAPTERS
         prefix_length = adapter.prefix_length if kind is AdapterKind.PROMPT_TUNING else 0
-        return ResolvedAdapters("", prefix_length, adapter_id, kind)
+        return ResolvedAdapters(
+            "", prefix_length, adapter_id, kind, adapter_version=adapter.version
+        )
+
+    def forget_lookups(self, request: ValidatedRequest) -> None:
+        """Look ``request``'s prefix and adapter up again next time (it failed during
+        generation, perhaps because the shard holds other contents for them now)."""
+        if request.prefix_id:
+            self.prefixes.forget(request.prefix_id)
+        if request.adapter_id and self.adapters is not None:
+            self.adapters.forget(request.adapter_id)
 
     @staticmethod
     async def _adapter_info(adapters: AdapterKinds, adapter_id: str) -> AdapterInfo:
@@ -252,9 +269,9 @@ class Admission:
             raise unsupported_adapter_error("LORA")
         return adapter
 
-    async def _prefix_length(self, prefix_id: str) -> int:
-        """The prompt prefix's virtual tokens (rule 12: ValidationError when the shard
-        cannot tell, with its message)."""
+    async def _prefix_info(self, prefix_id: str) -> PrefixInfo:
+        """The prompt prefix's virtual tokens and version (rule 12: ValidationError when the
+        shard cannot tell, with its message)."""
         try:
             return await self.prefixes.get(prefix_id)
         except PrefixLookupError as err:

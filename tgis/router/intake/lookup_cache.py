@@ -6,7 +6,7 @@ it was looked up (an item changed on disk keeps its old answer that long), the l
 recently used dropped first beyond ``capacity``. Failures are not cached: the next request
 asks again. Concurrent misses of one id share a single lookup, whose failure they all get.
 Optional callbacks see each lookup (cache miss) end: its duration when it succeeded, or
-that it failed (``PrefixLengths`` turns them into ``tgi_prompt_load_*``).
+that it failed (``PrefixInfos`` turns them into ``tgi_prompt_load_*``).
 """
 
 from __future__ import annotations
@@ -69,6 +69,10 @@ class LookupCache(Generic[V]):
             return None
         self._entries.move_to_end(key)
         return value
+
+    def forget(self, key: str) -> None:
+        """Drop ``key``'s answer: the next request looks it up again."""
+        self._entries.pop(key, None)
 
     async def get(self, key: str) -> V:
         """The answer for ``key``, from the cache or from a lookup.

@@ -321,6 +321,8 @@ def validate_input(
         prefix_length=adapters.prefix_length,
         adapter_id=adapters.adapter_id,
         adapter_kind=adapters.adapter_kind,
+        prefix_version=adapters.prefix_version,
+        adapter_version=adapters.adapter_version,
     )
 
 

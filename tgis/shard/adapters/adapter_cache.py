@@ -22,7 +22,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,22 +39,26 @@ from tgis.shard.adapters.store_paths import (
     StoreErrorKind,
     invalid,
 )
+from tgis.shard.adapters.stored_files import digest, version_of
 from tgis.shard_api.messages import AdapterInfo, AdapterKind
 
 CONFIG_FILE = "adapter_config.json"
-LORA = AdapterInfo(AdapterKind.LORA)
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _Loaded:
-    """One adapter, ready: a LoRA adapter's weights or a prompt-tuning adapter's
-    embeddings."""
+class LoadedAdapter:
+    """One adapter, ready: what it is (with the version of its contents) and a LoRA
+    adapter's weights or a prompt-tuning adapter's embeddings."""
 
     info: AdapterInfo
     lora: LoraWeights | None = None
     prompt: torch.Tensor | None = None
+
+
+def _lora(weights: LoraWeights) -> LoadedAdapter:
+    return LoadedAdapter(AdapterInfo(AdapterKind.LORA, version=weights.version), lora=weights)
 
 
 class AdapterCache:
@@ -80,7 +84,7 @@ class AdapterCache:
         self._lock = threading.Lock()
         self._lora: OrderedDict[str, LoraWeights] = OrderedDict()  # oldest first
         self._prompt_ids: set[str] = set()  # prompt tuning seen (embeddings: prefix_store)
-        self._loading: SingleFlight[_Loaded] = SingleFlight(self._lock)
+        self._loading: SingleFlight[LoadedAdapter] = SingleFlight(self._lock)
 
     def cached_ids(self) -> list[str]:
         """The LoRA adapters held in the cache, least recently used first."""
@@ -90,29 +94,23 @@ class AdapterCache:
     def lookup(self, adapter_id: str) -> AdapterInfo:
         """What ``adapter_id`` is, loading it now unless it is cached; StoreError with the
         client's message when it cannot be used."""
-        return self._get(adapter_id).info
+        return self.load(adapter_id).info
 
     def lora(self, adapter_id: str) -> LoraWeights:
         """The weights of LoRA adapter ``adapter_id`` (read again if it was evicted)."""
-        loaded = self._get(adapter_id)
+        loaded = self.load(adapter_id)
         if loaded.lora is None:
             raise invalid(f"adapter '{adapter_id}' is a prompt-tuning adapter, not LoRA")
         return loaded.lora
 
-    def prompt_embeddings(self, adapter_id: str) -> torch.Tensor:
-        """The decoder embeddings [virtual tokens, hidden] of prompt-tuning adapter
-        ``adapter_id``."""
-        loaded = self._get(adapter_id)
-        if loaded.prompt is None:
-            raise invalid(f"adapter '{adapter_id}' is a LoRA adapter, not prompt tuning")
-        return loaded.prompt
-
-    def _get(self, adapter_id: str) -> _Loaded:
+    def load(self, adapter_id: str) -> LoadedAdapter:
+        """Adapter ``adapter_id``, from the cache or read now (a LoRA adapter evicted since
+        is read again); StoreError with the client's message when it cannot be used."""
         with self._lock:
             weights = self._lora.get(adapter_id)
             if weights is not None:
                 self._lora.move_to_end(adapter_id)
-                return _Loaded(LORA, lora=weights)
+                return _lora(weights)
             known_prompt = adapter_id in self._prompt_ids
             # A prompt-tuning adapter's embeddings are the prefix store's to load (once).
             flight = None if known_prompt else self._loading.join(adapter_id)
@@ -125,7 +123,7 @@ class AdapterCache:
                 self._prompt_ids.discard(adapter_id)
             raise
 
-    def _load(self, adapter_id: str) -> _Loaded:
+    def _load(self, adapter_id: str) -> LoadedAdapter:
         try:
             item_dir = self.store.resolve(adapter_id)
         except BadIdError:
@@ -135,15 +133,17 @@ class AdapterCache:
         config_path = self._file(adapter_id, item_dir, CONFIG_FILE)
         if config_path is None:
             raise not_found(adapter_id, f"invalid adapter: no {CONFIG_FILE} found")
-        config = _read_config(adapter_id, config_path)
+        config, config_digest = _read_config(adapter_id, config_path)
         peft_type = config.get("peft_type")
         if peft_type == "LORA":
-            return self._load_lora(adapter_id, item_dir, config)
+            return self._load_lora(adapter_id, item_dir, config, config_digest)
         if peft_type == "PROMPT_TUNING":
             return self._load_prompt(adapter_id, item_dir)
         raise invalid(f"adapter type {peft_type} is not currently supported")
 
-    def _load_lora(self, adapter_id: str, item_dir: Path, config: dict[str, Any]) -> _Loaded:
+    def _load_lora(
+        self, adapter_id: str, item_dir: Path, config: dict[str, Any], config_digest: str
+    ) -> LoadedAdapter:
         if not self.sites:
             raise invalid("adapter type LORA is not currently supported for this model")
         try:
@@ -161,6 +161,8 @@ class AdapterCache:
             raise bad_id(adapter_id) from None
         except StoreError as e:
             raise invalid_adapter(adapter_id, e.message) from None
+        # The config's scaling is folded into the weights: the version covers both files.
+        weights = replace(weights, version=version_of((config_digest, weights.version)))
         logger.info(
             "Loaded LoRA adapter %s: rank %d, %d sites, %.1f MiB",
             adapter_id,
@@ -172,9 +174,9 @@ class AdapterCache:
             self._lora[adapter_id] = weights
             while len(self._lora) > max(self.max_cached, 0):
                 self._lora.popitem(last=False)
-        return _Loaded(LORA, lora=weights)
+        return _lora(weights)
 
-    def _load_prompt(self, adapter_id: str, item_dir: Path) -> _Loaded:
+    def _load_prompt(self, adapter_id: str, item_dir: Path) -> LoadedAdapter:
         if self.prefix_store is None:
             raise invalid("adapter type PROMPT_TUNING is not currently supported for this model")
         if all(self._file(adapter_id, item_dir, name) is None for name in WEIGHT_FILES):
@@ -184,7 +186,7 @@ class AdapterCache:
             self._prompt_ids.add(adapter_id)
         return loaded
 
-    def _prompt(self, adapter_id: str) -> _Loaded:
+    def _prompt(self, adapter_id: str) -> LoadedAdapter:
         """A prompt-tuning adapter's embeddings, from the prefix store's cache or disk."""
         assert self.prefix_store is not None
         try:
@@ -195,8 +197,10 @@ class AdapterCache:
             raise invalid_adapter(adapter_id, e.message) from None
         if prefix.decoder is None:  # a PEFT directory always gives a decoder tensor
             raise invalid_adapter(adapter_id, "no prompt embeddings")
-        info = AdapterInfo(AdapterKind.PROMPT_TUNING, prefix_length=prefix.length)
-        return _Loaded(info, prompt=prefix.decoder)
+        info = AdapterInfo(
+            AdapterKind.PROMPT_TUNING, prefix_length=prefix.length, version=prefix.version
+        )
+        return LoadedAdapter(info, prompt=prefix.decoder)
 
     def _file(self, adapter_id: str, item_dir: Path, name: str) -> Path | None:
         try:
@@ -224,9 +228,11 @@ def invalid_adapter(adapter_id: str, reason: str) -> StoreError:
     return invalid(f"can't retrieve adapter with id '{adapter_id}': invalid adapter: {reason}")
 
 
-def _read_config(adapter_id: str, path: Path) -> dict[str, Any]:
+def _read_config(adapter_id: str, path: Path) -> tuple[dict[str, Any], str]:
+    """The parsed ``adapter_config.json`` and the digest of its bytes."""
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        data = path.read_bytes()
+        config = json.loads(data.decode("utf-8"))
     except json.JSONDecodeError as e:
         raise invalid_adapter(adapter_id, f"{CONFIG_FILE} is not valid JSON ({e})") from None
     except UnicodeDecodeError:
@@ -236,4 +242,4 @@ def _read_config(adapter_id: str, path: Path) -> dict[str, Any]:
         raise invalid_adapter(adapter_id, f"cannot read {CONFIG_FILE}") from None
     if not isinstance(config, dict):
         raise invalid_adapter(adapter_id, f"{CONFIG_FILE} is not a JSON object")
-    return config
+    return config, digest(data)

@@ -83,6 +83,7 @@ class LoraWeights:
     adapter_id: str
     pairs: dict[int, LoraPair]
     rank: int  # the largest ``r`` of its modules
+    version: str = ""  # of the files read (``stored_files.version_of``)
 
     @property
     def nbytes(self) -> int:
@@ -90,4 +91,4 @@ class LoraWeights:
 
     def to(self, device: torch.device) -> LoraWeights:
         pairs = {i: p.to(device) for i, p in self.pairs.items()}
-        return LoraWeights(self.adapter_id, pairs, self.rank)
+        return LoraWeights(self.adapter_id, pairs, self.rank, self.version)

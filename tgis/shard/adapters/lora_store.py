@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from tgis.shard.adapters.lora_layout import LoraPair, LoraPart, LoraSite, LoraWeights
 from tgis.shard.adapters.store_paths import ItemStore, invalid
+from tgis.shard.adapters.stored_files import read_tensors, version_of
 
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 MODEL_PREFIX = "base_model.model."  # what PEFT puts before the module name
@@ -117,13 +117,14 @@ def read_lora(
     max_rank: int,
 ) -> LoraWeights:
     """The LoRA adapter in ``item_dir`` (``store.resolve(adapter_id)``; ``config`` its
-    parsed ``adapter_config.json``) laid out on ``sites``, in ``dtype`` on ``device``.
+    parsed ``adapter_config.json``) laid out on ``sites``, in ``dtype`` on ``device``; its
+    version is that of the weight file read.
 
     Raises StoreError(INVALID) with the reason when it cannot be applied exactly, and the
     store's BadIdError when a weight file is a symlink leading out of the store.
     """
     settings = lora_settings(config)
-    name, state = _read_weights(adapter_id, item_dir, store)
+    name, state, weights_digest = _read_weights(adapter_id, item_dir, store)
     modules, others = _modules(state, name)
     where = {
         part.module: (i, j) for i, site in enumerate(sites) for j, part in enumerate(site.parts)
@@ -148,26 +149,25 @@ def read_lora(
         found.setdefault(i, {})[j] = (a, b)
         largest = max(largest, a.shape[0])
     pairs = {i: _pair(sites[i], found[i], dtype, device) for i in sorted(found)}
-    return LoraWeights(adapter_id, pairs, largest)
+    return LoraWeights(adapter_id, pairs, largest, version_of((weights_digest,)))
 
 
-def _read_weights(adapter_id: str, item_dir: Path, store: ItemStore) -> tuple[str, dict[Any, Any]]:
-    """(file name, its tensors) of the first weight file present."""
+def _read_weights(
+    adapter_id: str, item_dir: Path, store: ItemStore
+) -> tuple[str, dict[Any, Any], str]:
+    """(file name, its tensors, the digest of its bytes) of the first weight file present."""
     for name in WEIGHT_FILES:
         path = store.file(item_dir, name, adapter_id)
         if path is None:
             continue
         try:
-            if name.endswith(".safetensors"):
-                state: Any = load_file(str(path), device="cpu")
-            else:
-                state = torch.load(path, weights_only=True, map_location="cpu")
+            state, file_digest = read_tensors(path)
         except Exception as e:
             logger.warning("cannot read %s: %s", path, e)
             raise invalid(f"cannot read {name}: {_reason(e, path)}") from None
         if not isinstance(state, dict):
             raise invalid(f"{name} does not hold a dictionary of tensors")
-        return name, state
+        return name, state, file_digest
     raise invalid("no adapter_model.safetensors or adapter_model.bin")
 
 

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from tgis.shard.adapters.single_flight import SingleFlight
 from tgis.shard.adapters.store_paths import ItemStore, StoreError, StoreErrorKind, invalid
+from tgis.shard.adapters.stored_files import read_tensors, version_of
 from tgis.shard.config import DEFAULT_PROMPT_CACHE_MB, default_max_prefix_length
 from tgis.shard.errors import StartupError
 
@@ -47,6 +47,7 @@ class PrefixEmbeddings:
 
     decoder: torch.Tensor | None
     encoder: torch.Tensor | None = None
+    version: str = ""  # of the files read (``stored_files.version_of``)
 
     @property
     def length(self) -> int:
@@ -188,13 +189,16 @@ class PrefixStore:
         item_dir = self.store.resolve(prefix_id)
         if _is_peft(item_dir):
             return self._load_peft(prefix_id, item_dir)
-        decoder = self._read(prefix_id, item_dir, DECODER_FILE)
-        encoder = (
-            self._read(prefix_id, item_dir, ENCODER_FILE) if self.rules.is_encoder_decoder else None
+        decoder, decoder_digest = self._read(prefix_id, item_dir, DECODER_FILE)
+        encoder, encoder_digest = (
+            self._read(prefix_id, item_dir, ENCODER_FILE)
+            if self.rules.is_encoder_decoder
+            else (None, "")
         )
         if decoder is None and encoder is None:
             raise not_found(prefix_id)
-        return PrefixEmbeddings(decoder=decoder, encoder=encoder)
+        version = version_of((decoder_digest, encoder_digest))
+        return PrefixEmbeddings(decoder=decoder, encoder=encoder, version=version)
 
     def _load_peft(self, prefix_id: str, item_dir: Path) -> PrefixEmbeddings:
         if self.rules.is_encoder_decoder:
@@ -202,17 +206,21 @@ class PrefixStore:
         for name in PEFT_FILES:
             path = self.store.file(item_dir, name, prefix_id)
             if path is not None:
-                state = _read_file(prefix_id, path)
+                state, file_digest = _read_file(prefix_id, path)
                 if not isinstance(state, dict) or PEFT_KEY not in state:
                     raise invalid(f"{name} of prefix {prefix_id} has no {PEFT_KEY} tensor")
-                return PrefixEmbeddings(decoder=self._checked(state[PEFT_KEY]))
+                decoder = self._checked(state[PEFT_KEY])
+                return PrefixEmbeddings(decoder=decoder, version=version_of((file_digest,)))
         raise not_found(prefix_id)
 
-    def _read(self, prefix_id: str, item_dir: Path, name: str) -> torch.Tensor | None:
+    def _read(self, prefix_id: str, item_dir: Path, name: str) -> tuple[torch.Tensor | None, str]:
+        """File ``name``'s tensor, checked, and the digest of its bytes (None, "" when it is
+        not there)."""
         path = self.store.file(item_dir, name, prefix_id)
         if path is None:
-            return None
-        return self._checked(_read_file(prefix_id, path))
+            return None, ""
+        value, file_digest = _read_file(prefix_id, path)
+        return self._checked(value), file_digest
 
     def _checked(self, value: Any) -> torch.Tensor:
         return self.rules.check(value).to(self.device).contiguous()
@@ -262,13 +270,12 @@ def _is_peft(item_dir: Path) -> bool:
     return any(p.stem == "adapter_model" for p in item_dir.iterdir())
 
 
-def _read_file(prefix_id: str, path: Path) -> Any:
+def _read_file(prefix_id: str, path: Path) -> tuple[Any, str]:
     """A ``.safetensors`` file as a dict, anything else through ``torch.load`` with
-    ``weights_only=True``; unreadable files fail with StoreError(INVALID)."""
+    ``weights_only=True``, with the digest of its bytes; unreadable files fail with
+    StoreError(INVALID)."""
     try:
-        if path.suffix == ".safetensors":
-            return load_file(str(path), device="cpu")
-        return torch.load(path, weights_only=True, map_location="cpu")
+        return read_tensors(path)
     except Exception as e:
         logger.warning("cannot read %s: %s", path, e)
         raise invalid(

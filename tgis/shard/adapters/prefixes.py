@@ -13,11 +13,19 @@ from dataclasses import dataclass
 
 from tgis.shard.adapters.prefix_store import PrefixEmbeddings, PrefixStore, not_found
 from tgis.shard.adapters.store_paths import StoreError
-from tgis.shard_api.messages import NewSequence
+from tgis.shard_api.messages import NewSequence, PrefixInfo
 
 
 class PrefixUnavailable(Exception):
     """A new sequence's prefix cannot be used: that sequence fails alone."""
+
+
+def changed_message(what: str) -> str:
+    """Why a sequence fails whose prefix or adapter contents are no longer those the
+    router looked up (the router looks it up again for the next request)."""
+    return (
+        f"{what} changed in its store after the router looked it up; the request can be sent again"
+    )
 
 
 @dataclass(frozen=True)
@@ -28,16 +36,17 @@ class Prefixes:
     store: PrefixStore | None
     placeholder_id: int = 0
 
-    def lookup(self, prefix_id: str) -> int:
-        """Load ``prefix_id`` (or find it cached) and return its virtual tokens; StoreError
-        with TGIS's message otherwise."""
-        return self._get(prefix_id).length
+    def lookup(self, prefix_id: str) -> PrefixInfo:
+        """Load ``prefix_id`` (or find it cached) and return its virtual tokens and version;
+        StoreError with TGIS's message otherwise."""
+        prefix = self._get(prefix_id)
+        return PrefixInfo(prefix.length, prefix.version)
 
     def embeddings(self, ns: NewSequence) -> PrefixEmbeddings:
         """The embeddings of ``ns``'s prefix: its decoder rows [virtual tokens, hidden]
         and, for encoder-decoder models, its encoder rows (either may be None there, not
-        both). Raises PrefixUnavailable when the prefix is missing, malformed, or no longer
-        as long as the router counted."""
+        both). Raises PrefixUnavailable when the prefix is missing, malformed, no longer as
+        long as the router counted, or (``ns.prefix_version`` set) of other contents."""
         try:
             prefix = self._get(ns.prefix_id)
         except StoreError as e:
@@ -50,6 +59,8 @@ class Prefixes:
                 f"router counted {ns.prefix_length} (it changed in the store after the "
                 "router looked it up; the router keeps a length for up to an hour)"
             )
+        if ns.prefix_version and prefix.version != ns.prefix_version:
+            raise PrefixUnavailable(changed_message(f"prompt prefix '{ns.prefix_id}'"))
         return prefix
 
     def _get(self, prefix_id: str) -> PrefixEmbeddings:

@@ -16,9 +16,9 @@ import torch
 
 from tgis.shard.adapters.adapter_cache import AdapterCache
 from tgis.shard.adapters.lora_layout import LoraWeights
-from tgis.shard.adapters.prefixes import PrefixUnavailable
+from tgis.shard.adapters.prefixes import PrefixUnavailable, changed_message
 from tgis.shard.adapters.store_paths import StoreError, invalid
-from tgis.shard_api.messages import AdapterInfo, AdapterKind, NewSequence
+from tgis.shard_api.messages import AdapterInfo, NewSequence
 
 NO_STORE_MESSAGE = "adapter_id supplied but no adapter store was configured"
 
@@ -44,19 +44,22 @@ class Adapters:
 
     def for_sequence(self, ns: NewSequence) -> tuple[torch.Tensor | None, LoraWeights | None]:
         """``ns``'s adapter as (prompt-tuning embeddings, None) or (None, LoRA weights);
-        PrefixUnavailable (the sequence fails alone) when it cannot be used."""
+        PrefixUnavailable (the sequence fails alone) when it cannot be used, or is no longer
+        what the router looked up (virtual tokens, ``ns.adapter_version``)."""
+        if self.cache is None:
+            raise PrefixUnavailable(NO_STORE_MESSAGE)
         try:
-            info = self.lookup(ns.adapter_id)
-            assert self.cache is not None
-            if info.kind is AdapterKind.LORA:
-                return None, self.cache.lora(ns.adapter_id)
-            if ns.prefix_id:
-                raise PrefixUnavailable(
-                    "prefix_id and a prompt-tuning adapter_id cannot be combined"
-                )
-            embeddings = self.cache.prompt_embeddings(ns.adapter_id)
+            loaded = self.cache.load(ns.adapter_id)
         except StoreError as e:
             raise PrefixUnavailable(e.message) from None
+        if ns.adapter_version and loaded.info.version != ns.adapter_version:
+            raise PrefixUnavailable(changed_message(f"adapter '{ns.adapter_id}'"))
+        if loaded.lora is not None:
+            return None, loaded.lora
+        if ns.prefix_id:
+            raise PrefixUnavailable("prefix_id and a prompt-tuning adapter_id cannot be combined")
+        embeddings = loaded.prompt
+        assert embeddings is not None
         if embeddings.shape[0] != ns.prefix_length:
             raise PrefixUnavailable(
                 f"prompt-tuning adapter '{ns.adapter_id}' has {embeddings.shape[0]} virtual "

@@ -29,7 +29,14 @@ from tgis.shard.adapters.store_paths import invalid
 from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.parallel.distributed import broadcast_object, first_line, gather_objects
 from tgis.shard.parallel.group import TensorParallel
-from tgis.shard_api.messages import AdapterInfo, NewSequence, ShardInfo, StepOutput, StepPlan
+from tgis.shard_api.messages import (
+    AdapterInfo,
+    NewSequence,
+    PrefixInfo,
+    ShardInfo,
+    StepOutput,
+    StepPlan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +69,7 @@ class Outcome:
     error: str | None = None  # "ExceptionType: message"
     tokens: tuple[tuple[int, int], ...] = ()  # (request id, sampled token id)
     failed: tuple[int, ...] = ()  # request ids with a per-sequence error
-    prefix_length: int = 0  # PREFIX: the prefix's virtual tokens
+    prefix: PrefixInfo | None = None  # PREFIX: the prefix's virtual tokens and version
     adapter: AdapterInfo | None = None  # ADAPTER: what the adapter is
 
 
@@ -70,8 +77,9 @@ class LockstepError(RuntimeError):
     """The ranks are no longer in lock-step (different outcomes, or a rank is gone)."""
 
 
-Result = StepOutput | int | AdapterInfo | None
-"""A command's result: a Step's output, a prefix's length, an adapter's kind, or nothing."""
+Result = StepOutput | PrefixInfo | AdapterInfo | None
+"""A command's result: a Step's output, a prefix's length and version, an adapter's kind,
+or nothing."""
 
 
 def execute(runner: ModelRunner, message: Message) -> tuple[Result, Exception | None]:
@@ -97,8 +105,8 @@ def outcome_of(output: Result, error: Exception | None) -> Outcome:
     """The summary every rank compares."""
     if error is not None:
         return Outcome(error=f"{type(error).__name__}: {error}")
-    if isinstance(output, int):
-        return Outcome(prefix_length=output)
+    if isinstance(output, PrefixInfo):
+        return Outcome(prefix=output)
     if isinstance(output, AdapterInfo):
         return Outcome(adapter=output)
     if output is None:
@@ -127,7 +135,7 @@ def lookup_disagreement(message: Message, ours: Outcome, theirs: Outcome) -> str
         if outcome.error:
             return outcome.error
         if message.command is Command.PREFIX:
-            return f"{outcome.prefix_length} virtual tokens"
+            return str(outcome.prefix)
         return str(outcome.adapter)
 
     if message.command is Command.PREFIX:
@@ -184,12 +192,13 @@ class LockstepRunner:
         assert isinstance(output, StepOutput)
         return output
 
-    def lookup_prefix(self, prefix_id: str) -> int:
+    def lookup_prefix(self, prefix_id: str) -> PrefixInfo:
         """Load a prompt-tuning prefix on every rank (each from its own store, as TGIS's
-        shards do); its length, or rank 0's error. Ranks that disagree stop the group."""
-        length = self._run(Message(Command.PREFIX, prefix_id=prefix_id))
-        assert isinstance(length, int)
-        return length
+        shards do); its length and version, or rank 0's error. Ranks that disagree fail
+        that lookup alone."""
+        prefix = self._run(Message(Command.PREFIX, prefix_id=prefix_id))
+        assert isinstance(prefix, PrefixInfo)
+        return prefix
 
     def lookup_adapter(self, adapter_id: str) -> AdapterInfo:
         """Load an adapter on every rank (each from its own adapter cache, each keeping its

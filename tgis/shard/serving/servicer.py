@@ -25,7 +25,13 @@ from tgis.shard.adapters.store_paths import StoreError, StoreErrorKind
 from tgis.shard.errors import InvalidStepError
 from tgis.shard.serving.step_executor import StepExecutor
 from tgis.shard_api.channel import StepFailed
-from tgis.shard_api.codec import adapter_to_pb, info_to_pb, output_to_pb, plan_from_pb
+from tgis.shard_api.codec import (
+    adapter_to_pb,
+    info_to_pb,
+    output_to_pb,
+    plan_from_pb,
+    prefix_to_pb,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,13 +87,13 @@ class ShardServicer(shard_pb2_grpc.ShardServiceServicer):
         """Load a prompt-tuning prefix (off the step thread); NOT_FOUND or INVALID_ARGUMENT
         with TGIS's message when it cannot be used."""
         try:
-            length = await asyncio.to_thread(self.executor.lookup_prefix, request.prefix_id)
+            prefix = await asyncio.to_thread(self.executor.lookup_prefix, request.prefix_id)
         except StoreError as e:
             code = _STORE_STATUS[e.kind]
             await context.abort(code, e.tgis_message)
         except InvalidStepError as e:  # a rank > 0 refusing it
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        return shard_pb2.PrefixLookupResponse(prefix_length=length)
+        return prefix_to_pb(prefix)
 
     async def AdapterLookup(
         self, request: shard_pb2.AdapterLookupRequest, context: grpc.aio.ServicerContext

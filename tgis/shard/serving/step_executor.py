@@ -22,6 +22,7 @@ from tgis.shard.step.runner import Runner
 from tgis.shard_api.channel import StepFailed
 from tgis.shard_api.messages import (
     AdapterInfo,
+    PrefixInfo,
     ShardInfo,
     StepErrorCode,
     StepOutput,
@@ -71,9 +72,9 @@ class StepExecutor:
             self.runner.reset()
             self._last_completed = 0
 
-    def lookup_prefix(self, prefix_id: str) -> int:
-        """A prompt-tuning prefix's virtual tokens (StoreError if unusable). Not serialised
-        with Steps: the prefix cache is thread-safe, and with tensor parallelism the
+    def lookup_prefix(self, prefix_id: str) -> PrefixInfo:
+        """A prompt-tuning prefix's virtual tokens and version (StoreError if unusable). Not
+        serialised with Steps: the prefix cache is thread-safe, and with tensor parallelism the
         lock-step runner orders it with the Steps itself."""
         return self.runner.lookup_prefix(prefix_id)
 

@@ -28,7 +28,7 @@ from tgis.shard.parallel.distributed import destroy, first_line
 from tgis.shard.parallel.group import TensorParallel
 from tgis.shard.serving.server import ShardServer
 from tgis.shard.step.runner import Runner
-from tgis.shard_api.messages import AdapterInfo, ShardInfo, StepOutput, StepPlan
+from tgis.shard_api.messages import AdapterInfo, PrefixInfo, ShardInfo, StepOutput, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class WorkerRunner:
         """Refused, as Step."""
         raise InvalidStepError(f"rank {self.rank} does not serve Reset; rank 0 does")
 
-    def lookup_prefix(self, prefix_id: str) -> int:
+    def lookup_prefix(self, prefix_id: str) -> PrefixInfo:
         """Refused, as Step: rank 0 loads prefixes on every rank."""
         raise InvalidStepError(f"rank {self.rank} does not serve PrefixLookup; rank 0 does")
 

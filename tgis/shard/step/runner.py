@@ -33,6 +33,7 @@ from tgis.shard.step.sequence import Sequence
 from tgis.shard_api.messages import (
     AdapterInfo,
     InputTokenDetails,
+    PrefixInfo,
     SampledToken,
     SequenceError,
     ShardInfo,
@@ -62,8 +63,8 @@ class Runner(Protocol):
         """Forget every sequence."""
         ...
 
-    def lookup_prefix(self, prefix_id: str) -> int:
-        """Load a prompt-tuning prefix into the cache and return its virtual tokens;
+    def lookup_prefix(self, prefix_id: str) -> PrefixInfo:
+        """Load a prompt-tuning prefix into the cache and return its virtual tokens and version;
         StoreError (``adapters/store_paths.py``) with TGIS's message when it cannot be used."""
         ...
 
@@ -116,8 +117,9 @@ class SequenceRunner:
         self.sequences.clear()
         self.dropped.clear()
 
-    def lookup_prefix(self, prefix_id: str) -> int:
-        """The virtual tokens of ``prefix_id``, loaded into the cache; StoreError if not."""
+    def lookup_prefix(self, prefix_id: str) -> PrefixInfo:
+        """The virtual tokens and version of ``prefix_id``, loaded into the cache; StoreError
+        if not."""
         return self.prefixes.lookup(prefix_id)
 
     def lookup_adapter(self, adapter_id: str) -> AdapterInfo:
