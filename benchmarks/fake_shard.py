@@ -117,6 +117,8 @@ class FakeShardConfig:
     step_delay_s: float = 0.0
     fail_steps: bool = False
     """Every Step fails with ``INJECTED_FAULT`` while this is set (SIGUSR1 toggles it)."""
+    prefix_caching: bool = False
+    """Info says the engine reads cached blocks (the router's prefix cache may be on)."""
 
 
 INJECTED_FAULT = "injected fault: this fake shard fails every step"
@@ -152,6 +154,7 @@ class FakeShardServicer(shard_pb2_grpc.ShardServiceServicer):
             device="none",
             attention_backend="none",
             step_channel=self.step_channel,
+            prefix_caching=c.prefix_caching,
         )
 
     async def Health(
@@ -192,7 +195,8 @@ class FakeShardServicer(shard_pb2_grpc.ShardServiceServicer):
                 if seq is None:
                     errors.append(SequenceError(chunk.request_id, "unknown sequence"))
                     continue
-                seq.computed += chunk.num_tokens
+                # A prefix-cache hit: its leading positions are already computed.
+                seq.computed += chunk.cached_tokens + chunk.num_tokens
                 if seq.computed < seq.prompt_len + seq.generated:
                     continue  # mid-prompt (chunked prefill) or mid-recompute: no token yet
                 token = ids[(chunk.request_id * 7 + seq.generated) % len(ids)]
@@ -258,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fail-steps", action="store_true", help="every Step fails until SIGUSR1 (toggles)"
     )
+    parser.add_argument(
+        "--prefix-caching", action="store_true", help="Info allows the router's prefix cache"
+    )
     args = parser.parse_args(argv)
     eos, vocab_size = model_facts(args.tokenizer)
     config = FakeShardConfig(
@@ -267,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         num_blocks=args.num_blocks,
         step_delay_s=args.step_delay_ms / 1000,
         fail_steps=args.fail_steps,
+        prefix_caching=args.prefix_caching,
     )
     asyncio.run(serve(config, args.uds, args.ready_file))
     return 0

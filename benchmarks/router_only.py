@@ -47,7 +47,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -182,15 +182,13 @@ class StreamLevel:
 
 async def run_streams(
     stubs: list[pb_grpc.GenerationServiceStub],
-    spec: RequestSpec,
+    specs: list[RequestSpec],
     streams: int,
-    rounds: int,
     pids: dict[str, int],
     metrics_url: str,
     timeout: float,
 ) -> StreamLevel:
-    """``streams`` closed-loop clients sending ``streams × rounds`` copies of ``spec``."""
-    specs = [spec] * (streams * rounds)
+    """``streams`` closed-loop clients sending ``specs``."""
     before_cpu = {role: cpu_seconds(pid) for role, pid in pids.items()}
     before_client = time.process_time()
     before_host = host_busy_seconds()
@@ -305,6 +303,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=256, help="tokens per request (256)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt of every request")
     parser.add_argument(
+        "--distinct-prompts",
+        action="store_true",
+        help="each request's prompt starts with its number (no two share a KV block)",
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="the fake shard allows the router's prefix cache (on unless the router is given "
+        "--disable-prefix-caching after --)",
+    )
+    parser.add_argument(
         "--tokens-per-level",
         type=int,
         default=32768,
@@ -368,6 +377,16 @@ def router_argv(args: argparse.Namespace, uds: Path, grpc_port: int, http_port: 
     ]
 
 
+async def distinct_specs(
+    stub: pb_grpc.GenerationServiceStub, spec: RequestSpec, count: int
+) -> list[RequestSpec]:
+    """``count`` requests like ``spec``, each prompt starting with its own number (so none
+    shares a KV block with another), with their token counts."""
+    prompts = [f"{i}: {spec.prompt}" for i in range(count)]
+    counts = await token_counts(stub, prompts)
+    return [replace(spec, prompt=p, input_tokens=n) for p, n in zip(prompts, counts, strict=True)]
+
+
 async def drive(
     args: argparse.Namespace, target: str, metrics_url: str, pids: dict[str, int]
 ) -> tuple[list[StreamLevel], int]:
@@ -384,11 +403,12 @@ async def drive(
         levels: list[StreamLevel] = []
         for streams in args.levels:
             rounds = max(1, math.ceil(args.tokens_per_level / (streams * args.output_tokens)))
+            specs = [spec] * (streams * rounds)
+            if args.distinct_prompts:
+                specs = await distinct_specs(stubs[0], spec, len(specs))
             try:
                 level = await asyncio.wait_for(
-                    run_streams(
-                        stubs, spec, streams, rounds, pids, metrics_url, args.request_timeout
-                    ),
+                    run_streams(stubs, specs, streams, pids, metrics_url, args.request_timeout),
                     args.level_timeout,
                 )
             except TimeoutError:
@@ -430,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         str(args.num_blocks),
         "--step-delay-ms",
         str(args.step_delay_ms),
+        *(["--prefix-caching"] if args.prefix_caching else []),
     ]
     r_argv = router_argv(args, uds, grpc_port, http_port)
     env: dict[str, Any] = {
@@ -441,7 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             "whole-word token ids of the embedded tokenizer, never EOS"
         ),
         "requests": (
-            f"{args.prompt!r}, greedy, min_new_tokens = max_new_tokens = {args.output_tokens}; "
+            f"{args.prompt!r}{' after each its own number' if args.distinct_prompts else ''}, "
+            f"greedy, min_new_tokens = max_new_tokens = {args.output_tokens}; "
             f"closed loop, each level >= {args.tokens_per_level} tokens "
             f"(+{args.warmup} warm-up requests)"
         ),

@@ -35,10 +35,6 @@ def test_two_minute_soak_has_no_errors_and_bounded_memory(tmp_path: Path) -> Non
         sys.executable, str(ROOT / "benchmarks" / "soak.py"),
         "--duration", str(DURATION_S), "--warmup", str(WARMUP_S), "--clients", "8",
         "--json", str(out),
-        # The prefix cache keeps freed blocks and fills never-touched KV pages over time
-        # (bounded by the KV cache, reserved at start-up), which this RSS bound does not
-        # allow for yet: the soak measures leaks with the cache off (issue 22 note).
-        "--", "--disable-prefix-caching",
     ]  # fmt: skip
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=DURATION_S + 300, check=False

@@ -75,6 +75,7 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
                 ("--adapter-cache", flags.adapter_cache),
                 ("--max-loras", flags.max_loras if adapters else None),
                 ("--max-lora-rank", flags.max_lora_rank if adapters else None),
+                ("--disable-prefix-caching", flags.disable_prefix_caching),
             ]
         ),
     ]

@@ -108,6 +108,14 @@ def main() -> None:
     default=DEFAULT_MAX_LORA_RANK,
     show_default=True,
 )
+@click.option(
+    "--disable-prefix-caching",
+    envvar="DISABLE_PREFIX_CACHING",
+    is_flag=True,
+    default=False,
+    help="The router reuses no cached KV blocks: tell it so, and commit the CPU KV cache "
+    "only as it fills.",
+)
 @click.option("--uds-path", default=DEFAULT_UDS_PATH, show_default=True)
 def serve(**options: Any) -> None:
     """Load MODEL_NAME ("" = the embedded model) and serve it on ``{uds-path}-{rank}``."""
@@ -135,6 +143,7 @@ class ServeOptions:
     adapter_cache: str | None
     max_loras: int
     max_lora_rank: int
+    disable_prefix_caching: bool
     uds_path: str
 
 
@@ -197,6 +206,7 @@ def _shard_config(options: ServeOptions) -> ShardConfig:
         adapter_cache=options.adapter_cache or None,
         max_loras=options.max_loras,
         max_lora_rank=options.max_lora_rank,
+        prefix_caching=not options.disable_prefix_caching,
     )
 
 

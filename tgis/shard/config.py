@@ -68,6 +68,10 @@ class ShardConfig:
     adapter_cache: str | None = None
     max_loras: int = DEFAULT_MAX_LORAS
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    # The router may reuse cached KV blocks (--disable-prefix-caching turns it off): the
+    # native engine says so in Info, and commits its CPU KV cache at start, since cached
+    # blocks fill all of it.
+    prefix_caching: bool = True
 
     @property
     def prefix_length_limit(self) -> int:

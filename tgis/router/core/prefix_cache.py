@@ -100,12 +100,16 @@ def _hashes_up_to(state: RequestState, count: int, block_size: int) -> list[Bloc
     virtual, inputs, generated = request.prefix_length, request.input_ids, state.generated_ids
     prompt = virtual + len(inputs)
     parent = hashes[-1] if hashes else _root(state)
+    sha256 = hashlib.sha256
     for j in range(len(hashes), count):
         start, end = j * block_size, (j + 1) * block_size
-        ids = array("q", [VIRTUAL_TOKEN] * max(min(end, virtual) - start, 0))
-        ids.extend(inputs[max(start, virtual) - virtual : max(min(end, prompt) - virtual, 0)])
-        ids.extend(generated[max(start, prompt) - prompt : max(end - prompt, 0)])
-        parent = hashlib.sha256(parent + ids.tobytes()).digest()
+        if virtual <= start and end <= prompt:  # input tokens only: the common case
+            ids = array("q", inputs[start - virtual : end - virtual])
+        else:
+            ids = array("q", [VIRTUAL_TOKEN] * max(min(end, virtual) - start, 0))
+            ids.extend(inputs[max(start, virtual) - virtual : max(min(end, prompt) - virtual, 0)])
+            ids.extend(generated[max(start, prompt) - prompt : max(end - prompt, 0)])
+        parent = sha256(parent + ids.tobytes()).digest()
         hashes.append(parent)
     return hashes
 

@@ -273,7 +273,7 @@ class Scheduler:
 
         ``base_step_id`` is the step still running that this one is planned on (0: none).
         """
-        draft = StepDraft(self.limits.max_batch_prefill_tokens, versioned=self.cache.enabled)
+        draft = StepDraft(self.limits.max_batch_prefill_tokens, caching=self.cache.enabled)
         preemptions = self._schedule_running(draft)
         self._steps_since_admission += 1
         already_running = bool(self.running)

@@ -18,14 +18,16 @@ class StepDraft:
     step had run (``Scheduler.step_failed`` undoes them when it does not)."""
 
     budget: int
-    versioned: bool = False
-    """New sequences carry their prefix and adapter versions (the prefix cache is on)."""
+    caching: bool = False
+    """The prefix cache is on: new sequences carry their prefix and adapter versions, and
+    the blocks a step fills are registered once it succeeded (``computed_after``)."""
     prompt_tokens: int = 0
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     new_sequences: list[NewSequence] = field(default_factory=list)
     states: dict[int, RequestState] = field(default_factory=dict)
     samples: set[int] = field(default_factory=set)
     computed_after: dict[int, int] = field(default_factory=dict)
+    """Positions computed after the step, of the requests whose chunk fills a block."""
     cache_queried: int = 0
     cache_hits: int = 0
 
@@ -36,7 +38,7 @@ class StepDraft:
             self.budget -= num_tokens
             self.prompt_tokens += num_tokens
         if not state.known_to_shard:
-            new = state.request.new_sequence(state.request_id, versioned=self.versioned)
+            new = state.request.new_sequence(state.request_id, versioned=self.caching)
             self.new_sequences.append(new)
             state.known_to_shard = True
         # Its first chunk since admission after a prefix-cache hit: the shard is told.
@@ -44,10 +46,12 @@ class StepDraft:
         blocks.grow(state.block_ids, state.num_computed + num_tokens)
         new_blocks = tuple(state.block_ids[state.blocks_sent :])
         state.blocks_sent = len(state.block_ids)
+        before = state.num_computed
         state.num_computed += num_tokens
+        if self.caching and before // blocks.block_size < state.num_computed // blocks.block_size:
+            self.computed_after[state.request_id] = state.num_computed
         if state.num_computed == state.known_length:
             state.pending_tokens += 1
             self.samples.add(state.request_id)
         self.scheduled.append(ScheduledSequence(state.request_id, num_tokens, new_blocks, cached))
         self.states[state.request_id] = state
-        self.computed_after[state.request_id] = state.num_computed

@@ -76,7 +76,7 @@ def load_native_runner(
     num_blocks = min_over_ranks(
         tp, _kv_cache_blocks(config, model, spec, attention, info, device, forward)
     )
-    kv_cache = KVCache(spec, num_blocks, device)
+    kv_cache = KVCache(spec, num_blocks, device, commit=config.prefix_caching)
     info = replace(info, num_blocks=num_blocks)
     log.info(
         "Loaded %s (%s) from %s%s: %s on %s, %d KV blocks of %d tokens",
@@ -131,7 +131,7 @@ def _info(
         dtype=dtype_name(dtype),
         device=str(device),
         attention_backend=attention.name,
-        prefix_caching=True,
+        prefix_caching=config.prefix_caching,
     )
 
 
