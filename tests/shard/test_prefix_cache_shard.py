@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 
 import pytest
+import torch
 from conftest import Router
 
 from tgis.shard.errors import InvalidStepError
@@ -73,6 +75,25 @@ def test_starting_after_cached_blocks_equals_computing_them(
     for w, c in zip(warm_details, cold_details, strict=True):
         assert w.logprob == pytest.approx(c.logprob, abs=1e-4)  # type: ignore[attr-defined]
         assert w.rank == c.rank  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_paged", "triton_paged"])
+def test_every_attention_backend_reads_cached_blocks(
+    make_runner: Callable[..., ModelRunner], monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """The same hit on each attention backend (Triton's kernels interpreted on the CPU):
+    starting after two cached blocks computes what computing them does."""
+    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", backend)
+    if backend == "triton_paged" and not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runner = make_runner()
+    assert runner.info.attention_backend == backend
+    cold, cold_details = run(runner, 0, 4, SamplingParams())
+    runner.reset()
+    warm, warm_details = run(runner, 2, 4, SamplingParams())
+    assert warm.generated[2] == cold.generated[2]
+    for w, c in zip(warm_details, cold_details, strict=True):
+        assert w.logprob == pytest.approx(c.logprob, abs=1e-4)  # type: ignore[attr-defined]
 
 
 def plan_with(runner: ModelRunner, scheduled: ScheduledSequence, **new: object) -> StepPlan:
