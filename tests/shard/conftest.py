@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,6 +224,26 @@ class Router:
     def decode(self, request_ids: Iterable[int]) -> StepOutput:
         """One decode step of each listed sequence."""
         return self.step({rid: 1 for rid in request_ids})
+
+    def speculate(self, drafts: Mapping[int, SequenceOf[int]]) -> StepOutput:
+        """One decode step of each listed sequence with its drafted tokens (none: a plain
+        decode); blocks are reserved for them all, and each sequence's computed count
+        then advances by the tokens it got."""
+        scheduled = []
+        for rid, drafted in drafts.items():
+            n = 1 + len(drafted)
+            need = math.ceil((self.computed[rid] + n) / self.block_size) - len(self.tables[rid])
+            blocks = [self.free.pop() for _ in range(max(need, 0))]
+            self.tables[rid].extend(blocks)
+            scheduled.append(ScheduledSequence(rid, n, tuple(blocks), 0, tuple(drafted)))
+        self.step_id += 1
+        plan = StepPlan(step_id=self.step_id, new_sequences=(), scheduled=tuple(scheduled))
+        output = self.runner.step(plan)
+        for sampled in output.tokens:
+            self.generated[sampled.request_id].append(sampled.token.token_id)
+            self.computed[sampled.request_id] += 1
+        self.outputs.append(output)
+        return output
 
 
 @pytest.fixture

@@ -124,6 +124,7 @@ def plan_to_pb(plan: StepPlan) -> shard_pb2.StepRequest:
             num_tokens=s.num_tokens,
             new_block_ids=s.new_block_ids,
             cached_tokens=s.cached_tokens,
+            draft_token_ids=s.draft_token_ids,
         )
     return pb
 
@@ -146,7 +147,13 @@ def plan_from_pb(pb: shard_pb2.StepRequest) -> StepPlan:
             for ns in pb.new_sequences
         ),
         scheduled=tuple(
-            ScheduledSequence(s.request_id, s.num_tokens, tuple(s.new_block_ids), s.cached_tokens)
+            ScheduledSequence(
+                s.request_id,
+                s.num_tokens,
+                tuple(s.new_block_ids),
+                s.cached_tokens,
+                tuple(s.draft_token_ids),
+            )
             for s in pb.scheduled
         ),
         finished_request_ids=tuple(pb.finished_request_ids),

@@ -153,13 +153,15 @@ class NewSequence:
 @dataclass(frozen=True, slots=True)
 class ScheduledSequence:
     """One sequence's share of a step: how many tokens to compute, which blocks it gained,
-    and (a prefix-cache hit, only when it starts from position 0) how many leading
-    positions those blocks already hold."""
+    (a prefix-cache hit, only when it starts from position 0) how many leading positions
+    those blocks already hold, and (speculative decoding) the tokens drafted after its last
+    known one, which ``num_tokens`` counts too."""
 
     request_id: int
     num_tokens: int
     new_block_ids: tuple[int, ...] = ()
     cached_tokens: int = 0
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

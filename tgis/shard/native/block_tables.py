@@ -75,7 +75,7 @@ def flatten(work: SequenceOf[WorkItem], tables: BlockTables, block_size: int) ->
         if item.end - item.start == 1:
             ids.append(seq.token_ids[item.start])
         else:
-            ids.extend(seq.token_ids[item.start : item.end])
+            ids.extend(item.input_ids())
     lens = ends - starts
     query_starts = np.cumsum(lens) - lens
     total = int(lens.sum())

@@ -34,6 +34,7 @@ from tgis.shard.step.plan import PlanLimits, ResolvedStep, WorkItem
 from tgis.shard.step.results import sample_tokens, start_masks
 from tgis.shard.step.runner import Computed, SequenceRunner
 from tgis.shard.step.sequence import Sequence
+from tgis.shard.step.speculation import verify_drafts
 from tgis.shard.step.token_details import first_input_detail, token_details
 from tgis.shard_api.messages import (
     NewSequence,
@@ -62,6 +63,9 @@ class _FlatBatch:
     lora_rows: LoraRows | None
     sample_rows: torch.Tensor  # [sampling items] last row of each, in work order
     sample_items: tuple[WorkItem, ...]
+    # Speculative decoding: the 1 + k rows of each drafted item, and those items.
+    draft_rows: torch.Tensor
+    draft_items: tuple[WorkItem, ...]
     # Input-token details: (item, first row, number of rows) per asking sequence.
     detail_spans: tuple[tuple[WorkItem, int, int], ...]
 
@@ -103,6 +107,7 @@ class ModelRunner(SequenceRunner):
             block_size=kv_cache.block_size,
             device=device,
             prefix_caching=info.prefix_caching,
+            speculation=True,
         )
 
     def reset(self) -> None:
@@ -178,12 +183,13 @@ class ModelRunner(SequenceRunner):
             masks = start_masks(batch.sample_items, self.grammars, self.device)
             hidden = self._hidden_states(batch.layout, batch.prefix_rows, batch.lora_rows)
             sampled, errors = self._sample(hidden, batch, masks)
+            accepted = self._verify(hidden, batch, sampled, errors)
             input_details = self._input_details(hidden, batch, resolved.work)
         except BaseException:
             for seq in resolved.new:  # never registered: give their rows back
                 self.block_tables.release(seq.request_id)
             raise
-        return Computed(sampled, input_details, errors)
+        return Computed(sampled, input_details, errors, accepted)
 
     def _hidden_states(
         self, layout: BatchLayout, prefix_rows: EmbeddingRows | None, lora: LoraRows | None
@@ -211,10 +217,15 @@ class ModelRunner(SequenceRunner):
         layout = flatten(work, self.block_tables, self.kv_cache.block_size)
         sample_rows: list[int] = []
         sample_items: list[WorkItem] = []
+        draft_rows: list[int] = []
+        draft_items: list[WorkItem] = []
         detail_spans: list[tuple[WorkItem, int, int]] = []
         query_starts = layout.query_starts.tolist()
         for item, row in zip(work, query_starts, strict=True):
-            if item.samples:
+            if item.drafts:
+                draft_rows.extend(range(row, row + item.num_tokens))
+                draft_items.append(item)
+            elif item.samples:
                 sample_rows.append(row + item.num_tokens - 1)
                 sample_items.append(item)
             if item.prompt_details:
@@ -228,6 +239,8 @@ class ModelRunner(SequenceRunner):
             lora_rows=lora_rows(work, query_starts, self.device, self.lora_kernel),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             sample_items=tuple(sample_items),
+            draft_rows=torch.tensor(draft_rows, dtype=torch.long, device=self.device),
+            draft_items=tuple(draft_items),
             detail_spans=tuple(detail_spans),
         )
 
@@ -240,6 +253,26 @@ class ModelRunner(SequenceRunner):
         return sample_tokens(
             logits, batch.sample_items, self.info, lambda seq: seq.token_ids, masks
         )
+
+    def _verify(
+        self,
+        hidden: torch.Tensor,
+        batch: _FlatBatch,
+        sampled: dict[int, TokenDetail],
+        errors: list[SequenceError],
+    ) -> dict[int, list[TokenDetail]]:
+        """Sample the drafted items' rows (``step/speculation.py``): each one's first token
+        joins ``sampled``, its failures ``errors``; returns the confirmed tokens after it."""
+        if not batch.draft_items:
+            return {}
+        logits = self.model.compute_logits(hidden[batch.draft_rows])
+        verified, failed = verify_drafts(logits, batch.draft_items, self.info)
+        errors.extend(failed)
+        accepted: dict[int, list[TokenDetail]] = {}
+        for rid, tokens in verified.items():
+            sampled[rid] = tokens[0]
+            accepted[rid] = tokens[1:]
+        return accepted
 
     def _input_details(
         self, hidden: torch.Tensor, batch: _FlatBatch, work: SequenceOf[WorkItem]

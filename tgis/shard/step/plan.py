@@ -55,6 +55,9 @@ class WorkItem:
     # Input-token details are wanted for this step's prompt positions: asked for, and the
     # prompt's first pass (nothing generated yet; a resumed sequence sent them already).
     prompt_details: bool = False
+    # Speculative decoding: tokens drafted after the last known one, computed after it
+    # (``end`` counts them) and verified by sampling every one of those positions.
+    drafts: tuple[int, ...] = ()
 
     @classmethod
     def plan(
@@ -64,11 +67,13 @@ class WorkItem:
         new_block_ids: tuple[int, ...] = (),
         start: int | None = None,
         fresh_table: bool = False,
+        drafts: tuple[int, ...] = (),
     ) -> WorkItem:
         """The work of computing ``seq``'s next ``num_tokens`` tokens from ``start``
         (default: its computed count; 0 when it is resumed after a preemption, which also
         drops its old blocks). ``fresh_table``: ``new_block_ids`` is the whole table, the
-        first ``start`` positions already in it (a prefix-cache hit)."""
+        first ``start`` positions already in it (a prefix-cache hit). ``drafts``: the last
+        ``len(drafts)`` of the ``num_tokens`` are these drafted tokens."""
         start = seq.num_computed if start is None else start
         end = start + num_tokens
         return cls(
@@ -77,10 +82,16 @@ class WorkItem:
             end=end,
             prior_blocks=len(seq.block_table) if start and not fresh_table else 0,
             new_block_ids=new_block_ids,
-            samples=end == len(seq.token_ids),
+            samples=end - len(drafts) == len(seq.token_ids),
             completes_prompt=start < seq.prompt_len <= end,
             prompt_details=seq.details.input_tokens and seq.num_generated == 0,
+            drafts=drafts,
         )
+
+    def input_ids(self) -> list[int]:
+        """The token ids of the positions computed this step (drafts included)."""
+        known = self.seq.token_ids[self.start : self.end]
+        return known + list(self.drafts) if self.drafts else known
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +127,8 @@ class PlanLimits:
     resumes_generated: bool = True
     # The engine starts sequences after cached tokens (ScheduledSequence.cached_tokens).
     prefix_caching: bool = False
+    # The engine verifies drafted tokens (ScheduledSequence.draft_token_ids).
+    speculation: bool = False
 
 
 def resolve_plan(
@@ -280,7 +293,10 @@ def _work_item(s: ScheduledSequence, seq: Sequence, restart: bool, limits: PlanL
     if cached:
         _check_cached(s, seq, computed, limits)
         computed = cached
-    uncomputed = len(seq.token_ids) - computed
+    drafts = s.draft_token_ids
+    if drafts:
+        _check_drafts(s, seq, computed, limits)
+    uncomputed = len(seq.token_ids) + len(drafts) - computed
     if not 1 <= s.num_tokens <= uncomputed:
         raise InvalidStepError(
             f"request {rid}: num_tokens {s.num_tokens} but {uncomputed} "
@@ -298,7 +314,29 @@ def _work_item(s: ScheduledSequence, seq: Sequence, restart: bool, limits: PlanL
             f"request {rid}: {table_len} block(s) cannot hold {needed} tokens "
             f"(block size {limits.block_size})"
         )
-    return WorkItem.plan(seq, s.num_tokens, s.new_block_ids, computed, fresh_table=cached > 0)
+    return WorkItem.plan(
+        seq, s.num_tokens, s.new_block_ids, computed, fresh_table=cached > 0, drafts=drafts
+    )
+
+
+def _check_drafts(s: ScheduledSequence, seq: Sequence, computed: int, limits: PlanLimits) -> None:
+    """InvalidStepError unless ``s.draft_token_ids`` may be verified: an engine that
+    speculates, a sequence decoding (every known token computed but the last) without a
+    grammar, ``num_tokens`` counting the drafts, ids in the vocabulary."""
+    rid, drafts = s.request_id, s.draft_token_ids
+    problem = None
+    if not limits.speculation:
+        problem = "this engine does not verify drafts"
+    elif seq.num_generated == 0 or computed != len(seq.token_ids) - 1:
+        problem = "the sequence is not decoding"
+    elif s.num_tokens != 1 + len(drafts):
+        problem = f"num_tokens {s.num_tokens} is not 1 + {len(drafts)} drafts"
+    elif seq.guide is not None:
+        problem = "the sequence is guided"
+    elif any(not 0 <= t < limits.vocab_size for t in drafts):
+        problem = f"a draft id is out of range (vocab size {limits.vocab_size})"
+    if problem is not None:
+        raise InvalidStepError(f"request {rid}: {len(drafts)} drafted token(s): {problem}")
 
 
 def _check_cached(s: ScheduledSequence, seq: Sequence, computed: int, limits: PlanLimits) -> None:

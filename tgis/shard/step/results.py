@@ -9,7 +9,7 @@ state. Shared by the native `ModelRunner` and the transformers `HfRunner`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as SequenceOf
 
 import torch
@@ -147,9 +147,13 @@ def commit_step(
     sampled: dict[int, TokenDetail],
     input_details: dict[int, list[TokenDetail]],
     errors: SequenceOf[SequenceError] = (),
+    accepted: Mapping[int, SequenceOf[TokenDetail]] | None = None,
 ) -> tuple[InputTokenDetails, ...]:
     """Register new sequences, advance the scheduled ones, forget the failed ones; return the
-    input-token details of every prompt this step completed."""
+    input-token details of every prompt this step completed. ``accepted``: the tokens after
+    the sampled one that a drafted sequence's step confirmed; its drafts after them are
+    not computed (their KV entries are overwritten later)."""
+    accepted = accepted or {}
     for seq in resolved.new:
         sequences[seq.request_id] = seq
     completed: list[InputTokenDetails] = []
@@ -164,6 +168,10 @@ def commit_step(
             seq.token_ids.append(detail.token_id)
             if seq.guide is not None:
                 seq.guide.consume(detail.token_id)
+        if item.drafts:
+            more = accepted.get(seq.request_id, ())
+            seq.token_ids.extend(d.token_id for d in more)
+            seq.num_computed = item.end - len(item.drafts) + len(more)
         if item.completes_prompt and item.prompt_details and seq.request_id not in failed:
             completed.append(InputTokenDetails(seq.request_id, tuple(seq.input_details)))
             seq.input_details = []

@@ -88,6 +88,9 @@ class Computed:
     input_details: dict[int, list[TokenDetail]] = field(default_factory=dict)
     # Sequences that failed on their own (e.g. NaN logits); the others go on.
     errors: list[SequenceError] = field(default_factory=list)
+    # Speculative decoding: the tokens after the sampled one that a drafted sequence's
+    # step confirmed (``step/speculation.py``).
+    accepted: dict[int, list[TokenDetail]] = field(default_factory=dict)
 
 
 class SequenceRunner:
@@ -149,7 +152,11 @@ class SequenceRunner:
         self._drop_failed(all_errors)
         return StepOutput(
             step_id=plan.step_id,
-            tokens=tuple(SampledToken(rid, detail) for rid, detail in computed.sampled.items()),
+            tokens=tuple(
+                SampledToken(rid, detail)
+                for rid, first in computed.sampled.items()
+                for detail in (first, *computed.accepted.get(rid, ()))
+            ),
             input_tokens=finished_prompts,
             errors=all_errors,
             forward_time_ns=elapsed,
@@ -164,7 +171,12 @@ class SequenceRunner:
         """Register, advance and forget as the step computed; the input-token details of
         every prompt it completed."""
         return commit_step(
-            self.sequences, resolved, computed.sampled, computed.input_details, computed.errors
+            self.sequences,
+            resolved,
+            computed.sampled,
+            computed.input_details,
+            computed.errors,
+            computed.accepted,
         )
 
     def _begin_step(self, plan: StepPlan) -> ResolvedStep:

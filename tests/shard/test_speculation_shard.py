@@ -1,0 +1,144 @@
+"""The shard's half of speculative decoding: a decode step with drafted tokens returns
+exactly the tokens (and token details) plain decoding returns, however good or bad the
+drafts; a plan that misuses drafts is refused. Oracle: the same sequences decoded one token
+per step."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+from conftest import Router
+
+from tgis.shard.errors import InvalidStepError
+from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.step.speculation import accepted_run
+from tgis.shard_api.messages import (
+    DetailOptions,
+    LengthPenalty,
+    SamplingParams,
+    ScheduledSequence,
+    StepPlan,
+)
+
+DETAILS = DetailOptions(logprobs=True, ranks=True, top_n=3, generated_tokens=True)
+MODES = {
+    "greedy": SamplingParams(),
+    "seeded": SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=11),
+    "penalties": SamplingParams(
+        temperature=0.7,
+        seed=5,
+        repetition_penalty=1.3,
+        length_penalty=LengthPenalty(start_index=3, decay_factor=1.2),
+    ),
+    "min_new_tokens": SamplingParams(min_new_tokens=12, repetition_penalty=1.1),
+}
+PROMPTS = {1: [5, 9, 13, 5, 9, 13, 5, 9], 2: list(range(30, 51)), 3: [7, 7, 7]}
+NEW_TOKENS = 14
+
+
+def plain(runner: ModelRunner, sampling: SamplingParams) -> dict[int, list[object]]:
+    """Every sequence's generated token details, one decode step at a time."""
+    router = Router(runner)
+    for rid, prompt in PROMPTS.items():
+        router.add(rid, prompt, sampling, DETAILS)
+    router.step({rid: len(p) for rid, p in PROMPTS.items()})
+    for _ in range(NEW_TOKENS - 1):
+        router.decode(PROMPTS)
+    return details_by_request(router)
+
+
+def details_by_request(router: Router) -> dict[int, list[object]]:
+    result: dict[int, list[object]] = {rid: [] for rid in PROMPTS}
+    for output in router.outputs:
+        for sampled in output.tokens:
+            result[sampled.request_id].append(sampled.token)
+    return result
+
+
+def speculated(
+    runner: ModelRunner,
+    sampling: SamplingParams,
+    draft: Callable[[int, list[int], random.Random], list[int]],
+) -> tuple[dict[int, list[object]], int, int]:
+    """The same sequences with drafts from ``draft(rid, generated so far, rng)`` at every
+    decode step, until each has at least NEW_TOKENS tokens; (details, drafted, accepted)."""
+    rng = random.Random(3)
+    router = Router(runner)
+    for rid, prompt in PROMPTS.items():
+        router.add(rid, prompt, sampling, DETAILS)
+    router.step({rid: len(p) for rid, p in PROMPTS.items()})
+    drafted = accepted = 0
+    while live := [r for r in PROMPTS if len(router.generated[r]) < NEW_TOKENS]:
+        drafts = {rid: draft(rid, router.generated[rid], rng) for rid in live}
+        before = {rid: len(router.generated[rid]) for rid in live}
+        router.speculate(drafts)
+        for rid in live:
+            got = len(router.generated[rid]) - before[rid]
+            assert 1 <= got <= len(drafts[rid]) + 1
+            drafted += len(drafts[rid])
+            accepted += got - 1
+    return details_by_request(router), drafted, accepted
+
+
+def assert_same(got: dict[int, list[object]], want: dict[int, list[object]]) -> None:
+    for rid in PROMPTS:
+        common = min(len(got[rid]), len(want[rid]))
+        assert common >= NEW_TOKENS
+        a, b = got[rid][:common], want[rid][:common]
+        assert [t.token_id for t in a] == [t.token_id for t in b], rid  # type: ignore[attr-defined]
+        for x, y in zip(a, b, strict=True):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)  # type: ignore[attr-defined]
+            assert x.rank == y.rank  # type: ignore[attr-defined]
+            assert [t.token_id for t in x.top_tokens] == [t.token_id for t in y.top_tokens]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_drafts_right_wrong_or_mixed_give_the_plain_tokens(
+    make_runner: Callable[..., ModelRunner], mode: str
+) -> None:
+    sampling = MODES[mode]
+    runner = make_runner()
+    want = plain(runner, sampling)
+    future = {rid: [t.token_id for t in tokens] for rid, tokens in want.items()}  # type: ignore[attr-defined]
+
+    def oracle(rid: int, generated: list[int], rng: random.Random) -> list[int]:
+        """The true next tokens, one of them replaced now and then; sometimes none."""
+        k = rng.choice([0, 1, 3, 4])
+        drafts = future[rid][len(generated) : len(generated) + k]
+        if drafts and rng.random() < 0.4:
+            drafts[rng.randrange(len(drafts))] = rng.randrange(3, 200)
+        return drafts
+
+    def noise(rid: int, generated: list[int], rng: random.Random) -> list[int]:
+        return [rng.randrange(3, 200) for _ in range(rng.choice([1, 2, 4]))]
+
+    for draft in (oracle, noise):
+        runner.reset()
+        got, drafted, accepted = speculated(runner, sampling, draft)
+        assert_same(got, want)
+        if draft is oracle:
+            assert accepted > drafted // 3, (accepted, drafted)
+
+
+def test_accepted_run() -> None:
+    assert accepted_run([4, 9, 2], [4, 9]) == 3  # both drafts confirmed, plus the bonus
+    assert accepted_run([4, 9, 2], [4, 8]) == 2
+    assert accepted_run([5, 9, 2], [4, 9]) == 1  # the first token differs from draft 1
+    assert accepted_run([7], []) == 1
+
+
+def test_misused_drafts_are_refused(router: Router, runner: ModelRunner) -> None:
+    router.add(1, [5, 6, 7])
+    plan = StepPlan(1, tuple(router.pending), (ScheduledSequence(1, 3, (0,), 0, (8,)),))
+    with pytest.raises(InvalidStepError, match="the sequence is not decoding"):
+        runner.step(plan)
+    router.step({1: 3})
+    for scheduled, message in [
+        (ScheduledSequence(1, 3, (), 0, (8,)), "num_tokens 3 is not 1 \\+ 1 drafts"),
+        (ScheduledSequence(1, 2, (), 0, (10**6,)), "a draft id is out of range"),
+    ]:
+        with pytest.raises(InvalidStepError, match=message):
+            runner.step(StepPlan(router.step_id + 1, (), (scheduled,)))
+    assert router.decode([1]).tokens  # nothing changed: decoding goes on
