@@ -16,6 +16,7 @@ import pytest
 from tgis.embedded_model import MODEL_DIR
 from tgis.router.core.batching import SchedulerLimits
 from tgis.router.core.engine import Engine, ShardHungError
+from tgis.router.core.expiry import drop_aborted_and_expired
 from tgis.router.core.request_state import OutputRules, RequestState, TokenEvent
 from tgis.router.core.scheduler import new_scheduler
 from tgis.router.core.shard_client import ShardError, ShardFailure
@@ -469,7 +470,7 @@ def test_a_preempted_request_cancelled_or_expired_in_the_queue() -> None:
             state.generated_ids = [300, 301]
         expired.detokenizer.push(300)
         engine.abort(cancelled)
-        update = engine.scheduler.drop_aborted_and_expired(now + 101)
+        update = drop_aborted_and_expired(engine.scheduler, now + 101)
         assert update.cancelled == 1 and update.timed_out_in_queue == 0
         assert cancelled.finish_reason == StopReason.CANCELLED
         ((state, final),) = update.events

@@ -17,6 +17,7 @@ from tgis.embedded_model import MODEL_DIR
 from tgis.router.core.batching import SchedulerLimits
 from tgis.router.core.block_pool import BlockPool, blocks_for
 from tgis.router.core.detokenizer import IncrementalDetokenizer
+from tgis.router.core.expiry import drop_aborted_and_expired
 from tgis.router.core.request_state import RequestState, RequestStatus, TokenEvent
 from tgis.router.core.scheduler import Scheduler
 from tgis.router.core.steps import ScheduledStep
@@ -833,7 +834,7 @@ def run_random_workload(seed: int, caching: bool = False) -> tuple[Scheduler, Si
         elif not scheduler.has_work and not in_flight:
             break
         while len(in_flight) < depth:
-            scheduler.drop_aborted_and_expired(now)
+            drop_aborted_and_expired(scheduler, now)
             base = in_flight[-1].plan.step_id if in_flight else 0
             step = scheduler.schedule(now, base)
             plan = step.plan

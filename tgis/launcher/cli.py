@@ -199,6 +199,31 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
     "Compute every prompt in full: no reuse of cached KV blocks of earlier prompts.",
 )
 @_option(
+    "--speculate",
+    envvar="SPECULATE",
+    type=int,
+    help="Speculative decoding: tokens drafted per sequence and step by prompt lookup (n-grams "
+    "of the prompt and the output); 0 turns it off.",
+)
+@_option(
+    "--speculator-max-batch-size",
+    envvar="SPECULATOR_MAX_BATCH_SIZE",
+    type=int,
+    help="Speculate only while at most this many sequences run.",
+)
+@_option(
+    "--prompt-lookup-min",
+    envvar="PROMPT_LOOKUP_MIN",
+    type=int,
+    help="Shortest suffix, in tokens, prompt lookup searches for.",
+)
+@_option(
+    "--prompt-lookup-max",
+    envvar="PROMPT_LOOKUP_MAX",
+    type=int,
+    help="Longest suffix, in tokens, prompt lookup searches for.",
+)
+@_option(
     "cuda_process_memory_fraction",
     "-c",
     "--cuda-process-memory-fraction",

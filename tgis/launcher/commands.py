@@ -153,6 +153,13 @@ def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list
                 ("--json-output", flags.json_output),
                 ("--output-special-tokens", flags.output_special_tokens),
                 ("--disable-prefix-caching", flags.disable_prefix_caching),
+                ("--speculate", flags.speculate or None),
+                (
+                    "--speculator-max-batch-size",
+                    flags.speculator_max_batch_size if flags.speculate else None,
+                ),
+                ("--prompt-lookup-min", flags.prompt_lookup_min if flags.speculate else None),
+                ("--prompt-lookup-max", flags.prompt_lookup_max if flags.speculate else None),
                 ("--default-include-stop-seqs", flags.default_include_stop_seqs),
                 ("--shutdown-grace-period", flags.shutdown_grace_period),
                 ("--otlp-endpoint", flags.otlp_endpoint),

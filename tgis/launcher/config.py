@@ -82,6 +82,10 @@ class LauncherConfig:
     tls_client_ca_cert_path: str | None = None
     output_special_tokens: bool = False
     disable_prefix_caching: bool = False
+    speculate: int = 0  # tokens drafted per sequence and step by prompt lookup (0: off)
+    speculator_max_batch_size: int = 16
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
     cuda_process_memory_fraction: float = 1.0
     default_include_stop_seqs: bool = True
     otlp_endpoint: str | None = None

@@ -86,6 +86,7 @@ def validate_limits(flags: LauncherConfig) -> None:
     the GPU memory fraction, ports, timeouts."""
     _validate_sizes(flags)
     _validate_adapter_limits(flags)
+    _validate_speculation(flags)
     _validate_batch_margins(flags)
     validate_batching(flags, max_sequence_length=flags.max_sequence_length)
     if not 0.0 < flags.cuda_process_memory_fraction <= 1.0:
@@ -117,6 +118,21 @@ def _validate_adapter_limits(flags: LauncherConfig) -> None:
         raise ConfigError(f"max_lora_rank ({flags.max_lora_rank}) must be at least 1")
     if flags.adapter_cache and not Path(flags.adapter_cache).is_dir():
         raise ConfigError(f"adapter_cache {flags.adapter_cache} is not a directory")
+
+
+def _validate_speculation(flags: LauncherConfig) -> None:
+    """Drafted tokens not negative; the batch limit and lookup sizes at least 1, min <= max."""
+    if flags.speculate < 0:
+        raise ConfigError(f"speculate ({flags.speculate}) must not be negative")
+    if flags.speculator_max_batch_size < 1:
+        raise ConfigError(
+            f"speculator_max_batch_size ({flags.speculator_max_batch_size}) must be at least 1"
+        )
+    if not 1 <= flags.prompt_lookup_min <= flags.prompt_lookup_max:
+        raise ConfigError(
+            f"prompt_lookup_min ({flags.prompt_lookup_min}) and prompt_lookup_max "
+            f"({flags.prompt_lookup_max}) must satisfy 1 <= min <= max"
+        )
 
 
 def _validate_batch_margins(flags: LauncherConfig) -> None:

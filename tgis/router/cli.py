@@ -119,6 +119,26 @@ def _default_tokenization_workers() -> int:
     is_flag=True,
     help="Compute every prompt in full (no reuse of cached KV blocks).",
 )
+@click.option(
+    "--speculate",
+    envvar="SPECULATE",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Speculative decoding: tokens drafted per sequence and step by prompt lookup (0: off).",
+)
+@click.option(
+    "--speculator-max-batch-size",
+    envvar="SPECULATOR_MAX_BATCH_SIZE",
+    type=click.IntRange(min=1),
+    default=16,
+    help="Speculate while at most this many sequences run.",
+)
+@click.option(
+    "--prompt-lookup-min", envvar="PROMPT_LOOKUP_MIN", type=click.IntRange(min=1), default=1
+)
+@click.option(
+    "--prompt-lookup-max", envvar="PROMPT_LOOKUP_MAX", type=click.IntRange(min=1), default=3
+)
 @click.option("--default-include-stop-seqs", envvar="DEFAULT_INCLUDE_STOP_SEQS", is_flag=True)
 @click.option(
     "--otlp-endpoint",

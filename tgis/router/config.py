@@ -87,6 +87,13 @@ class RouterConfig:
     disable_prefix_caching: bool = False
     """Compute every prompt in full (the prefix cache is on by default where the shard's
     engine supports it)."""
+    speculate: int = 0
+    """Speculative decoding: tokens drafted per sequence and step by prompt lookup (0: off)."""
+    speculator_max_batch_size: int = 16
+    """Speculation applies while at most this many sequences run (TGIS's variable)."""
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    """The shortest and longest suffix (in tokens) prompt lookup searches for."""
     shard_connect_timeout: float = 60.0
     pipeline_depth: int = 2
     """Steps in flight: 2 overlaps the router's work with the shard's, 1 is the serial loop."""

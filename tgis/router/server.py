@@ -24,6 +24,7 @@ from tgis.router.core.engine import Engine, ShardHungError
 from tgis.router.core.request_state import OutputRules
 from tgis.router.core.scheduler import new_scheduler
 from tgis.router.core.shard_client import ShardClient
+from tgis.router.core.speculation import SpeculationConfig
 from tgis.router.edge.calls import CallGate
 from tgis.router.edge.grpc_server import PublicGrpc
 from tgis.router.edge.health import LIVENESS_TEXT, GenerationHealth
@@ -109,11 +110,14 @@ class Router:
     def _engine(self, info: ShardInfo, metrics: Metrics) -> Engine:
         config = self.config
         limits = scheduler_limits(config, info)
-        scheduler = new_scheduler(limits, info, prefix_caching=not config.disable_prefix_caching)
+        scheduler = new_scheduler(
+            limits, info, not config.disable_prefix_caching, speculation_config(config)
+        )
         capacity = scheduler.blocks.num_blocks
         startup.check_capacity(config, info, capacity)
         startup.log_batching(limits, capacity, info)
         startup.log_prefix_caching(not config.disable_prefix_caching, info)
+        startup.log_speculation(speculation_config(config), info)
         startup.warn_adjusted_limits(config)
         engine = Engine(
             shard=self.shard,
@@ -241,3 +245,15 @@ def _signal_event() -> asyncio.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, event.set)
     return event
+
+
+def speculation_config(config: RouterConfig) -> SpeculationConfig | None:
+    """``--speculate`` and its policy flags (None: off)."""
+    if config.speculate < 1:
+        return None
+    return SpeculationConfig(
+        tokens=config.speculate,
+        max_batch_size=config.speculator_max_batch_size,
+        min_ngram=config.prompt_lookup_min,
+        max_ngram=max(config.prompt_lookup_min, config.prompt_lookup_max),
+    )

@@ -8,6 +8,7 @@ import logging
 from tgis.router.config import RouterConfig
 from tgis.router.core.batching import SchedulerLimits
 from tgis.router.core.block_pool import blocks_for
+from tgis.router.core.speculation import SpeculationConfig
 from tgis.router.errors import StartupError
 from tgis.shard_api.messages import ShardInfo
 
@@ -74,6 +75,26 @@ def log_prefix_caching(asked: bool, info: ShardInfo) -> None:
         )
     else:
         log.info("prefix caching: on, in blocks of %d tokens", info.block_size)
+
+
+def log_speculation(speculation: SpeculationConfig | None, info: ShardInfo) -> None:
+    """Say once whether decodes carry drafted tokens, and why not."""
+    if speculation is None:
+        log.info("speculative decoding: off (--speculate 0)")
+    elif not info.speculation:
+        log.info(
+            "speculative decoding: off, the %s engine does not verify drafts",
+            info.attention_backend,
+        )
+    else:
+        log.info(
+            "speculative decoding: up to %d tokens drafted by prompt lookup (suffixes of %d to "
+            "%d tokens) while at most %d sequences run; those steps run one at a time",
+            speculation.tokens,
+            speculation.min_ngram,
+            speculation.max_ngram,
+            speculation.max_batch_size,
+        )
 
 
 def warn_adjusted_limits(config: RouterConfig) -> None:

@@ -233,6 +233,7 @@ def info_to_pb(info: ShardInfo) -> shard_pb2.InfoResponse:
         adapters_enabled=info.adapters_enabled,
         max_loras=info.max_loras,
         prefix_caching=info.prefix_caching,
+        speculation=info.speculation,
     )
 
 
@@ -253,6 +254,7 @@ def info_from_pb(pb: shard_pb2.InfoResponse) -> ShardInfo:
         adapters_enabled=pb.adapters_enabled,
         max_loras=pb.max_loras,
         prefix_caching=pb.prefix_caching,
+        speculation=pb.speculation,
     )
 
 

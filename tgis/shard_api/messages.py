@@ -267,6 +267,8 @@ class ShardInfo:
     max_loras: int = 0
     """Most different LoRA adapters one step may contain (0: adapters disabled, or no LoRA)."""
     prefix_caching: bool = False
+    # The engine verifies drafted tokens (``ScheduledSequence.draft_token_ids``).
+    speculation: bool = False
     """The engine starts sequences after cached tokens (``ScheduledSequence.cached_tokens``);
     False for the transformers fallback and encoder-decoder engines."""
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from tgis.router.config import DEFAULT_STEP_TIMEOUT_S
+from tgis.router.core.expiry import drop_aborted_and_expired
 from tgis.router.core.request_state import OutputRules, RequestState
 from tgis.router.core.scheduler import Scheduler
 from tgis.router.core.shard_client import ShardClient, ShardError, ShardFailure
@@ -151,7 +152,7 @@ class Engine:
         """Plan the next step on top of the unanswered ones and send it; False when there
         is nothing to send."""
         now = time.monotonic()
-        self._emit(self.scheduler.drop_aborted_and_expired(now))
+        self._emit(drop_aborted_and_expired(self.scheduler, now))
         base = self._in_flight[-1].step.plan.step_id if self._in_flight else 0
         step = self.scheduler.schedule(now, base)
         self._record_schedule(step, now)
@@ -287,6 +288,10 @@ class Engine:
             metrics.request_cancelled()
         for _ in range(update.timed_out_in_queue):
             metrics.request_timed_out()
+        if update.speculative_steps:
+            metrics.speculated(
+                update.speculative_steps, update.drafted_tokens, update.accepted_tokens
+            )
 
     def _record_schedule(self, step: ScheduledStep, now: float) -> None:
         """Queue time of every fresh admission, a concatenation when they join a batch,

@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tgis.router.core.detokenizer import IncrementalDetokenizer, TokenDecoder
+from tgis.router.core.ngram import NgramIndex
 from tgis.router.core.stopping import StopChecker, StopDecision, stream_hold_back_bytes
 from tgis.router.request_types import StopReason, ValidatedRequest
 from tgis.shard_api.messages import ShardInfo, TokenDetail
@@ -88,6 +89,8 @@ class RequestState:
     finish_reason: StopReason | None = None
     correlation_id: str | None = None
     """The client's x-correlation-id, for the engine's log lines about this request."""
+    ngram: NgramIndex | None = None
+    """Its ids' n-grams, built when speculative decoding first drafts for it."""
 
     @property
     def prompt_length(self) -> int:

@@ -3,9 +3,9 @@ each step's output does to the requests.
 
 The engine drives it with four calls: ``schedule`` (build the next step), ``update`` (apply
 a step's output: tokens, detokenization, stops), ``step_failed`` (undo a step the shard did
-not run) and ``drop_aborted_and_expired``. The scheduler owns the waiting queue, the running
-list, the block allocator and every counter and flag of the policy; requests' own counters
-live on their ``RequestState``.
+not run) and ``expiry.py: drop_aborted_and_expired``. The scheduler owns the waiting
+queue, the running list, the block allocator and every counter and flag of the policy;
+requests' own counters live on their ``RequestState``.
 
 Policy in brief (ARCHITECTURE.md, "Scheduling", has all of it and the why):
 
@@ -25,6 +25,8 @@ Policy in brief (ARCHITECTURE.md, "Scheduling", has all of it and the why):
 * **Prefix cache** (``prefix_cache.py``): an admitted request starts with the cached
   blocks of its longest cached prefix, already computed (only the rest counts against the
   prefill budget); the blocks each step filled are registered when its output is back.
+* **Speculative decoding** (``speculation.py``): while few sequences run, decodes carry
+  drafted tokens, and steps run one at a time.
 """
 
 from __future__ import annotations
@@ -40,11 +42,10 @@ from tgis.router.core.request_state import (
     InputTokensEvent,
     RequestState,
     RequestStatus,
-    TokenEvent,
 )
+from tgis.router.core.speculation import Speculation, SpeculationConfig
 from tgis.router.core.step_draft import StepDraft
 from tgis.router.core.steps import ScheduledStep, StepUpdate
-from tgis.router.core.stopping import StopDecision
 from tgis.router.errors import GenerationError
 from tgis.router.request_types import StopReason
 from tgis.shard_api.messages import (
@@ -58,10 +59,15 @@ class Scheduler:
     """Owns the waiting queue, the running list, the block pool and the prefix cache."""
 
     def __init__(
-        self, blocks: BlockPool, limits: SchedulerLimits, prefix_caching: bool = False
+        self,
+        blocks: BlockPool,
+        limits: SchedulerLimits,
+        prefix_caching: bool = False,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         self.blocks = blocks
         self.cache = PrefixCache(blocks, prefix_caching)
+        self.speculation = None if speculation is None else Speculation(speculation)
         self.limits = limits
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
@@ -111,29 +117,6 @@ class Scheduler:
         self.finish(state, StopReason.ERROR)
         update.events.append((state, error))
 
-    def drop_aborted_and_expired(self, now: float) -> StepUpdate:
-        """Cancelled requests (queued or running) and queued ones past their deadline leave
-        now: their blocks are free at once and the shard forgets them in the next step."""
-        update = StepUpdate()
-        for state in [s for s in self.waiting if s.aborted] + [
-            s for s in self.running if s.aborted
-        ]:
-            update.cancelled += 1
-            self.finish(state, StopReason.CANCELLED)
-        for state in [s for s in self.waiting if s.request.stopping.deadline is not None]:
-            deadline = state.request.stopping.deadline
-            if deadline is None or now <= deadline:
-                continue
-            if state.generated_ids:
-                # Preempted after generating: it ends as a running request would.
-                event = state.final_event(StopDecision(StopReason.TIME_LIMIT))
-            else:
-                update.timed_out_in_queue += 1
-                event = TokenEvent("", 0, (), StopReason.TIME_LIMIT)
-            update.events.append((state, event))
-            self.finish(state, StopReason.TIME_LIMIT)
-        return update
-
     def unservable_head(self) -> RequestState | None:
         """The head of the queue when nothing runs and it still cannot be admitted (start-up
         checks one max_sequence_length request fits, so this should never happen)."""
@@ -178,6 +161,8 @@ class Scheduler:
             state = states.get(error.request_id)
             if state is not None:
                 self.fail(state, GenerationError(error.message), update)
+        if self.speculation is not None:
+            self.speculation.reconcile(step, output, update)
         for rid, computed in step.computed_after.items():
             state = states[rid]
             # A request that ended or was preempted since let go of these blocks.
@@ -218,6 +203,8 @@ class Scheduler:
         to forget or preempt is sent again (both are idempotent on the shard). Undo the
         later of two unanswered steps first."""
         plan = step.plan
+        if step.drafted and self.speculation is not None:
+            self.speculation.in_flight = False
         announced = {ns.request_id for ns in plan.new_sequences}
         for chunk in plan.scheduled:
             state = step.states[chunk.request_id]
@@ -229,7 +216,7 @@ class Scheduler:
                 state.known_to_shard = False
             if state.status is RequestStatus.WAITING:
                 continue  # preempted by a later step: it starts over anyway
-            state.num_computed -= chunk.num_tokens
+            state.num_computed -= chunk.num_tokens - len(chunk.draft_token_ids)
             state.blocks_sent -= len(chunk.new_block_ids)
         self._finished_ids[:0] = [
             r for r in plan.finished_request_ids if r not in self._finished_ids
@@ -272,9 +259,14 @@ class Scheduler:
         """Build the next step; allocates blocks, preempts and admits as the policy says.
 
         ``base_step_id`` is the step still running that this one is planned on (0: none).
+        While speculative decoding applies, nothing is planned on top of a running step.
         """
+        speculation = self.speculation
+        speculating = speculation is not None and speculation.applies(len(self.running))
+        if base_step_id and (speculating or (speculation is not None and speculation.in_flight)):
+            return ScheduledStep(StepPlan(base_step_id=base_step_id), {}, frozenset(), {}, 0)
         draft = StepDraft(self.limits.max_batch_prefill_tokens, caching=self.cache.enabled)
-        preemptions = self._schedule_running(draft)
+        preemptions = self._schedule_running(draft, speculating)
         self._steps_since_admission += 1
         already_running = bool(self.running)
         admitted: list[RequestState] = []
@@ -305,12 +297,14 @@ class Scheduler:
             joined_running_batch=bool(admitted) and already_running,
             preemptions=preemptions,
             budget_hold=budget_hold,
+            drafted=draft.drafted,
         )
 
-    def _schedule_running(self, draft: StepDraft) -> int:
+    def _schedule_running(self, draft: StepDraft, speculating: bool = False) -> int:
         """Every running sequence's work, oldest first: the next prompt (or recompute) chunk
         within the budget, or one decode token (preempting the youngest when its block is
-        missing). Returns the preemptions."""
+        missing), with drafted tokens after it when ``speculating``. Returns the
+        preemptions."""
         before = self.preemption_count
         i = 0
         while i < len(self.running):
@@ -324,8 +318,15 @@ class Scheduler:
                 continue
             if not self._make_room_for_decode(state):
                 break  # it preempted itself: it was the youngest
-            draft.add(self.blocks, state, 1, prompt=False)
+            drafts = self._drafts(state) if speculating else ()
+            draft.add(self.blocks, state, 1 + len(drafts), prompt=False, drafts=drafts)
+        if self.speculation is not None and draft.drafted:
+            self.speculation.in_flight = True
         return self.preemption_count - before
+
+    def _drafts(self, state: RequestState) -> tuple[int, ...]:
+        assert self.speculation is not None
+        return self.speculation.drafts(state, self.blocks)
 
     def _make_room_for_decode(self, state: RequestState) -> bool:
         """Preempt the youngest running sequences until ``state``'s next token has its
@@ -373,9 +374,16 @@ class Scheduler:
         return admitted, joiners.budget_hold
 
 
-def new_scheduler(limits: SchedulerLimits, info: ShardInfo, prefix_caching: bool) -> Scheduler:
+def new_scheduler(
+    limits: SchedulerLimits,
+    info: ShardInfo,
+    prefix_caching: bool,
+    speculation: SpeculationConfig | None = None,
+) -> Scheduler:
     """An empty scheduler over the KV blocks the router may allocate
     (:func:`kv_capacity_blocks`), caching prefixes when ``prefix_caching`` is asked for
-    and the shard's engine can (``ShardInfo.prefix_caching``)."""
+    and the shard's engine can (``ShardInfo.prefix_caching``), drafting tokens with
+    ``speculation`` when the engine verifies them (``ShardInfo.speculation``)."""
     pool = BlockPool(kv_capacity_blocks(limits, info), info.block_size)
-    return Scheduler(pool, limits, prefix_caching and info.prefix_caching)
+    drafts = speculation if info.speculation else None
+    return Scheduler(pool, limits, prefix_caching and info.prefix_caching, drafts)

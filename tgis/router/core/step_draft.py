@@ -30,10 +30,20 @@ class StepDraft:
     """Positions computed after the step, of the requests whose chunk fills a block."""
     cache_queried: int = 0
     cache_hits: int = 0
+    drafted: dict[int, int] = field(default_factory=dict)
 
-    def add(self, blocks: BlockPool, state: RequestState, num_tokens: int, *, prompt: bool) -> None:
+    def add(
+        self,
+        blocks: BlockPool,
+        state: RequestState,
+        num_tokens: int,
+        *,
+        prompt: bool,
+        drafts: tuple[int, ...] = (),
+    ) -> None:
         """Schedule ``num_tokens`` of ``state`` (prompt ones from the budget), growing its
-        blocks from ``blocks``."""
+        blocks from ``blocks``; ``drafts`` (a decode with speculative tokens after it) are
+        the last of them, counted as computed only once confirmed."""
         if prompt:
             self.budget -= num_tokens
             self.prompt_tokens += num_tokens
@@ -47,11 +57,15 @@ class StepDraft:
         new_blocks = tuple(state.block_ids[state.blocks_sent :])
         state.blocks_sent = len(state.block_ids)
         before = state.num_computed
-        state.num_computed += num_tokens
+        state.num_computed += num_tokens - len(drafts)
         if self.caching and before // blocks.block_size < state.num_computed // blocks.block_size:
             self.computed_after[state.request_id] = state.num_computed
         if state.num_computed == state.known_length:
             state.pending_tokens += 1
             self.samples.add(state.request_id)
-        self.scheduled.append(ScheduledSequence(state.request_id, num_tokens, new_blocks, cached))
+        self.scheduled.append(
+            ScheduledSequence(state.request_id, num_tokens, new_blocks, cached, drafts)
+        )
+        if drafts:
+            self.drafted[state.request_id] = len(drafts)
         self.states[state.request_id] = state

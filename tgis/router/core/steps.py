@@ -35,6 +35,8 @@ class ScheduledStep:
     preemptions: int = 0
     budget_hold: bool = False
     """The head of the queue waited only because the prefill budget ran out."""
+    drafted: dict[int, int] = field(default_factory=dict)
+    """Speculative decoding: the drafted tokens of each sequence that has some."""
 
 
 @dataclass(slots=True)
@@ -48,3 +50,7 @@ class StepUpdate:
     """Generated tokens accepted (tokens for requests that had already ended excluded)."""
     cancelled: int = 0
     timed_out_in_queue: int = 0
+    speculative_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    """Speculative decoding: steps with drafts, tokens drafted, drafts confirmed."""

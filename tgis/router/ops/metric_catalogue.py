@@ -184,6 +184,21 @@ CATALOGUE: tuple[Counter | Gauge | Histogram | Summary, ...] = (
         "tgi_prefix_cache_hits",
         "Of those, tokens found cached (their KV reused, not computed)",
     ),
+    Counter(
+        "spec_steps",
+        "tgi_spec_steps",
+        "Steps in which decoding sequences verified drafted tokens (speculative decoding)",
+    ),
+    Counter(
+        "spec_draft_tokens",
+        "tgi_spec_draft_tokens",
+        "Tokens drafted by prompt lookup and verified (acceptance rate = accepted / drafted)",
+    ),
+    Counter(
+        "spec_accepted_tokens",
+        "tgi_spec_accepted_tokens",
+        "Drafted tokens the model confirmed (each saves a step)",
+    ),
     Gauge("batch_size", "tgi_batch_current_size", "Requests in the running batch"),
     Gauge(
         "batch_input_tokens",

@@ -244,6 +244,14 @@ class Metrics:
         if hit_tokens:
             self._counters["prefix_cache_hits"].inc(amount=hit_tokens)
 
+    def speculated(self, steps: int, drafted_tokens: int, accepted_tokens: int) -> None:
+        """``steps`` steps verified ``drafted_tokens`` drafts, ``accepted_tokens`` of them
+        confirmed."""
+        self._counters["spec_steps"].inc(amount=steps)
+        self._counters["spec_draft_tokens"].inc(amount=drafted_tokens)
+        if accepted_tokens:
+            self._counters["spec_accepted_tokens"].inc(amount=accepted_tokens)
+
     def batch_concatenated(self) -> None:
         self._counters["batch_concatenation"].inc()
 

@@ -132,6 +132,7 @@ def _info(
         device=str(device),
         attention_backend=attention.name,
         prefix_caching=config.prefix_caching,
+        speculation=True,
     )
 
 

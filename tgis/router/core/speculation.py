@@ -1,0 +1,94 @@
+"""Speculative decoding, the router's half: which decoding sequences get drafted tokens, and
+what a step that verified drafts did to their counts.
+
+**Policy.** Speculation pays while the running batch is small (a decode step is bound by
+reading the weights, so verifying a few more tokens per sequence costs little) and costs
+when it is large, as the anchors' users report. It applies to steps planned while at most
+``max_batch_size`` sequences run (TGIS's ``SPECULATOR_MAX_BATCH_SIZE``, 16). Drafts need
+every sequence's latest token and a step's accepted count changes the next step's
+positions, so those steps run one at a time: nothing is planned on top of a step in
+flight while speculation applies (the overlap resumes above the batch size).
+
+**Drafts** (``ngram.py``): prompt lookup over the input and generated ids, at most
+``tokens`` of them and never past ``max_new_tokens``; none for a guided sequence (its
+matcher follows sampled tokens only) or when the KV blocks for them are not free (a draft
+never preempts anything).
+
+**Counts.** A drafted chunk counts ``1 + k`` tokens but advances ``num_computed`` by one
+when planned, like a decode; ``reconcile`` adds the drafts the shard confirmed once the
+output is back (each confirmed draft's KV entry is valid; the positions after it are
+overwritten later), so a failed step undoes exactly what was planned.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from tgis.router.core.block_pool import BlockPool
+from tgis.router.core.ngram import NgramIndex
+from tgis.router.core.request_state import RequestState, RequestStatus
+from tgis.router.core.steps import ScheduledStep, StepUpdate
+from tgis.shard_api.messages import StepOutput
+
+__all__ = ["Speculation", "SpeculationConfig"]
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """``--speculate`` and its policy flags."""
+
+    tokens: int  # drafted tokens per sequence and step, at most
+    max_batch_size: int = 16  # running sequences above which it stops
+    min_ngram: int = 1  # the shortest suffix looked up (--prompt-lookup-min)
+    max_ngram: int = 3  # the longest (--prompt-lookup-max)
+
+
+class Speculation:
+    """Drafts for the scheduler's decoding sequences, and their reconciliation."""
+
+    def __init__(self, config: SpeculationConfig) -> None:
+        self.config = config
+        self.in_flight = False
+        """A step with drafts has been sent and not answered."""
+
+    def applies(self, running: int) -> bool:
+        """Whether steps are planned with drafts now (and so one at a time)."""
+        return running <= self.config.max_batch_size
+
+    def drafts(self, state: RequestState, blocks: BlockPool) -> tuple[int, ...]:
+        """Tokens to verify after ``state``'s last known one (its decode already has its
+        block)."""
+        request = state.request
+        left = request.stopping.max_new_tokens - len(state.generated_ids) - 1
+        if left < 1 or request.sampling.grammar or state.pending_tokens:
+            return ()
+        index = state.ngram
+        if index is None:
+            index = state.ngram = NgramIndex(
+                self.config.min_ngram, self.config.max_ngram, request.input_ids
+            )
+        index.extend(state.generated_ids[len(index) - len(request.input_ids) :])
+        drafts = index.propose(min(self.config.tokens, left))
+        decode_end = state.num_computed + 1
+        while drafts and blocks.missing(state.block_ids, decode_end + len(drafts)) > max(
+            blocks.num_free, 0
+        ):
+            drafts.pop()
+        return tuple(drafts)
+
+    def reconcile(self, step: ScheduledStep, output: StepOutput, update: StepUpdate) -> None:
+        """Count the drafts each running sequence's step confirmed as computed, before its
+        tokens are accepted; record what was drafted and confirmed."""
+        if not step.drafted:
+            return
+        self.in_flight = False
+        got = Counter(t.request_id for t in output.tokens)
+        update.speculative_steps += 1
+        for rid, drafted in step.drafted.items():
+            confirmed = max(got.get(rid, 0) - 1, 0)
+            update.drafted_tokens += drafted
+            update.accepted_tokens += confirmed
+            state = step.states[rid]
+            if state.status is RequestStatus.RUNNING:
+                state.num_computed += confirmed
