@@ -20,6 +20,7 @@ from tgis.router.core.detokenizer import IncrementalDetokenizer
 from tgis.router.core.expiry import drop_aborted_and_expired
 from tgis.router.core.request_state import RequestState, RequestStatus, TokenEvent
 from tgis.router.core.scheduler import Scheduler
+from tgis.router.core.speculation import SpeculationConfig
 from tgis.router.core.steps import ScheduledStep
 from tgis.router.core.stopping import StopChecker
 from tgis.router.errors import GenerationError
@@ -94,12 +95,15 @@ def limits(batch: int = 8, prefill: int = 1000, **kwargs: object) -> SchedulerLi
     return SchedulerLimits(max_batch_size=batch, max_batch_prefill_tokens=prefill, **kwargs)  # type: ignore[arg-type]
 
 
-def token_for(request_id: int, index: int, eos_every: int = 0) -> int:
+def token_for(request_id: int, index: int, eos_every: int = 0, cycle: int = 0) -> int:
     """The token the simulated shard samples at each output position of each request
-    (EOS at about one position in ``eos_every`` when it is set)."""
+    (EOS at about one position in ``eos_every`` when it is set; with ``cycle``, the other
+    tokens repeat with that period, so that prompt lookup finds them)."""
     h = request_id * 7919 + index * 104729
     if eos_every and h % eos_every == 0:
         return EOS
+    if cycle:
+        return (request_id + index) % cycle + 3
     return h % 1000 + 3
 
 
@@ -629,10 +633,12 @@ class SimSequence:
     computed: int = 0
     table: list[int] = field(default_factory=list)
 
-    def slot(self, position: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    def slot(
+        self, position: int, drafts: tuple[int, ...] = ()
+    ) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """What the KV entry of ``position`` depends on: the adapter and prefix, and every
-        token up to it."""
-        return self.identity, tuple(self.tokens[: position + 1])
+        token up to it (drafted ones past the known tokens)."""
+        return self.identity, tuple((self.tokens + list(drafts))[: position + 1])
 
 
 class StepRefused(Exception):
@@ -648,10 +654,14 @@ class SimShard:
     prefix-cache hit is checked to hold exactly the sequence's own keys and values, and a
     block another live sequence holds is never written."""
 
-    def __init__(self, num_blocks: int, block_size: int, rng: random.Random) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, rng: random.Random, cycle: int = 0
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.rng = rng
+        self.cycle = cycle  # token_for's period
+        self.drafted = self.accepted = 0
         self.seqs: dict[int, SimSequence] = {}
         self.dropped: set[int] = set()
         self.last_completed = 0
@@ -708,7 +718,12 @@ class SimShard:
             seq = self.seqs[rid]
             if chunk.cached_tokens:
                 self._start_after_cached(seq, chunk)
-            assert 1 <= chunk.num_tokens <= len(seq.tokens) - seq.computed
+            drafts = chunk.draft_token_ids
+            if drafts:  # a decode, and its drafts after the last known token
+                assert seq.prompt_len <= seq.computed == len(seq.tokens) - 1
+                assert chunk.num_tokens == 1 + len(drafts)
+            else:
+                assert 1 <= chunk.num_tokens <= len(seq.tokens) - seq.computed
             seq.table += chunk.new_block_ids
             assert len(seq.table) * self.block_size >= seq.computed + chunk.num_tokens
             for position in range(seq.computed, seq.computed + chunk.num_tokens):
@@ -716,24 +731,36 @@ class SimShard:
                 others = [r for r, o in self.seqs.items() if r != rid and block in o.table]
                 assert not others, f"request {rid} writes block {block} that {others} hold"
                 self.slots[block * self.block_size + position % self.block_size] = seq.slot(
-                    position
+                    position, drafts
                 )
-            seq.computed += chunk.num_tokens
+            seq.computed += chunk.num_tokens - len(drafts)
             if seq.computed == len(seq.tokens):
                 if self.rng.random() < 0.01:  # the sequence fails on its own
                     errors.append(SequenceError(rid, "the model produced NaN logits"))
                     del self.seqs[rid]
                     self.dropped.add(rid)
                     continue
-                token = token_for(rid, len(seq.tokens) - seq.prompt_len, eos_every=37)
-                seq.tokens.append(token)
-                tokens.append(SampledToken(rid, TokenDetail(token)))
+                for token in self._sample(rid, seq, drafts):
+                    tokens.append(SampledToken(rid, TokenDetail(token)))
         live = [b for seq in self.seqs.values() for b in seq.table]
         assert all(0 <= b < self.num_blocks for b in live)
         for seq in self.seqs.values():
             assert len(seq.table) == len(set(seq.table)), "a block twice in one table"
         self.last_completed = plan.step_id
         return StepOutput(plan.step_id, tuple(tokens), errors=tuple(errors))
+
+    def _sample(self, rid: int, seq: SimSequence, drafts: tuple[int, ...]) -> list[int]:
+        """The next token, then one more for every draft equal to the token before it (the
+        drafts confirmed count as computed)."""
+        generated = len(seq.tokens) - seq.prompt_len
+        sampled = [token_for(rid, generated, eos_every=37, cycle=self.cycle)]
+        while len(sampled) <= len(drafts) and drafts[len(sampled) - 1] == sampled[-1]:
+            sampled.append(token_for(rid, generated + len(sampled), eos_every=37, cycle=self.cycle))
+        seq.tokens += sampled
+        seq.computed += len(sampled) - 1
+        self.drafted += len(drafts)
+        self.accepted += len(sampled) - 1
+        return sampled
 
     def _start_after_cached(self, seq: SimSequence, chunk: ScheduledSequence) -> None:
         """A prefix-cache hit: whole blocks, from position 0, at least one token left, and
@@ -750,7 +777,7 @@ class SimShard:
         self.cache_hits += cached
 
 
-def check_invariants(scheduler: Scheduler, lim: SchedulerLimits) -> None:
+def check_invariants(scheduler: Scheduler, lim: SchedulerLimits, cycle: int = 0) -> None:
     pool = scheduler.blocks
     held = Counter(b for s in scheduler.running for b in s.block_ids)
     assert all(len(s.block_ids) == len(set(s.block_ids)) for s in scheduler.running)
@@ -769,18 +796,26 @@ def check_invariants(scheduler: Scheduler, lim: SchedulerLimits) -> None:
     assert not running or not waiting or running[-1] < waiting[0]
     for s in scheduler.running + list(scheduler.waiting):
         assert s.pending_tokens >= 0
-        expected = [token_for(s.request_id, i, eos_every=37) for i in range(len(s.generated_ids))]
+        expected = [
+            token_for(s.request_id, i, eos_every=37, cycle=cycle)
+            for i in range(len(s.generated_ids))
+        ]
         assert s.generated_ids == expected
 
 
-def run_random_workload(seed: int, caching: bool = False) -> tuple[Scheduler, SimShard]:
+def run_random_workload(
+    seed: int, caching: bool = False, speculating: bool = False
+) -> tuple[Scheduler, SimShard]:
     """Random arrivals (long and short), cancellations and timeouts of queued or running
     requests, EOS, per-sequence errors, failed shard calls, tight KV capacity (so preemption
     happens), random limits, and one or two steps in flight (as the engine overlaps them);
     every step's plan is checked by ``SimShard`` and every state by ``check_invariants``;
     then everything drains. Every prompt starts with the same ids, so with ``caching`` the
     prefix cache finds blocks of other requests (same adapter and prefix, same versions of
-    their contents) and its own after a preemption."""
+    their contents) and its own after a preemption. With ``speculating``, the simulated
+    model's tokens repeat (so prompt lookup drafts some right) and decodes carry drafts
+    while few sequences run: the shard checks each drafted chunk, confirms the drafts equal
+    to its tokens, and the router's counts must follow."""
     rng = random.Random(seed)
     prefix_rng = random.Random(seed + 1_000_000)  # leaves the workload's own draws alone
     adapter_rng = random.Random(seed + 2_000_000)  # so does this one
@@ -798,8 +833,20 @@ def run_random_workload(seed: int, caching: bool = False) -> tuple[Scheduler, Si
         max_loras=adapter_rng.choice([None, 1, 2, 3]),
     )
     depth = rng.choice([1, 2, 2])
-    scheduler = Scheduler(BlockPool(num_blocks, block_size), lim, prefix_caching=caching)
-    shard = SimShard(num_blocks, block_size, rng)
+    spec_rng = random.Random(seed + 4_000_000)
+    speculation = (
+        SpeculationConfig(
+            tokens=spec_rng.choice([1, 3, 5]),
+            max_batch_size=spec_rng.choice([1, 3, 16]),
+            min_ngram=1,
+            max_ngram=spec_rng.choice([1, 2, 3]),
+        )
+        if speculating
+        else None
+    )
+    scheduler = Scheduler(BlockPool(num_blocks, block_size), lim, caching, speculation)
+    cycle = 5 if speculating else 0
+    shard = SimShard(num_blocks, block_size, rng, cycle)
     states: list[RequestState] = []
     in_flight: deque[ScheduledStep] = deque()
     next_id = 1
@@ -868,7 +915,7 @@ def run_random_workload(seed: int, caching: bool = False) -> tuple[Scheduler, Si
         else:
             scheduler.hold_admissions = False
             scheduler.update(step, output, now)
-        check_invariants(scheduler, lim)
+        check_invariants(scheduler, lim, cycle)
     else:
         pytest.fail("the workload never drained")
     assert scheduler.blocks.num_free == num_blocks
@@ -895,6 +942,19 @@ def test_random_workloads_with_the_prefix_cache(seed: int) -> None:
     simulated shard checks each cached slot), no held block is written by another, and
     every block comes back."""
     run_random_workload(seed, caching=True)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workloads_with_speculation(seed: int) -> None:
+    """The same workloads with drafts (and the prefix cache on every other seed): every
+    drafted chunk follows the shard's rules, confirmed drafts count as computed, and no
+    cached block holds a rejected draft's KV."""
+    run_random_workload(seed, caching=seed % 2 == 0, speculating=True)
+
+
+def test_random_workloads_draft_and_confirm() -> None:
+    shards = [run_random_workload(seed, speculating=True)[1] for seed in range(8)]
+    assert sum(s.accepted > 0 for s in shards) >= 6, [(s.drafted, s.accepted) for s in shards]
 
 
 def test_random_workloads_preempt_and_hit_the_cache() -> None:
