@@ -9,16 +9,21 @@ import random
 from collections.abc import Callable
 
 import pytest
+import torch
 from conftest import Router
 
 from tgis.shard.errors import InvalidStepError
 from tgis.shard.native.model_runner import ModelRunner
-from tgis.shard.step.speculation import accepted_run
+from tgis.shard.step.plan import WorkItem
+from tgis.shard.step.sequence import Sequence
+from tgis.shard.step.speculation import accepted_run, verify_drafts
 from tgis.shard_api.messages import (
     DetailOptions,
     LengthPenalty,
+    ModelKind,
     SamplingParams,
     ScheduledSequence,
+    ShardInfo,
     StepPlan,
 )
 
@@ -142,3 +147,43 @@ def test_misused_drafts_are_refused(router: Router, runner: ModelRunner) -> None
         with pytest.raises(InvalidStepError, match=message):
             runner.step(StepPlan(router.step_id + 1, (), (scheduled,)))
     assert router.decode([1]).tokens  # nothing changed: decoding goes on
+
+
+# ---- unseeded sampling keeps the distribution ------------------------------------------------
+
+CHI_SQUARE_99_9 = {9: 27.877}
+"""The 99.9th percentile of the chi-square distribution with 9 degrees of freedom."""
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_unseeded_sampling_with_drafts_keeps_the_target_distribution() -> None:
+    """Vocabulary of 10, fixed logits per position, a draft of token 3 after the last known
+    token, 20,000 sequences each with its own random seed (what an unseeded request gets):
+    the first token follows the first position's distribution, and the second (there when
+    the draft was confirmed) the second position's."""
+    vocab, count = 10, 20_000
+    generator = torch.Generator().manual_seed(0)
+    first_logits, second_logits = torch.randn(2, vocab, generator=generator) * 1.5
+    sampling = SamplingParams(temperature=1.0)
+    rng = random.Random(1)
+    items = []
+    for rid in range(count):
+        seq = Sequence(rid, [1, 2, 7], 2, sampling, DetailOptions(), seed=rng.getrandbits(63))
+        items.append(WorkItem.plan(seq, 2, start=2, drafts=(3,)))
+    logits = torch.stack([first_logits, second_logits]).repeat(count, 1)
+    info = ShardInfo(
+        ModelKind.CAUSAL_LM, (99,), vocab, 16, 1, 1, 64, "test", "float32", "cpu", "none"
+    )
+    verified, errors = verify_drafts(logits, items, info)
+    assert not errors
+    first = torch.tensor([tokens[0].token_id for tokens in verified.values()])
+    second = torch.tensor([tokens[1].token_id for tokens in verified.values() if len(tokens) > 1])
+    assert len(second) == int((first == 3).sum())  # confirmed exactly when token 1 was 3
+    for tokens, position_logits in ((first, first_logits), (second, second_logits)):
+        counts = torch.bincount(tokens, minlength=vocab).double()
+        statistic = chi_square(counts, position_logits.double().softmax(-1))
+        assert statistic < CHI_SQUARE_99_9[9], statistic
