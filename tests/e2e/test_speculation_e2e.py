@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 
 SPECULATE = 4
 NEW_TOKENS = 24
+KV_BLOCKS = 40  # 640 tokens: sixteen long prompts at once preempt
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
     "Return the number of items in the list",
@@ -56,7 +57,7 @@ def launch(
     model: tuple[Path, Any], adapters: Path, log_dir: Path, *flags: str
 ) -> Iterator[LauncherProcess]:
     args = ["--model-name", str(model[0]), "--dtype", "float32", "--max-sequence-length", "256"]
-    env = {"ADAPTER_CACHE": str(adapters)}
+    env = {"ADAPTER_CACHE": str(adapters), "TGIS_KV_CACHE_BLOCKS": str(KV_BLOCKS)}
     with healthy_launcher(log_dir, [*args, *flags], env=env) as launcher:
         yield launcher
 
@@ -246,3 +247,24 @@ def test_the_counters_give_the_acceptance_rate(speculating: LauncherProcess) -> 
     # The batch decoded NEW_TOKENS - 1 tokens each after its prompt step; every confirmed
     # draft saved one sequence-step.
     assert new_steps <= NEW_TOKENS - 1
+
+
+def test_preemption_under_a_small_kv_budget(
+    speculating: LauncherProcess, plain: LauncherProcess
+) -> None:
+    """Sixteen prompts in one batch in 40 blocks, decoding past block boundaries with
+    drafts reserved: some are preempted and resumed, and every output is the plain one."""
+    prompts = [f"Question {i}: " + "say it again and again, " * (6 + i % 5) for i in range(16)]
+    parameters = PARAMETERS["greedy"]
+    preempted = metric_sample(speculating, "tgi_request_preemption_count") or 0.0
+    before = drafted(speculating)
+    request = pb.BatchedGenerationRequest(
+        requests=[pb.GenerationRequest(text=t) for t in prompts], params=parameters
+    )
+    responses = []
+    for server in (speculating, plain):
+        for stub in stub_of(server):
+            responses.append(list(stub.Generate(request, timeout=300).responses))
+    assert_same(*responses)
+    assert (metric_sample(speculating, "tgi_request_preemption_count") or 0.0) > preempted
+    assert drafted(speculating) > before

@@ -1,6 +1,7 @@
 """`text-generation-launcher --num-shard 2` on CPU (gloo): the same text as one shard (a
-long prompt's second run from the prefix cache included), and SIGTERM stops every rank
-cleanly."""
+long prompt's second run from the prefix cache included; the two ranks also verify
+drafted tokens, `--speculate 3`, which the single shard does not), and SIGTERM stops every
+rank cleanly."""
 
 from __future__ import annotations
 
@@ -33,10 +34,18 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def start(log_dir: Path, model: Path, num_shard: int) -> LauncherProcess:
+def start(log_dir: Path, model: Path, num_shard: int, *flags: str) -> LauncherProcess:
     return start_launcher(
         log_dir,
-        ["--model-name", str(model), "--num-shard", str(num_shard), "--max-sequence-length", "256"],
+        [
+            "--model-name",
+            str(model),
+            "--num-shard",
+            str(num_shard),
+            "--max-sequence-length",
+            "256",
+            *flags,
+        ],
     )
 
 
@@ -76,7 +85,7 @@ def single_shard_texts(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture
 def two_shards(model_dir: Path, tmp_path: Path) -> Iterator[LauncherProcess]:
-    launcher = start(tmp_path, model_dir, 2)
+    launcher = start(tmp_path, model_dir, 2, "--speculate", "3")
     try:
         launcher.wait_healthy()
         yield launcher
@@ -90,6 +99,8 @@ def test_two_shards_generate_the_same_text_and_stop_cleanly(
     launcher = two_shards
     assert generate(launcher) == single_shard_texts
     assert (metric_sample(launcher, "tgi_prefix_cache_hits") or 0) >= 64
+    # The long prompt repeats itself: prompt lookup drafts after it, both ranks verify.
+    assert (metric_sample(launcher, "tgi_spec_draft_tokens") or 0) > 0
     sockets = sorted(p.name for p in launcher.socket_dir.glob("shard-*"))
     # Both ranks serve gRPC; rank 0 alone runs Steps (its step channel).
     assert sockets == ["shard-0", "shard-0.steps", "shard-1"]
