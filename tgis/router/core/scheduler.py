@@ -262,7 +262,8 @@ class Scheduler:
         While speculative decoding applies, nothing is planned on top of a running step.
         """
         speculation = self.speculation
-        speculating = speculation is not None and speculation.applies(len(self.running))
+        demand = len(self.running) + len(self.waiting)
+        speculating = speculation is not None and speculation.applies(demand)
         if base_step_id and (speculating or (speculation is not None and speculation.in_flight)):
             return ScheduledStep(StepPlan(base_step_id=base_step_id), {}, frozenset(), {}, 0)
         draft = StepDraft(self.limits.max_batch_prefill_tokens, caching=self.cache.enabled)

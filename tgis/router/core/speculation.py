@@ -4,7 +4,9 @@ what a step that verified drafts did to their counts.
 **Policy.** Speculation pays while the running batch is small (a decode step is bound by
 reading the weights, so verifying a few more tokens per sequence costs little) and costs
 when it is large, as the anchors' users report. It applies to steps planned while at most
-``max_batch_size`` sequences run (TGIS's ``SPECULATOR_MAX_BATCH_SIZE``, 16). Drafts need
+``max_batch_size`` requests run or wait (TGIS's ``SPECULATOR_MAX_BATCH_SIZE``, 16): the
+queue counts, or a closed loop of many clients, whose batch empties and refills as its
+requests end together, would speculate through every refill. Drafts need
 every sequence's latest token and a step's accepted count changes the next step's
 positions, so those steps run one at a time: nothing is planned on top of a step in
 flight while speculation applies (the overlap resumes above the batch size).
@@ -52,9 +54,10 @@ class Speculation:
         self.in_flight = False
         """A step with drafts has been sent and not answered."""
 
-    def applies(self, running: int) -> bool:
-        """Whether steps are planned with drafts now (and so one at a time)."""
-        return running <= self.config.max_batch_size
+    def applies(self, demand: int) -> bool:
+        """Whether steps are planned with drafts now (and so one at a time), given the
+        requests running and queued: a queue that will fill the batch counts already."""
+        return demand <= self.config.max_batch_size
 
     def drafts(self, state: RequestState, blocks: BlockPool) -> tuple[int, ...]:
         """Tokens to verify after ``state``'s last known one (its decode already has its
