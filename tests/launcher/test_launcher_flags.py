@@ -223,6 +223,23 @@ def test_ignored_weight_env_vars_are_logged(run_launcher: RunLauncher, model_dir
     assert "MAX_PREFILL_WEIGHT" not in run.stderr  # blank
 
 
+def test_speculation_flags_reach_the_router_and_a_draft_model_is_warned_about(
+    run_launcher: RunLauncher, model_dir: Path
+) -> None:
+    run = run_launcher(
+        ["--model-name", str(model_dir), "--dry-run", "--prompt-lookup-max", "4"],
+        {"SPECULATE": "5", "SPECULATOR_NAME": "ibm/llama-speculator"},
+    )
+    assert run.returncode == 0, run.stderr
+    router = next(line for line in run.stdout.splitlines() if line.startswith("Router: "))
+    assert "--speculate 5 --speculator-max-batch-size 16 --prompt-lookup-min 1 " in router
+    assert "--prompt-lookup-max 4" in router
+    assert "SPECULATOR_NAME is set to ibm/llama-speculator: draft models" in run.stderr
+    bad = run_launcher(["--model-name", str(model_dir), "--dry-run", "--prompt-lookup-min", "5"])
+    assert bad.returncode != 0
+    assert "prompt_lookup_min (5) and prompt_lookup_max (3) must satisfy" in bad.stderr
+
+
 def test_legacy_deployment_framework_warns(run_launcher: RunLauncher, model_dir: Path) -> None:
     run = run_launcher(
         ["--model-name", str(model_dir), "--deployment-framework", "hf_custom_tp", "--dry-run"]
