@@ -118,6 +118,17 @@ class LauncherRun:
 
 alive = is_alive  # the name these tests use
 
+
+def gone(*pids: int, timeout: float = 5.0) -> bool:
+    """Whether every process in ``pids`` has exited within ``timeout`` seconds: a signal
+    is delivered asynchronously, and a loaded host may run the target a moment later."""
+    deadline = time.monotonic() + timeout
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
 RunLauncher = Callable[..., LauncherRun]
 
 

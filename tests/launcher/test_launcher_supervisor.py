@@ -24,7 +24,7 @@ from tgis.launcher.supervisor import (
     describe_status,
 )
 
-from .helpers import alive, fake, read_pid, wait_for
+from .helpers import alive, fake, gone, read_pid, wait_for
 
 LOG = logging.getLogger("test-supervisor")
 
@@ -74,7 +74,7 @@ def test_shard_death_stops_the_others(tmp_path: Path) -> None:
     shard0, router = pids(tmp_path, "shard0", "router")
     grandchild = read_pid(tmp_path / "router.grandchild")
     assert (tmp_path / "router.term").exists() and (tmp_path / "shard0.term").exists()
-    assert not any(alive(pid) for pid in (shard0, router, grandchild))
+    assert gone(shard0, router, grandchild)
 
 
 def test_router_exit_is_a_failure(tmp_path: Path) -> None:
@@ -124,8 +124,7 @@ def test_shard_failing_during_startup(tmp_path: Path) -> None:
     assert outcome == Outcome(1, "Shard 0 failed: exit status: 2")
     assert not (tmp_path / "router.json").exists()  # the router was never started
     shard1 = read_pid(tmp_path / "shard1.pid")
-    assert not alive(shard1)
-    assert not alive(read_pid(tmp_path / "shard1.grandchild"))
+    assert gone(shard1, read_pid(tmp_path / "shard1.grandchild"))
 
 
 def test_startup_timeout(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
