@@ -225,17 +225,20 @@ class Router:
         """One decode step of each listed sequence."""
         return self.step({rid: 1 for rid in request_ids})
 
-    def speculate(self, drafts: Mapping[int, SequenceOf[int]]) -> StepOutput:
+    def speculate(self, drafts: Mapping[int, SequenceOf[int] | int]) -> StepOutput:
         """One decode step of each listed sequence with its drafted tokens (none: a plain
-        decode); blocks are reserved for them all, and each sequence's computed count
-        then advances by the tokens it got."""
+        decode), or with a number of tokens for the shard's draft model to draft; blocks are
+        reserved for them all, and each sequence's computed count then advances by the
+        tokens it got."""
         scheduled = []
         for rid, drafted in drafts.items():
-            n = 1 + len(drafted)
-            need = math.ceil((self.computed[rid] + n) / self.block_size) - len(self.tables[rid])
-            blocks = [self.free.pop() for _ in range(max(need, 0))]
+            spec = drafted if isinstance(drafted, int) else 0
+            ids = () if isinstance(drafted, int) else tuple(drafted)
+            n = 1 + len(ids)
+            need = math.ceil((self.computed[rid] + n + spec) / self.block_size)
+            blocks = [self.free.pop() for _ in range(max(need - len(self.tables[rid]), 0))]
             self.tables[rid].extend(blocks)
-            scheduled.append(ScheduledSequence(rid, n, tuple(blocks), 0, tuple(drafted)))
+            scheduled.append(ScheduledSequence(rid, n, tuple(blocks), 0, ids, spec))
         self.step_id += 1
         plan = StepPlan(step_id=self.step_id, new_sequences=(), scheduled=tuple(scheduled))
         output = self.runner.step(plan)

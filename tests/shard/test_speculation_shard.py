@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import Router
+from conftest import NUM_BLOCKS, Router, build_tiny_llama
 
+from tgis.shard.config import ShardConfig
 from tgis.shard.errors import InvalidStepError
+from tgis.shard.loader import load_runner
+from tgis.shard.native.draft_model import DraftModel
 from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.step.plan import WorkItem
 from tgis.shard.step.sequence import Sequence
@@ -41,6 +45,14 @@ MODES = {
 }
 PROMPTS = {1: [5, 9, 13, 5, 9, 13, 5, 9], 2: list(range(30, 51)), 3: [7, 7, 7]}
 NEW_TOKENS = 14
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another tiny random Llama of the same vocabulary (a draft model that guesses badly)."""
+    path = tmp_path_factory.mktemp("draft-llama")
+    build_tiny_llama(path, seed=7)
+    return path
 
 
 def plain(runner: ModelRunner, sampling: SamplingParams) -> dict[int, list[object]]:
@@ -187,3 +199,64 @@ def test_unseeded_sampling_with_drafts_keeps_the_target_distribution() -> None:
         counts = torch.bincount(tokens, minlength=vocab).double()
         statistic = chi_square(counts, position_logits.double().softmax(-1))
         assert statistic < CHI_SQUARE_99_9[9], statistic
+
+
+# ---- a draft model on the shard ----------------------------------------------------------------
+
+
+def other_runner(path: Path) -> ModelRunner:
+    runner = load_runner(ShardConfig(model_name=str(path), kv_cache_blocks=NUM_BLOCKS))
+    assert isinstance(runner, ModelRunner)
+    return runner
+
+
+def attach_draft(runner: ModelRunner, draft_runner: ModelRunner) -> None:
+    """Give ``runner`` ``draft_runner``'s model as its draft model, with a KV cache of
+    ``runner``'s number of blocks."""
+    cache = draft_runner.kv_cache
+    assert cache.num_blocks == runner.kv_cache.num_blocks
+    runner.attach_draft(DraftModel(draft_runner.model, cache, runner.attention, runner.device))
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+@pytest.mark.parametrize("mode", ["greedy", "seeded", "penalties"])
+def test_a_draft_model_gives_the_plain_tokens(
+    make_runner: Callable[..., ModelRunner],
+    other_model: Path,
+    draft: str,
+    mode: str,
+) -> None:
+    """The target itself as its draft model (greedy drafts are its own greedy choices:
+    nearly all confirmed) and another random model (few confirmed): the plain tokens and
+    details either way, the draft cache kept up across steps, preemption and resumption."""
+    sampling = MODES[mode]
+    runner = make_runner()
+    want = plain(runner, sampling)
+    runner.reset()
+    helper = make_runner() if draft == "same" else other_runner(other_model)
+    attach_draft(runner, helper)
+    assert runner.info.draft_model
+    rng = random.Random(5)
+    router = Router(runner)
+    for rid, prompt in PROMPTS.items():
+        router.add(rid, prompt, sampling, DETAILS)
+    router.step({rid: len(p) for rid, p in PROMPTS.items()})
+    drafted = accepted = 0
+    preempted = False
+    while live := [r for r in PROMPTS if len(router.generated[r]) < NEW_TOKENS]:
+        if not preempted and len(router.generated[1]) >= 5:
+            preempted = True
+            router.preempt(1)  # recomputed below; its draft cache must be too
+            known = len(PROMPTS[1]) + len(router.generated[1])
+            router.step({1: known - 1})
+            continue
+        asked = {rid: rng.choice([1, 2, 4]) for rid in live}
+        before = {rid: len(router.generated[rid]) for rid in live}
+        router.speculate(asked)
+        for rid in live:
+            drafted += asked[rid]
+            accepted += len(router.generated[rid]) - before[rid] - 1
+    assert_same(details_by_request(router), want)
+    if draft == "same" and mode == "greedy":
+        assert accepted == drafted  # its own greedy choices, every one confirmed
+    assert 0 <= accepted <= drafted

@@ -125,6 +125,7 @@ def plan_to_pb(plan: StepPlan) -> shard_pb2.StepRequest:
             new_block_ids=s.new_block_ids,
             cached_tokens=s.cached_tokens,
             draft_token_ids=s.draft_token_ids,
+            spec_tokens=s.spec_tokens,
         )
     return pb
 
@@ -153,6 +154,7 @@ def plan_from_pb(pb: shard_pb2.StepRequest) -> StepPlan:
                 tuple(s.new_block_ids),
                 s.cached_tokens,
                 tuple(s.draft_token_ids),
+                s.spec_tokens,
             )
             for s in pb.scheduled
         ),
@@ -234,6 +236,7 @@ def info_to_pb(info: ShardInfo) -> shard_pb2.InfoResponse:
         max_loras=info.max_loras,
         prefix_caching=info.prefix_caching,
         speculation=info.speculation,
+        draft_model=info.draft_model,
     )
 
 
@@ -255,6 +258,7 @@ def info_from_pb(pb: shard_pb2.InfoResponse) -> ShardInfo:
         max_loras=pb.max_loras,
         prefix_caching=pb.prefix_caching,
         speculation=pb.speculation,
+        draft_model=pb.draft_model,
     )
 
 

@@ -162,6 +162,8 @@ class ScheduledSequence:
     new_block_ids: tuple[int, ...] = ()
     cached_tokens: int = 0
     draft_token_ids: tuple[int, ...] = ()
+    spec_tokens: int = 0
+    """Drafts the shard's draft model proposes and verifies (``ShardInfo.draft_model``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +271,8 @@ class ShardInfo:
     prefix_caching: bool = False
     # The engine verifies drafted tokens (``ScheduledSequence.draft_token_ids``).
     speculation: bool = False
+    # A draft model drafts on the shard (``ScheduledSequence.spec_tokens``).
+    draft_model: bool = False
     """The engine starts sequences after cached tokens (``ScheduledSequence.cached_tokens``);
     False for the transformers fallback and encoder-decoder engines."""
 

@@ -72,7 +72,7 @@ def flatten(work: SequenceOf[WorkItem], tables: BlockTables, block_size: int) ->
         ends[i] = item.end
         if item.new_block_ids:
             tables.write(row, item.prior_blocks, item.new_block_ids)
-        if item.end - item.start == 1:
+        if item.end - item.start == 1 and not item.drafts:
             ids.append(seq.token_ids[item.start])
         else:
             ids.extend(item.input_ids())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +24,7 @@ from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
 from tgis.shard.cpu_threads import StepTiming, cpu_threads
 from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
 from tgis.shard.native.block_tables import BlockTables, flatten
+from tgis.shard.native.draft_model import DraftModel, draft_computed_after
 from tgis.shard.native.kv_cache import KVCache
 from tgis.shard.native.lora_rows import LoraRows, lora_kernel, lora_rows
 from tgis.shard.native.models import CausalLM, ForwardFn
@@ -37,6 +38,7 @@ from tgis.shard.step.sequence import Sequence
 from tgis.shard.step.speculation import verify_drafts
 from tgis.shard.step.token_details import first_input_detail, token_details
 from tgis.shard_api.messages import (
+    InputTokenDetails,
     NewSequence,
     ScheduledSequence,
     SequenceError,
@@ -93,6 +95,8 @@ class ModelRunner(SequenceRunner):
         self.forward: ForwardFn = forward or model.forward
         # Decode steps replayed from CUDA graphs (cuda_graphs.py; set by the loader).
         self.graphs: DecodeGraphs | None = None
+        # Speculative decoding's draft model (draft_model.py; attach_draft).
+        self.draft: DraftModel | None = None
         self.kv_cache = kv_cache
         self.attention = attention
         self.info = info
@@ -179,17 +183,36 @@ class ModelRunner(SequenceRunner):
             if torch.get_num_threads() != wanted:
                 torch.set_num_threads(wanted)
         try:
-            batch = self._flatten(resolved.work)
+            work = resolved.work
+            if self.draft is not None:  # items asking for drafts get them first
+                work = self.draft.draft(work, self.block_tables)
+            batch = self._flatten(work)
             masks = start_masks(batch.sample_items, self.grammars, self.device)
             hidden = self._hidden_states(batch.layout, batch.prefix_rows, batch.lora_rows)
             sampled, errors = self._sample(hidden, batch, masks)
             accepted = self._verify(hidden, batch, sampled, errors)
-            input_details = self._input_details(hidden, batch, resolved.work)
+            input_details = self._input_details(hidden, batch, work)
         except BaseException:
             for seq in resolved.new:  # never registered: give their rows back
                 self.block_tables.release(seq.request_id)
             raise
-        return Computed(sampled, input_details, errors, accepted)
+        drafted = work if work is not resolved.work else ()
+        return Computed(sampled, input_details, errors, accepted, drafted)
+
+    def attach_draft(self, draft: DraftModel) -> None:
+        """Draft with ``draft`` when a step asks (``ScheduledSequence.spec_tokens``)."""
+        self.draft = draft
+        self.limits = replace(self.limits, draft_model=True)
+        self.info = replace(self.info, draft_model=True)
+
+    def _commit(self, resolved: ResolvedStep, computed: Computed) -> tuple[InputTokenDetails, ...]:
+        """The step's commit, then each drafted sequence's valid draft-cache positions."""
+        completed = super()._commit(resolved, computed)
+        for item in computed.work:
+            if item.spec_tokens and item.seq.request_id in computed.sampled:
+                confirmed = len(computed.accepted.get(item.seq.request_id, ()))
+                item.seq.draft_computed = draft_computed_after(item, confirmed)
+        return completed
 
     def _hidden_states(
         self, layout: BatchLayout, prefix_rows: EmbeddingRows | None, lora: LoraRows | None

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes, PrefixUnavailable
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
 from tgis.shard.errors import InvalidStepError
+from tgis.shard.step.chunk_checks import check_cached, check_drafts
 from tgis.shard.step.guided import NO_GRAMMARS, Grammars, GuidedUnavailable
 from tgis.shard.step.sequence import Sequence
 from tgis.shard_api.messages import (
@@ -58,6 +59,8 @@ class WorkItem:
     # Speculative decoding: tokens drafted after the last known one, computed after it
     # (``end`` counts them) and verified by sampling every one of those positions.
     drafts: tuple[int, ...] = ()
+    # Tokens the shard's draft model is to draft (then set as ``drafts``).
+    spec_tokens: int = 0
 
     @classmethod
     def plan(
@@ -129,6 +132,8 @@ class PlanLimits:
     prefix_caching: bool = False
     # The engine verifies drafted tokens (ScheduledSequence.draft_token_ids).
     speculation: bool = False
+    # The engine has a draft model (ScheduledSequence.spec_tokens).
+    draft_model: bool = False
 
 
 def resolve_plan(
@@ -291,11 +296,11 @@ def _work_item(s: ScheduledSequence, seq: Sequence, restart: bool, limits: PlanL
     computed = 0 if restart else seq.num_computed
     cached = s.cached_tokens
     if cached:
-        _check_cached(s, seq, computed, limits)
+        check_cached(s, seq, computed, limits)
         computed = cached
     drafts = s.draft_token_ids
-    if drafts:
-        _check_drafts(s, seq, computed, limits)
+    if drafts or s.spec_tokens:
+        check_drafts(s, seq, computed, limits)
     uncomputed = len(seq.token_ids) + len(drafts) - computed
     if not 1 <= s.num_tokens <= uncomputed:
         raise InvalidStepError(
@@ -308,55 +313,16 @@ def _work_item(s: ScheduledSequence, seq: Sequence, restart: bool, limits: PlanL
             f"request {rid}: block id {bad[0]} out of range (num_blocks {limits.num_blocks})"
         )
     table_len = (0 if restart or cached else len(seq.block_table)) + len(s.new_block_ids)
-    needed = computed + s.num_tokens
+    needed = computed + s.num_tokens + s.spec_tokens
     if table_len * limits.block_size < needed:
         raise InvalidStepError(
             f"request {rid}: {table_len} block(s) cannot hold {needed} tokens "
             f"(block size {limits.block_size})"
         )
-    return WorkItem.plan(
+    item = WorkItem.plan(
         seq, s.num_tokens, s.new_block_ids, computed, fresh_table=cached > 0, drafts=drafts
     )
-
-
-def _check_drafts(s: ScheduledSequence, seq: Sequence, computed: int, limits: PlanLimits) -> None:
-    """InvalidStepError unless ``s.draft_token_ids`` may be verified: an engine that
-    speculates, a sequence decoding (every known token computed but the last) without a
-    grammar, ``num_tokens`` counting the drafts, ids in the vocabulary."""
-    rid, drafts = s.request_id, s.draft_token_ids
-    problem = None
-    if not limits.speculation:
-        problem = "this engine does not verify drafts"
-    elif seq.num_generated == 0 or computed != len(seq.token_ids) - 1:
-        problem = "the sequence is not decoding"
-    elif s.num_tokens != 1 + len(drafts):
-        problem = f"num_tokens {s.num_tokens} is not 1 + {len(drafts)} drafts"
-    elif seq.guide is not None:
-        problem = "the sequence is guided"
-    elif any(not 0 <= t < limits.vocab_size for t in drafts):
-        problem = f"a draft id is out of range (vocab size {limits.vocab_size})"
-    if problem is not None:
-        raise InvalidStepError(f"request {rid}: {len(drafts)} drafted token(s): {problem}")
-
-
-def _check_cached(s: ScheduledSequence, seq: Sequence, computed: int, limits: PlanLimits) -> None:
-    """InvalidStepError unless ``s.cached_tokens`` may be used: an engine with the prefix
-    cache, a sequence starting from position 0 that wants no input-token details yet, whole
-    blocks, and at least one token left to compute."""
-    rid, cached = s.request_id, s.cached_tokens
-    problem = None
-    if not limits.prefix_caching:
-        problem = "this engine has no prefix cache"
-    elif computed:
-        problem = f"the sequence has {computed} computed token(s)"
-    elif cached % limits.block_size:
-        problem = f"not a whole number of blocks (block size {limits.block_size})"
-    elif cached >= len(seq.token_ids):
-        problem = f"the sequence has only {len(seq.token_ids)} known token(s)"
-    elif seq.details.input_tokens and seq.num_generated == 0:
-        problem = "the sequence asked for input-token details"
-    if problem is not None:
-        raise InvalidStepError(f"request {rid}: cached_tokens {cached}: {problem}")
+    return replace(item, spec_tokens=s.spec_tokens) if s.spec_tokens else item
 
 
 def check_new_sequence(ns: NewSequence, vocab_size: int) -> str | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -27,7 +27,7 @@ import torch
 from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
 from tgis.shard.step.guided import NO_GRAMMARS, Grammars
-from tgis.shard.step.plan import PlanLimits, ResolvedStep, resolve_plan
+from tgis.shard.step.plan import PlanLimits, ResolvedStep, WorkItem, resolve_plan
 from tgis.shard.step.results import commit_step
 from tgis.shard.step.sequence import Sequence
 from tgis.shard_api.messages import (
@@ -91,6 +91,9 @@ class Computed:
     # Speculative decoding: the tokens after the sampled one that a drafted sequence's
     # step confirmed (``step/speculation.py``).
     accepted: dict[int, list[TokenDetail]] = field(default_factory=dict)
+    # The work as computed, when the engine changed it (drafts its draft model added);
+    # empty: the plan's.
+    work: tuple[WorkItem, ...] = ()
 
 
 class SequenceRunner:
@@ -170,6 +173,8 @@ class SequenceRunner:
     def _commit(self, resolved: ResolvedStep, computed: Computed) -> tuple[InputTokenDetails, ...]:
         """Register, advance and forget as the step computed; the input-token details of
         every prompt it completed."""
+        if computed.work:
+            resolved = replace(resolved, work=computed.work)
         return commit_step(
             self.sequences,
             resolved,

@@ -42,6 +42,9 @@ class Sequence:
     guide: Guide | None = None
     # Prompt-token details gathered chunk by chunk until the prompt completes.
     input_details: list[TokenDetail] = field(default_factory=list)
+    # Leading positions whose keys and values are in the draft model's cache (speculative
+    # decoding with a draft model, ``native/draft_model.py``).
+    draft_computed: int = 0
     # Greedy without penalties (at most EOS masked by min_new_tokens): the sampler's fast path.
     plain_greedy: bool = field(init=False)
 
@@ -59,4 +62,5 @@ class Sequence:
         token ids, counters and the seed stay, so a recompute resumes the sequence."""
         self.block_table = []
         self.num_computed = 0
+        self.draft_computed = 0
         self.input_details = []
