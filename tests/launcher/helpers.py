@@ -129,6 +129,7 @@ def gone(*pids: int, timeout: float = 5.0) -> bool:
         time.sleep(0.02)
     return True
 
+
 RunLauncher = Callable[..., LauncherRun]
 
 
