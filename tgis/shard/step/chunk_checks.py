@@ -5,16 +5,33 @@ either makes the whole plan invalid."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+
+import torch
 
 from tgis.shard.errors import InvalidStepError
 from tgis.shard.step.sequence import Sequence
 from tgis.shard_api.messages import ScheduledSequence
 
-if TYPE_CHECKING:
-    from tgis.shard.step.plan import PlanLimits
+__all__ = ["PlanLimits", "check_cached", "check_drafts"]
 
-__all__ = ["check_cached", "check_drafts"]
+
+@dataclass(frozen=True)
+class PlanLimits:
+    """What the shard can accept: vocabulary ids, block ids, tokens per block."""
+
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    device: torch.device
+    # False for engines that cannot recompute generated tokens (encoder-decoder fallback).
+    resumes_generated: bool = True
+    # The engine starts sequences after cached tokens (ScheduledSequence.cached_tokens).
+    prefix_caching: bool = False
+    # The engine verifies drafted tokens (ScheduledSequence.draft_token_ids).
+    speculation: bool = False
+    # The engine has a draft model (ScheduledSequence.spec_tokens).
+    draft_model: bool = False
 
 
 def check_cached(s: ScheduledSequence, seq: Sequence, computed: int, limits: PlanLimits) -> None:

@@ -20,12 +20,10 @@ from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
-import torch
-
 from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes, PrefixUnavailable
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.step.chunk_checks import check_cached, check_drafts
+from tgis.shard.step.chunk_checks import PlanLimits, check_cached, check_drafts
 from tgis.shard.step.guided import NO_GRAMMARS, Grammars, GuidedUnavailable
 from tgis.shard.step.sequence import Sequence
 from tgis.shard_api.messages import (
@@ -116,24 +114,6 @@ class ResolvedStep:
     new: tuple[Sequence, ...]
     work: tuple[WorkItem, ...]
     errors: tuple[SequenceError, ...]
-
-
-@dataclass(frozen=True)
-class PlanLimits:
-    """What the shard can accept: vocabulary ids, block ids, tokens per block."""
-
-    vocab_size: int
-    num_blocks: int
-    block_size: int
-    device: torch.device
-    # False for engines that cannot recompute generated tokens (encoder-decoder fallback).
-    resumes_generated: bool = True
-    # The engine starts sequences after cached tokens (ScheduledSequence.cached_tokens).
-    prefix_caching: bool = False
-    # The engine verifies drafted tokens (ScheduledSequence.draft_token_ids).
-    speculation: bool = False
-    # The engine has a draft model (ScheduledSequence.spec_tokens).
-    draft_model: bool = False
 
 
 def resolve_plan(
