@@ -268,3 +268,57 @@ def test_preemption_under_a_small_kv_budget(
     assert_same(*responses)
     assert (metric_sample(speculating, "tgi_request_preemption_count") or 0.0) > preempted
     assert drafted(speculating) > before
+
+
+# ---- a draft model (--speculator-name) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafting(
+    model: tuple[Path, Any], adapters: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LauncherProcess]:
+    """The embedded model drafting for itself: its greedy drafts are its own choices."""
+    yield from launch(
+        model, adapters, tmp_path_factory.mktemp("drafting"), "--speculator-name", str(MODEL_DIR)
+    )
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded", "penalties"])
+def test_a_draft_model_gives_the_plain_outputs(
+    drafting: LauncherProcess, plain: LauncherProcess, mode: str
+) -> None:
+    parameters = PARAMETERS[mode]
+    before = drafted(drafting), accepted(drafting)
+    assert_same(generate(drafting, parameters), generate(plain, parameters))
+    assert_same(
+        [fold(stream(drafting, PROMPTS[0], parameters))],
+        [fold(stream(plain, PROMPTS[0], parameters))],
+    )
+    new_drafted, new_accepted = drafted(drafting) - before[0], accepted(drafting) - before[1]
+    assert new_drafted > 0
+    if mode == "greedy":  # the model's own greedy choices: (nearly) all confirmed
+        assert new_accepted >= 0.9 * new_drafted
+
+
+def test_draft_model_greedy_text_equals_transformers_assisted_generation(
+    drafting: LauncherProcess, model: tuple[Path, Any]
+) -> None:
+    path, twin = model
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    parameters = pb.Parameters(
+        method=pb.GREEDY,
+        stopping=pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS),
+    )
+    for text, response in zip(PROMPTS, generate(drafting, parameters), strict=True):
+        ids = tokenizer.encode(text).ids
+        with torch.no_grad():
+            out = twin.generate(
+                input_ids=torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                assistant_model=twin,
+            )
+        want = tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+        assert response.text == want.rstrip("\ufffd")

@@ -55,6 +55,7 @@ def test_defaults_are_tgis_defaults() -> None:
         "output_special_tokens": False,
         "disable_prefix_caching": False,
         "speculate": 0,
+        "speculator_name": None,
         "speculator_max_batch_size": 16,
         "prompt_lookup_min": 1,
         "prompt_lookup_max": 3,
@@ -223,18 +224,27 @@ def test_ignored_weight_env_vars_are_logged(run_launcher: RunLauncher, model_dir
     assert "MAX_PREFILL_WEIGHT" not in run.stderr  # blank
 
 
-def test_speculation_flags_reach_the_router_and_a_draft_model_is_warned_about(
+def test_speculation_flags_reach_the_router_and_a_draft_model_the_shard(
     run_launcher: RunLauncher, model_dir: Path
 ) -> None:
     run = run_launcher(
         ["--model-name", str(model_dir), "--dry-run", "--prompt-lookup-max", "4"],
-        {"SPECULATE": "5", "SPECULATOR_NAME": "ibm/llama-speculator"},
+        {"SPECULATE": "5"},
     )
     assert run.returncode == 0, run.stderr
     router = next(line for line in run.stdout.splitlines() if line.startswith("Router: "))
     assert "--speculate 5 --speculator-max-batch-size 16 --prompt-lookup-min 1 " in router
     assert "--prompt-lookup-max 4" in router
-    assert "SPECULATOR_NAME is set to ibm/llama-speculator: draft models" in run.stderr
+    # TGIS's variable names the draft model; the depth then defaults to 4.
+    run = run_launcher(
+        ["--model-name", str(model_dir), "--dry-run"], {"SPECULATOR_NAME": "/models/draft"}
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    shard = next(line for line in lines if line.startswith("Shard 0: "))
+    router = next(line for line in lines if line.startswith("Router: "))
+    assert "--speculator-name /models/draft" in shard
+    assert "--speculate 4 " in router
     bad = run_launcher(["--model-name", str(model_dir), "--dry-run", "--prompt-lookup-min", "5"])
     assert bad.returncode != 0
     assert "prompt_lookup_min (5) and prompt_lookup_max (3) must satisfy" in bad.stderr

@@ -11,11 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import NUM_BLOCKS, Router, build_tiny_llama
+from conftest import NUM_BLOCKS, Router, TinyModel, build_tiny_llama
 
+from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import ShardConfig
-from tgis.shard.errors import InvalidStepError
+from tgis.shard.errors import InvalidStepError, StartupError
 from tgis.shard.loader import load_runner
+from tgis.shard.native.attention.selection import start_attention_backend
+from tgis.shard.native.draft_loading import LoadedDraft, load_draft
 from tgis.shard.native.draft_model import DraftModel
 from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.step.plan import WorkItem
@@ -45,6 +48,7 @@ MODES = {
 }
 PROMPTS = {1: [5, 9, 13, 5, 9, 13, 5, 9], 2: list(range(30, 51)), 3: [7, 7, 7]}
 NEW_TOKENS = 14
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -260,3 +264,33 @@ def test_a_draft_model_gives_the_plain_tokens(
     if draft == "same" and mode == "greedy":
         assert accepted == drafted  # its own greedy choices, every one confirmed
     assert 0 <= accepted <= drafted
+
+
+def test_a_draft_model_must_share_the_tokenizer_and_run_on_one_rank(
+    tiny_model: TinyModel, tmp_path: Path
+) -> None:
+    target = ModelConfig.from_dir(tiny_model.path)
+    attention = start_attention_backend(CPU, 16, torch.float32)
+
+    def load(name: str, **overrides: object) -> object:
+        config = ShardConfig(model_name=str(tiny_model.path), speculator_name=name, **overrides)  # type: ignore[arg-type]
+        return load_draft(config, target, attention, CPU, torch.float32)
+
+    assert load("") is None
+    loaded = load(str(tiny_model.path))
+    assert isinstance(loaded, LoadedDraft) and loaded.spec.num_layers == 2
+    with pytest.raises(StartupError, match="tensor parallelism"):
+        load(str(tiny_model.path), world_size=2)
+    wide = tmp_path / "wide"
+    build_tiny_llama(wide, vocab_size=target.vocab_size + 64)
+    with pytest.raises(StartupError, match="must share the model's tokenizer"):
+        load(str(wide))
+    first, second = tmp_path / "first", tmp_path / "second"
+    for path, text in ((first, '{"model": {"vocab": {"a": 0}}}'), (second, '{"model": {}}')):
+        build_tiny_llama(path)
+        (path / "tokenizer.json").write_text(text)
+    config = ShardConfig(model_name=str(first), speculator_name=str(second))
+    with pytest.raises(StartupError, match=r"tokenizer\.json differs"):
+        load_draft(config, ModelConfig.from_dir(first), attention, CPU, torch.float32)
+    with pytest.raises(StartupError, match="speculator /nowhere"):
+        load("/nowhere")

@@ -206,6 +206,12 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
     "of the prompt and the output); 0 turns it off.",
 )
 @_option(
+    "--speculator-name",
+    envvar="SPECULATOR_NAME",
+    help="A draft model sharing the model's tokenizer (a directory or a cached model id): it "
+    "drafts the tokens instead of prompt lookup; --speculate then defaults to 4.",
+)
+@_option(
     "--speculator-max-batch-size",
     envvar="SPECULATOR_MAX_BATCH_SIZE",
     type=int,

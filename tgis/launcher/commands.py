@@ -76,6 +76,7 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
                 ("--max-loras", flags.max_loras if adapters else None),
                 ("--max-lora-rank", flags.max_lora_rank if adapters else None),
                 ("--disable-prefix-caching", flags.disable_prefix_caching),
+                ("--speculator-name", flags.speculator_name),
             ]
         ),
     ]
@@ -111,6 +112,10 @@ def shard_env(cfg: ResolvedConfig, rank: int, base: Mapping[str, str]) -> dict[s
     return env
 
 
+DRAFT_MODEL_DEPTH = 4
+"""Tokens a draft model drafts per step when only ``--speculator-name`` is given."""
+
+
 def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list[str]:
     """`text-generation-router ...` pointing at shard 0's socket and the tokenizer.json.
 
@@ -118,6 +123,7 @@ def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list
     by capacity, joining at the next step)."""
     flags = cfg.flags
     tls = bool(flags.tls_cert_path and flags.tls_key_path)
+    speculate = flags.speculate or (DRAFT_MODEL_DEPTH if flags.speculator_name else 0)
     return [
         program,
         "--max-concurrent-requests",
@@ -153,13 +159,13 @@ def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list
                 ("--json-output", flags.json_output),
                 ("--output-special-tokens", flags.output_special_tokens),
                 ("--disable-prefix-caching", flags.disable_prefix_caching),
-                ("--speculate", flags.speculate or None),
+                ("--speculate", speculate or None),
                 (
                     "--speculator-max-batch-size",
-                    flags.speculator_max_batch_size if flags.speculate else None,
+                    flags.speculator_max_batch_size if speculate else None,
                 ),
-                ("--prompt-lookup-min", flags.prompt_lookup_min if flags.speculate else None),
-                ("--prompt-lookup-max", flags.prompt_lookup_max if flags.speculate else None),
+                ("--prompt-lookup-min", flags.prompt_lookup_min if speculate else None),
+                ("--prompt-lookup-max", flags.prompt_lookup_max if speculate else None),
                 ("--default-include-stop-seqs", flags.default_include_stop_seqs),
                 ("--shutdown-grace-period", flags.shutdown_grace_period),
                 ("--otlp-endpoint", flags.otlp_endpoint),

@@ -82,7 +82,8 @@ class LauncherConfig:
     tls_client_ca_cert_path: str | None = None
     output_special_tokens: bool = False
     disable_prefix_caching: bool = False
-    speculate: int = 0  # tokens drafted per sequence and step by prompt lookup (0: off)
+    speculate: int = 0  # tokens drafted per sequence and step (0: off, or 4 with a draft model)
+    speculator_name: str | None = None  # a draft model (TGIS's SPECULATOR_NAME)
     speculator_max_batch_size: int = 16
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3

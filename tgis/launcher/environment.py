@@ -15,13 +15,6 @@ _HF_CACHE_VARS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
 
 # Env vars of flags TGIS removed: only a log line says they are ignored.
 IGNORED_ENV_VARS = ("MAX_BATCH_WEIGHT", "MAX_PREFILL_WEIGHT")
-UNSUPPORTED_ENV_VARS = {
-    "SPECULATOR_NAME": (
-        "draft models and MLP speculators are not supported yet: serving without one "
-        "(prompt-lookup drafts: --speculate N)"
-    ),
-}
-"""TGIS variables for features tgis lacks: the server starts without them and says so."""
 
 
 def resolve_num_shard(num_shard: int | None, environ: Mapping[str, str]) -> int:
@@ -73,13 +66,8 @@ def resolve_hf_hub_cache(environ: Mapping[str, str], log: logging.Logger) -> Pat
 
 
 def log_ignored_env(environ: Mapping[str, str], log: logging.Logger) -> None:
-    """TGIS removed MAX_BATCH_WEIGHT / MAX_PREFILL_WEIGHT; say so when they are still set,
-    and warn of TGIS variables for features tgis does not have."""
+    """TGIS removed MAX_BATCH_WEIGHT / MAX_PREFILL_WEIGHT; say so when they are still set."""
     for var in IGNORED_ENV_VARS:
         value = environ.get(var)
         if not blank(value):
             log.info("%s is set to %s but this parameter will be ignored.", var, value)
-    for var, why in UNSUPPORTED_ENV_VARS.items():
-        value = environ.get(var)
-        if not blank(value):
-            log.warning("%s is set to %s: %s", var, value, why)

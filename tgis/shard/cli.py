@@ -116,6 +116,13 @@ def main() -> None:
     help="The router reuses no cached KV blocks: tell it so, and commit the CPU KV cache "
     "only as it fills.",
 )
+@click.option(
+    "--speculator-name",
+    envvar="SPECULATOR_NAME",
+    default=None,
+    help="A draft model (a directory or a cached model id sharing the tokenizer) for "
+    "speculative decoding.",
+)
 @click.option("--uds-path", default=DEFAULT_UDS_PATH, show_default=True)
 def serve(**options: Any) -> None:
     """Load MODEL_NAME ("" = the embedded model) and serve it on ``{uds-path}-{rank}``."""
@@ -144,6 +151,7 @@ class ServeOptions:
     max_loras: int
     max_lora_rank: int
     disable_prefix_caching: bool
+    speculator_name: str | None
     uds_path: str
 
 
@@ -207,6 +215,7 @@ def _shard_config(options: ServeOptions) -> ShardConfig:
         max_loras=options.max_loras,
         max_lora_rank=options.max_lora_rank,
         prefix_caching=not options.disable_prefix_caching,
+        speculator_name=options.speculator_name or None,
     )
 
 

@@ -72,6 +72,8 @@ class ShardConfig:
     # native engine says so in Info, and commits its CPU KV cache at start, since cached
     # blocks fill all of it.
     prefix_caching: bool = True
+    # Speculative decoding's draft model (--speculator-name / SPECULATOR_NAME; None: none).
+    speculator_name: str | None = None
 
     @property
     def prefix_length_limit(self) -> int:

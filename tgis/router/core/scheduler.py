@@ -64,10 +64,11 @@ class Scheduler:
         limits: SchedulerLimits,
         prefix_caching: bool = False,
         speculation: SpeculationConfig | None = None,
+        shard_drafts: bool = False,
     ) -> None:
         self.blocks = blocks
         self.cache = PrefixCache(blocks, prefix_caching)
-        self.speculation = None if speculation is None else Speculation(speculation)
+        self.speculation = None if speculation is None else Speculation(speculation, shard_drafts)
         self.limits = limits
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
@@ -319,13 +320,15 @@ class Scheduler:
                 continue
             if not self._make_room_for_decode(state):
                 break  # it preempted itself: it was the youngest
-            drafts = self._drafts(state) if speculating else ()
-            draft.add(self.blocks, state, 1 + len(drafts), prompt=False, drafts=drafts)
+            drafts, count = self._drafts(state) if speculating else ((), 0)
+            draft.add(
+                self.blocks, state, 1 + len(drafts), prompt=False, drafts=drafts, spec_tokens=count
+            )
         if self.speculation is not None and draft.drafted:
             self.speculation.in_flight = True
         return self.preemption_count - before
 
-    def _drafts(self, state: RequestState) -> tuple[int, ...]:
+    def _drafts(self, state: RequestState) -> tuple[tuple[int, ...], int]:
         assert self.speculation is not None
         return self.speculation.drafts(state, self.blocks)
 
@@ -387,4 +390,5 @@ def new_scheduler(
     ``speculation`` when the engine verifies them (``ShardInfo.speculation``)."""
     pool = BlockPool(kv_capacity_blocks(limits, info), info.block_size)
     drafts = speculation if info.speculation else None
-    return Scheduler(pool, limits, prefix_caching and info.prefix_caching, drafts)
+    caching = prefix_caching and info.prefix_caching
+    return Scheduler(pool, limits, caching, drafts, shard_drafts=info.draft_model)

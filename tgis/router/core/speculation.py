@@ -14,7 +14,9 @@ flight while speculation applies (the overlap resumes above the batch size).
 **Drafts** (``ngram.py``): prompt lookup over the input and generated ids, at most
 ``tokens`` of them and never past ``max_new_tokens``; none for a guided sequence (its
 matcher follows sampled tokens only) or when the KV blocks for them are not free (a draft
-never preempts anything).
+never preempts anything). With a draft model on the shard (``ShardInfo.draft_model``) the
+router asks for that many drafts instead (``ScheduledSequence.spec_tokens``), within the
+same limits.
 
 **Counts.** A drafted chunk counts ``1 + k`` tokens but advances ``num_computed`` by one
 when planned, like a decode; ``reconcile`` adds the drafts the shard confirmed once the
@@ -49,8 +51,10 @@ class SpeculationConfig:
 class Speculation:
     """Drafts for the scheduler's decoding sequences, and their reconciliation."""
 
-    def __init__(self, config: SpeculationConfig) -> None:
+    def __init__(self, config: SpeculationConfig, shard_drafts: bool = False) -> None:
         self.config = config
+        self.shard_drafts = shard_drafts
+        """The shard's draft model drafts: ask for a number of drafts, not ids."""
         self.in_flight = False
         """A step with drafts has been sent and not answered."""
 
@@ -59,26 +63,32 @@ class Speculation:
         requests running and queued: a queue that will fill the batch counts already."""
         return demand <= self.config.max_batch_size
 
-    def drafts(self, state: RequestState, blocks: BlockPool) -> tuple[int, ...]:
+    def drafts(self, state: RequestState, blocks: BlockPool) -> tuple[tuple[int, ...], int]:
         """Tokens to verify after ``state``'s last known one (its decode already has its
-        block)."""
+        block): drafted ids, or how many the shard's draft model is to draft."""
         request = state.request
         left = request.stopping.max_new_tokens - len(state.generated_ids) - 1
         if left < 1 or request.sampling.grammar or state.pending_tokens:
-            return ()
+            return (), 0
+        count = min(self.config.tokens, left)
+        decode_end = state.num_computed + 1
+        if self.shard_drafts:
+            free = max(blocks.num_free, 0)
+            while count and blocks.missing(state.block_ids, decode_end + count) > free:
+                count -= 1
+            return (), count
         index = state.ngram
         if index is None:
             index = state.ngram = NgramIndex(
                 self.config.min_ngram, self.config.max_ngram, request.input_ids
             )
         index.extend(state.generated_ids[len(index) - len(request.input_ids) :])
-        drafts = index.propose(min(self.config.tokens, left))
-        decode_end = state.num_computed + 1
+        drafts = index.propose(count)
         while drafts and blocks.missing(state.block_ids, decode_end + len(drafts)) > max(
             blocks.num_free, 0
         ):
             drafts.pop()
-        return tuple(drafts)
+        return tuple(drafts), 0
 
     def reconcile(self, step: ScheduledStep, output: StepOutput, update: StepUpdate) -> None:
         """Count the drafts each running sequence's step confirmed as computed, before its

@@ -40,10 +40,12 @@ class StepDraft:
         *,
         prompt: bool,
         drafts: tuple[int, ...] = (),
+        spec_tokens: int = 0,
     ) -> None:
         """Schedule ``num_tokens`` of ``state`` (prompt ones from the budget), growing its
         blocks from ``blocks``; ``drafts`` (a decode with speculative tokens after it) are
-        the last of them, counted as computed only once confirmed."""
+        the last of them, counted as computed only once confirmed; ``spec_tokens``: drafts
+        the shard's draft model adds after them (blocks reserved, not counted)."""
         if prompt:
             self.budget -= num_tokens
             self.prompt_tokens += num_tokens
@@ -53,7 +55,7 @@ class StepDraft:
             state.known_to_shard = True
         # Its first chunk since admission after a prefix-cache hit: the shard is told.
         cached = state.num_computed if state.blocks_sent == 0 else 0
-        blocks.grow(state.block_ids, state.num_computed + num_tokens)
+        blocks.grow(state.block_ids, state.num_computed + num_tokens + spec_tokens)
         new_blocks = tuple(state.block_ids[state.blocks_sent :])
         state.blocks_sent = len(state.block_ids)
         before = state.num_computed
@@ -64,8 +66,8 @@ class StepDraft:
             state.pending_tokens += 1
             self.samples.add(state.request_id)
         self.scheduled.append(
-            ScheduledSequence(state.request_id, num_tokens, new_blocks, cached, drafts)
+            ScheduledSequence(state.request_id, num_tokens, new_blocks, cached, drafts, spec_tokens)
         )
-        if drafts:
-            self.drafted[state.request_id] = len(drafts)
+        if drafts or spec_tokens:
+            self.drafted[state.request_id] = len(drafts) or spec_tokens
         self.states[state.request_id] = state

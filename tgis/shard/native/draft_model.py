@@ -9,7 +9,8 @@ is filled lazily: when the router asks for drafts (``WorkItem.spec_tokens``), th
 model first computes the positions it has not seen (``Sequence.draft_computed`` up to the
 last known token: the whole prompt the first time), which gives the first draft; each
 further draft is one more single-token step of the draft model. Drafts are greedy (the
-argmax of the draft's logits): verification keeps the output exact whatever they are.
+argmax of the draft's logits, EOS left out where the target's min_new_tokens masks it):
+verification keeps the output exact whatever they are.
 
 Positions the draft model wrote after the last confirmed draft hold stale keys and values;
 ``Sequence.draft_computed`` stops before them, so they are computed again before use.
@@ -41,6 +42,7 @@ class DraftModel:
     attention: AttentionBackend
     device: torch.device
     name: str = ""
+    eos_token_ids: tuple[int, ...] = ()
 
     def draft(self, work: SequenceOf[WorkItem], tables: BlockTables) -> tuple[WorkItem, ...]:
         """``work`` with every item that asks for drafts given them (``drafts`` set, its
@@ -51,7 +53,7 @@ class DraftModel:
         items = [work[i] for i in asking]
         # Catch up: every position from the first the draft model lacks to the last known.
         catch_up = [replace(item, start=item.seq.draft_computed, drafts=()) for item in items]
-        drafts = [[t] for t in self._next_tokens(catch_up, tables)]
+        drafts = [[t] for t in self._next_tokens(catch_up, tables, 0)]
         for step in range(1, max(item.spec_tokens for item in items)):
             going = [i for i, item in enumerate(items) if item.spec_tokens > step]
             single = [
@@ -64,7 +66,7 @@ class DraftModel:
                 )
                 for i in going
             ]
-            for i, token in zip(going, self._next_tokens(single, tables), strict=True):
+            for i, token in zip(going, self._next_tokens(single, tables, step), strict=True):
                 drafts[i].append(token)
         out = list(work)
         for index, item, drafted in zip(asking, items, drafts, strict=True):
@@ -72,15 +74,25 @@ class DraftModel:
         return tuple(out)
 
     @torch.inference_mode()
-    def _next_tokens(self, items: SequenceOf[WorkItem], tables: BlockTables) -> list[int]:
+    def _next_tokens(
+        self, items: SequenceOf[WorkItem], tables: BlockTables, drafted: int
+    ) -> list[int]:
         """Run the draft model over ``items`` (writing its cache); the argmax of each item's
-        last position."""
+        last position, the ``drafted``-th draft (EOS out while min_new_tokens masks it)."""
         layout = flatten(items, tables, self.kv_cache.block_size)
         input_ids, positions, slot_mapping = layout.to_device(self.device)
         metadata = self.attention.prepare(layout, self.device, slot_mapping)
         hidden = self.model.forward(input_ids, positions, self.kv_cache, metadata)
         last = torch.as_tensor(layout.query_starts + layout.query_lens - 1, device=self.device)
         logits = self.model.compute_logits(hidden[last]).float()
+        short = [
+            row
+            for row, item in enumerate(items)
+            if item.seq.num_generated + drafted < item.seq.sampling.min_new_tokens
+        ]
+        eos = [t for t in self.eos_token_ids if 0 <= t < logits.shape[-1]]
+        if short and eos:
+            logits[torch.tensor(short)[:, None], torch.tensor(eos)[None, :]] = float("-inf")
         return [int(t) for t in argmax_rows(logits).tolist()]
 
 

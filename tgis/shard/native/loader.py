@@ -37,6 +37,7 @@ from tgis.shard.native.attention.selection import start_attention_backend
 from tgis.shard.native.compiled import CompiledForward, compile_mode, should_compile
 from tgis.shard.native.cpu_gemm import PRIMITIVE_CACHE_VARIABLES, packing_available
 from tgis.shard.native.cuda_capacity import measure_cuda_blocks
+from tgis.shard.native.draft_loading import load_draft
 from tgis.shard.native.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.native.models import CausalLM, ForwardFn, ModelFactory, model_class
@@ -73,26 +74,24 @@ def load_native_runner(
     info = _info(config, model_config, spec, attention, device, dtype)
     forward = _forward(model, tp, device)
     _pack_cpu_weights(model, forward, device, dtype)
+    draft = load_draft(config, model_config, attention, device, dtype)
+    draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
     num_blocks = min_over_ranks(
-        tp, _kv_cache_blocks(config, model, spec, attention, info, device, forward)
+        tp, _kv_cache_blocks(config, model, spec, attention, info, device, forward, draft_bytes)
     )
     kv_cache = KVCache(spec, num_blocks, device, commit=config.prefix_caching)
     info = replace(info, num_blocks=num_blocks)
-    log.info(
-        "Loaded %s (%s) from %s%s: %s on %s, %d KV blocks of %d tokens",
-        model_config.architecture,
-        model_config.model_type,
-        model_dir,
-        " with dummy weights" if config.load_format == "dummy" else "",
-        info.dtype,
-        info.device,
-        num_blocks,
-        spec.block_size,
-    )
+    _log_loaded(config, model_config, model_dir, info)
     prefixes, adapters = _stores(config, model_config, model, device, dtype)
     if config.adapter_cache:
         info = with_adapters(info, adapters)
     runner = ModelRunner(model, kv_cache, attention, info, device, forward, prefixes, adapters)
+    if draft is not None:
+        runner.attach_draft(
+            draft.with_cache(
+                num_blocks, attention, device, config.prefix_caching, info.eos_token_ids
+            )
+        )
     if isinstance(forward, CompiledForward):
         _compile(runner, model)
     _capture_decode_graphs(runner, config, tp)
@@ -108,6 +107,22 @@ def load_native_runner(
             timing.per_token_s * 1e3,
         )
     return runner
+
+
+def _log_loaded(
+    config: ShardConfig, model_config: ModelConfig, model_dir: Path, info: ShardInfo
+) -> None:
+    log.info(
+        "Loaded %s (%s) from %s%s: %s on %s, %d KV blocks of %d tokens",
+        model_config.architecture,
+        model_config.model_type,
+        model_dir,
+        " with dummy weights" if config.load_format == "dummy" else "",
+        info.dtype,
+        info.device,
+        info.num_blocks,
+        info.block_size,
+    )
 
 
 def _info(
@@ -283,9 +298,11 @@ def _kv_cache_blocks(
     info: ShardInfo,
     device: torch.device,
     forward: ForwardFn,
+    draft_bytes: int = 0,
 ) -> int:
     """This rank's KV capacity in blocks (``tgis.shard.capacity`` and ``cuda_capacity``
-    explain the rules)."""
+    explain the rules); ``draft_bytes``: a draft model's cache bytes per block, which every
+    block also takes."""
     block_size = spec.block_size
     if device.type != "cuda" or config.kv_cache_blocks is not None:
         return configured_blocks(
@@ -294,7 +311,7 @@ def _kv_cache_blocks(
             max_sequence_length=config.max_sequence_length,
             max_batch_total_tokens=config.max_batch_total_tokens if device.type != "cuda" else None,
             override=config.kv_cache_blocks,
-            bytes_per_block=spec.bytes_per_block,
+            bytes_per_block=spec.bytes_per_block + draft_bytes,
         )
     measured = measure_cuda_blocks(
         model,
@@ -310,6 +327,8 @@ def _kv_cache_blocks(
         safety_margin=config.batch_safety_margin,
         held_back=config.prompt_cache_bytes if config.prefix_store_path else 0,
     )
+    # The warm-up measured the target's bytes per block; the draft's cache shares the room.
+    measured = measured * spec.bytes_per_block // (spec.bytes_per_block + draft_bytes)
     check_fits(measured, block_size, config.max_sequence_length, "GPU memory after the warm-up")
     if config.max_batch_total_tokens is not None:
         measured = min(measured, blocks_for(config.max_batch_total_tokens, block_size))

@@ -1,0 +1,108 @@
+"""Load the draft model of ``--speculator-name`` (TGIS's ``SPECULATOR_NAME``): a causal LM
+of a native family that shares the target's tokenizer, read onto the target's device in the
+target's dtype. Its KV cache takes as many blocks as the target's (``draft_model.py``), so
+the target's sizing counts both caches' bytes per block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tgis.model_files import ModelNotFoundError, resolve_model_dir
+from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.checkpoints.weights import Weights
+from tgis.shard.config import ShardConfig
+from tgis.shard.errors import StartupError
+from tgis.shard.native.attention.interface import AttentionBackend
+from tgis.shard.native.draft_model import DraftModel
+from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.native.models import CausalLM, model_class
+
+__all__ = ["LoadedDraft", "load_draft"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedDraft:
+    """A draft model's weights, before its KV cache is sized."""
+
+    model: CausalLM
+    name: str
+
+    @property
+    def spec(self) -> KVCacheSpec:
+        return self.model.kv_cache_spec
+
+    def with_cache(
+        self,
+        num_blocks: int,
+        attention: AttentionBackend,
+        device: torch.device,
+        commit: bool,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> DraftModel:
+        """The draft model with a KV cache of ``num_blocks`` blocks (the target's)."""
+        cache = KVCache(self.spec, num_blocks, device, commit=commit)
+        return DraftModel(self.model, cache, attention, device, self.name, eos_token_ids)
+
+
+def load_draft(
+    config: ShardConfig,
+    target: ModelConfig,
+    attention: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LoadedDraft | None:
+    """The draft model ``config.speculator_name`` names (None: none), checked against the
+    target: one rank only, the same vocabulary size and tokenizer."""
+    name = config.speculator_name
+    if not name:
+        return None
+    if config.world_size > 1:
+        raise StartupError(
+            f"speculator {name}: a draft model with tensor parallelism (--num-shard "
+            f"{config.world_size}) is not supported yet; prompt-lookup drafts are "
+            "(--speculate N without --speculator-name)"
+        )
+    try:
+        draft_dir = resolve_model_dir(name)
+    except ModelNotFoundError as e:
+        raise StartupError(f"speculator {name}: {e}") from None
+    draft_config = ModelConfig.from_dir(draft_dir)
+    if draft_config.vocab_size != target.vocab_size:
+        raise StartupError(
+            f"speculator {name}: its vocabulary has {draft_config.vocab_size} tokens, the "
+            f"model's {target.vocab_size}; a draft model must share the model's tokenizer"
+        )
+    _check_tokenizer(name, draft_dir, target.model_dir)
+    factory = model_class(draft_config)
+    weights = Weights(draft_dir, device, dtype)
+    model = factory(draft_config, weights, attention, config.max_sequence_length)
+    weights.close()
+    log.info(
+        "Draft model %s (%s) loaded from %s: %d KV bytes per block",
+        name,
+        draft_config.model_type,
+        draft_dir,
+        model.kv_cache_spec.bytes_per_block,
+    )
+    return LoadedDraft(model, name)
+
+
+def _check_tokenizer(name: str, draft_dir: Path, model_dir: Path) -> None:
+    """StartupError when both directories hold a ``tokenizer.json`` and they differ."""
+    files = [d / "tokenizer.json" for d in (draft_dir, model_dir)]
+    if not all(f.is_file() for f in files):
+        return
+    digests = {hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    if len(digests) > 1:
+        raise StartupError(
+            f"speculator {name}: its tokenizer.json differs from the model's; a draft "
+            "model must share the model's tokenizer"
+        )
