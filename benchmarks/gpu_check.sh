@@ -5,7 +5,7 @@
 #   benchmarks/gpu_wheels.sh            # here, with a package registry: wheels into .whl/
 #   benchmarks/gpu_check.sh OUTDIR      # there, in the repository root, .whl/ carried along
 #
-# Budget: under 13 minutes on one H100 (each part has its own time limit below). Needs
+# Budget: under 16 minutes on one H100 (each part has its own time limit below). Needs
 # python3 with torch (CUDA), triton, transformers, tokenizers, safetensors, numpy, click,
 # aiohttp, prometheus-client and pytest, as the GPU image has them; everything else comes
 # from .whl/ (gpu_wheels.sh says which). Nothing is installed outside /tmp.
@@ -19,7 +19,10 @@
 # (benchmarks/quant_kernels.py --device cuda: one 4-/8-bit layer of the 8B shape by the
 # Triton products, dequantized + cuBLAS, and dense, at 1/16/64/256 rows), quant.json and
 # quant.log (benchmarks/quant_bench.py: the 8B shape dense against random 4-bit GPTQ
-# layers, decode at batch 1 and 64), and summary.txt with each part's exit status.
+# layers, decode at batch 1 and 64), speculation.log (benchmarks/speculation_bench.py:
+# prompt lookup on the embedded model, one stream's TPOT on a copying workload and 32
+# streams' throughput, with and without --speculate 6), and summary.txt with each part's
+# exit status.
 #
 # For a dry run of the plumbing elsewhere (a CPU host, say), these override the defaults:
 # PYTHON (python3), GPU_CHECK_MODEL (benchmarks/models/llama-3.1-8b), GPU_CHECK_LOAD_FORMAT
@@ -142,4 +145,9 @@ part quant-bench 240 "$py" benchmarks/quant_bench.py --model "$model" --dtype bf
     --batches 1,64 --contexts 512 --steps 10 --rounds 1 --variants dense,gptq \
     --json "$out/quant.json" >"$out/quant.log" 2>&1
 tail -10 "$out/quant.log" | tee -a "$summary"
+
+# ---- 5. speculative decoding: prompt lookup on the embedded (trained) model ---------------
+part speculation 180 "$py" benchmarks/speculation_bench.py --rounds 1 --repeats 1 \
+    --speculate 6 --concurrency 32 >"$out/speculation.log" 2>&1
+tail -8 "$out/speculation.log" | tee -a "$summary"
 log "done in $((SECONDS - started)) s"

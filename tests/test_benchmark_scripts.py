@@ -160,3 +160,22 @@ def test_quant_kernels_reports_every_row_count() -> None:
     rows = [line.split() for line in stdout.splitlines()[2:]]
     assert [(r[0], r[2]) for r in rows] == [("4", "1"), ("4", "70"), ("8", "1"), ("8", "70")]
     assert all(float(v) > 0 for r in rows for v in r[3:6])
+
+
+def test_speculation_bench_reports_both_workloads() -> None:
+    """The script ``gpu_check.sh`` runs for speculative decoding, small: one round of each
+    server, its table and the two medians."""
+    stdout = run_script(
+        "speculation_bench.py",
+        "--rounds", "1",
+        "--repeats", "1",
+        "--new-tokens", "16",
+        "--concurrency", "2",
+        "--speculate", "3",
+    )  # fmt: skip
+    row = next(line for line in stdout.splitlines() if line.startswith("| 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 9
+    assert float(cells[1]) > 0 and float(cells[2]) > 0
+    assert cells[4].endswith("%") and float(cells[5]) >= 1.0
+    assert "median TPOT ratio" in stdout and "throughput ratio" in stdout
