@@ -64,9 +64,7 @@ def sample_tokens(
     ]
     batch = SamplingBatch(rows, info.eos_token_ids, info.vocab_size, logits.device, token_masks)
     tokens, scores = sample(logits, batch)
-    nan = torch.isnan(scores.gather(1, tokens[:, None])[:, 0])
-    if batch.warpers is not None:  # a sampled row with a NaN can draw a non-NaN score
-        nan[batch.warpers.sample_rows] |= torch.isnan(logits[batch.warpers.sample_rows]).any(-1)
+    nan = nan_choices(logits, scores, tokens, batch)
     errors: list[SequenceError] = []
     if bool(nan.any()):
         bad = nan.tolist()
@@ -85,6 +83,18 @@ def sample_tokens(
         if item.seq.request_id not in failed
     }
     return sampled, errors
+
+
+def nan_choices(
+    logits: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch
+) -> torch.Tensor:
+    """Which rows' choice ``tokens`` (from ``sample``) comes from NaN logits: the chosen
+    score is NaN (a row's argmax or softmax with a NaN is NaN), or the row samples and
+    holds a NaN anywhere (its draw can land on a finite score)."""
+    nan = torch.isnan(scores.gather(1, tokens[:, None])[:, 0])
+    if batch.warpers is not None:
+        nan[batch.warpers.sample_rows] |= torch.isnan(logits[batch.warpers.sample_rows]).any(-1)
+    return nan
 
 
 def _mask_errors(

@@ -21,6 +21,7 @@ from collections.abc import Sequence as SequenceOf
 import torch
 
 from tgis.shard.step.plan import WorkItem
+from tgis.shard.step.results import nan_choices
 from tgis.shard.step.sampling import SamplingBatch, SamplingRow, sample
 from tgis.shard.step.token_details import token_details
 from tgis.shard_api.messages import SequenceError, ShardInfo, TokenDetail
@@ -60,10 +61,7 @@ def verify_drafts(logits: torch.Tensor, items: SequenceOf[WorkItem], info: Shard
     rows = verification_rows(items)
     batch = SamplingBatch(rows, info.eos_token_ids, info.vocab_size, logits.device)
     tokens, scores = sample(logits, batch)
-    chosen = scores.gather(1, tokens[:, None])[:, 0]
-    nan = torch.isnan(chosen)
-    if batch.warpers is not None:  # a sampled row with a NaN can draw a non-NaN score
-        nan[batch.warpers.sample_rows] |= torch.isnan(logits[batch.warpers.sample_rows]).any(-1)
+    nan = nan_choices(logits, scores, tokens, batch)
     wanted = [
         item.seq.details if item.seq.details.generated_tokens else None
         for item in items
