@@ -70,12 +70,12 @@ class Speculation:
         left = request.stopping.max_new_tokens - len(state.generated_ids) - 1
         if left < 1 or request.sampling.grammar or state.pending_tokens:
             return (), 0
+        # As many as the free blocks hold after the decode's (a draft never preempts).
         count = min(self.config.tokens, left)
         decode_end = state.num_computed + 1
+        while count and blocks.missing(state.block_ids, decode_end + count) > blocks.num_free:
+            count -= 1
         if self.shard_drafts:
-            free = max(blocks.num_free, 0)
-            while count and blocks.missing(state.block_ids, decode_end + count) > free:
-                count -= 1
             return (), count
         index = state.ngram
         if index is None:
@@ -83,12 +83,7 @@ class Speculation:
                 self.config.min_ngram, self.config.max_ngram, request.input_ids
             )
         index.extend(state.generated_ids[len(index) - len(request.input_ids) :])
-        drafts = index.propose(count)
-        while drafts and blocks.missing(state.block_ids, decode_end + len(drafts)) > max(
-            blocks.num_free, 0
-        ):
-            drafts.pop()
-        return tuple(drafts), 0
+        return tuple(index.propose(count)), 0
 
     def reconcile(self, step: ScheduledStep, output: StepOutput, update: StepUpdate) -> None:
         """Count the drafts each running sequence's step confirmed as computed, before its
