@@ -208,16 +208,18 @@ def test_with_a_lora_adapter(speculating: LauncherProcess, plain: LauncherProces
     )
 
 
-def test_greedy_text_equals_transformers_prompt_lookup(
-    speculating: LauncherProcess, model: tuple[Path, Any]
+def assert_greedy_text_equals_transformers(
+    server: LauncherProcess, model: tuple[Path, Any], **speculation: Any
 ) -> None:
+    """Every prompt's greedy text from ``server`` equals transformers' ``generate`` with
+    ``speculation`` (its own speculative decoding) on the same weights."""
     path, twin = model
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     parameters = pb.Parameters(
         method=pb.GREEDY,
         stopping=pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS),
     )
-    for text, response in zip(PROMPTS, generate(speculating, parameters), strict=True):
+    for text, response in zip(PROMPTS, generate(server, parameters), strict=True):
         ids = tokenizer.encode(text).ids
         with torch.no_grad():
             out = twin.generate(
@@ -226,10 +228,16 @@ def test_greedy_text_equals_transformers_prompt_lookup(
                 do_sample=False,
                 max_new_tokens=NEW_TOKENS,
                 min_new_tokens=NEW_TOKENS,
-                prompt_lookup_num_tokens=SPECULATE,
+                **speculation,
             )
         want = tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
         assert response.text == want.rstrip("\ufffd")
+
+
+def test_greedy_text_equals_transformers_prompt_lookup(
+    speculating: LauncherProcess, model: tuple[Path, Any]
+) -> None:
+    assert_greedy_text_equals_transformers(speculating, model, prompt_lookup_num_tokens=SPECULATE)
 
 
 def test_the_counters_give_the_acceptance_rate(speculating: LauncherProcess) -> None:
@@ -303,22 +311,4 @@ def test_a_draft_model_gives_the_plain_outputs(
 def test_draft_model_greedy_text_equals_transformers_assisted_generation(
     drafting: LauncherProcess, model: tuple[Path, Any]
 ) -> None:
-    path, twin = model
-    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    parameters = pb.Parameters(
-        method=pb.GREEDY,
-        stopping=pb.StoppingCriteria(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS),
-    )
-    for text, response in zip(PROMPTS, generate(drafting, parameters), strict=True):
-        ids = tokenizer.encode(text).ids
-        with torch.no_grad():
-            out = twin.generate(
-                input_ids=torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                assistant_model=twin,
-            )
-        want = tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
-        assert response.text == want.rstrip("\ufffd")
+    assert_greedy_text_equals_transformers(drafting, model, assistant_model=model[1])
