@@ -1,7 +1,8 @@
 """`text-generation-launcher --num-shard 2` on CPU (gloo): the same text as one shard (a
 long prompt's second run from the prefix cache included; the two ranks also verify
 drafted tokens, `--speculate 3`, which the single shard does not), and SIGTERM stops every
-rank cleanly."""
+rank cleanly. With a draft model (`--speculator-name`, here the model itself) split over the
+two ranks the text is the same too."""
 
 from __future__ import annotations
 
@@ -119,3 +120,20 @@ def test_two_shards_generate_the_same_text_and_stop_cleanly(
         assert f"Shard {rank} stopped: exit status: 0" in log, log
     assert "killing it" not in log, log
     assert "stop received from rank 0" in log, log
+
+
+def test_a_draft_model_split_over_two_shards_gives_the_same_text(
+    model_dir: Path, single_shard_texts: list[str], tmp_path: Path
+) -> None:
+    """The model drafts for itself on both ranks (each holding half its heads and their KV
+    cache): the ranks draft in lockstep, the output is the single shard's, and the greedy
+    drafts (the model's own choices) are mostly confirmed."""
+    launcher = start(tmp_path, model_dir, 2, "--speculator-name", str(model_dir))
+    try:
+        launcher.wait_healthy()
+        assert generate(launcher) == single_shard_texts
+        drafted = metric_sample(launcher, "tgi_spec_draft_tokens") or 0
+        accepted = metric_sample(launcher, "tgi_spec_accepted_tokens") or 0
+        assert drafted > 0 and accepted >= 0.5 * drafted, (drafted, accepted)
+    finally:
+        assert launcher.stop() == 0, launcher.log_tail()

@@ -21,6 +21,7 @@ from tgis.shard.native.attention.selection import start_attention_backend
 from tgis.shard.native.draft_loading import LoadedDraft, load_draft
 from tgis.shard.native.draft_model import DraftModel
 from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.parallel.group import SINGLE, TensorParallel
 from tgis.shard.step.plan import WorkItem
 from tgis.shard.step.sequence import Sequence
 from tgis.shard.step.speculation import accepted_run, verify_drafts
@@ -266,21 +267,25 @@ def test_a_draft_model_gives_the_plain_tokens(
     assert 0 <= accepted <= drafted
 
 
-def test_a_draft_model_must_share_the_tokenizer_and_run_on_one_rank(
+def test_a_draft_model_must_share_the_tokenizer_and_split_over_the_ranks(
     tiny_model: TinyModel, tmp_path: Path
 ) -> None:
     target = ModelConfig.from_dir(tiny_model.path)
     attention = start_attention_backend(CPU, 16, torch.float32)
 
-    def load(name: str, **overrides: object) -> object:
-        config = ShardConfig(model_name=str(tiny_model.path), speculator_name=name, **overrides)  # type: ignore[arg-type]
-        return load_draft(config, target, attention, CPU, torch.float32)
+    def load(name: str, tp: TensorParallel = SINGLE) -> object:
+        config = ShardConfig(model_name=str(tiny_model.path), speculator_name=name)
+        return load_draft(config, target, attention, CPU, torch.float32, tp)
 
     assert load("") is None
     loaded = load(str(tiny_model.path))
     assert isinstance(loaded, LoadedDraft) and loaded.spec.num_layers == 2
-    with pytest.raises(StartupError, match="tensor parallelism"):
-        load(str(tiny_model.path), world_size=2)
+    assert loaded.spec.num_kv_heads == 2
+    # With tensor parallelism each rank holds its slice: one of the two KV heads.
+    second_rank = load(str(tiny_model.path), TensorParallel(rank=1, world_size=2))
+    assert isinstance(second_rank, LoadedDraft) and second_rank.spec.num_kv_heads == 1
+    with pytest.raises(StartupError, match=r"speculator .*not divisible by the number of shards"):
+        load(str(tiny_model.path), TensorParallel(rank=0, world_size=3))
     wide = tmp_path / "wide"
     build_tiny_llama(wide, vocab_size=target.vocab_size + 64)
     with pytest.raises(StartupError, match="must share the model's tokenizer"):

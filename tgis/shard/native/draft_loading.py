@@ -2,6 +2,11 @@
 of a native family that shares the target's tokenizer, read onto the target's device in the
 target's dtype. Its KV cache takes as many blocks as the target's (``draft_model.py``), so
 the target's sizing counts both caches' bytes per block.
+
+With tensor parallelism the draft model is split over the ranks like the target (each rank
+reads its slice of every tensor and holds its heads' KV cache): every rank runs the same
+drafting steps in lockstep, and the logits are gathered whole on each rank, so every rank
+takes the same greedy drafts.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.draft_model import DraftModel
 from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.native.models import CausalLM, model_class
+from tgis.shard.parallel.group import SINGLE, TensorParallel
 
 __all__ = ["LoadedDraft", "load_draft"]
 
@@ -58,18 +64,13 @@ def load_draft(
     attention: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
+    tp: TensorParallel = SINGLE,
 ) -> LoadedDraft | None:
     """The draft model ``config.speculator_name`` names (None: none), checked against the
-    target: one rank only, the same vocabulary size and tokenizer."""
+    target (the same vocabulary size and tokenizer), with this rank's slice of its weights."""
     name = config.speculator_name
     if not name:
         return None
-    if config.world_size > 1:
-        raise StartupError(
-            f"speculator {name}: a draft model with tensor parallelism (--num-shard "
-            f"{config.world_size}) is not supported yet; prompt-lookup drafts are "
-            "(--speculate N without --speculator-name)"
-        )
     try:
         draft_dir = resolve_model_dir(name)
     except ModelNotFoundError as e:
@@ -81,15 +82,20 @@ def load_draft(
             f"model's {target.vocab_size}; a draft model must share the model's tokenizer"
         )
     _check_tokenizer(name, draft_dir, target.model_dir)
-    factory = model_class(draft_config)
-    weights = Weights(draft_dir, device, dtype)
-    model = factory(draft_config, weights, attention, config.max_sequence_length)
-    weights.close()
+    try:
+        factory = model_class(draft_config)
+        weights = Weights(draft_dir, device, dtype, tp=tp)
+        model = factory(draft_config, weights, attention, config.max_sequence_length)
+        weights.close()
+    except StartupError as e:
+        raise StartupError(f"speculator {name}: {e}") from None
     log.info(
-        "Draft model %s (%s) loaded from %s: %d KV bytes per block",
+        "Draft model %s (%s) loaded from %s (rank %d of %d): %d KV bytes per block",
         name,
         draft_config.model_type,
         draft_dir,
+        tp.rank,
+        tp.world_size,
         model.kv_cache_spec.bytes_per_block,
     )
     return LoadedDraft(model, name)

@@ -74,7 +74,7 @@ def load_native_runner(
     info = _info(config, model_config, spec, attention, device, dtype)
     forward = _forward(model, tp, device)
     _pack_cpu_weights(model, forward, device, dtype)
-    draft = load_draft(config, model_config, attention, device, dtype)
+    draft = load_draft(config, model_config, attention, device, dtype, tp)
     draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
     num_blocks = min_over_ranks(
         tp, _kv_cache_blocks(config, model, spec, attention, info, device, forward, draft_bytes)
