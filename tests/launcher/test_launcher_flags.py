@@ -232,9 +232,13 @@ def test_speculation_flags_reach_the_router_and_a_draft_model_the_shard(
         {"SPECULATE": "5"},
     )
     assert run.returncode == 0, run.stderr
-    router = next(line for line in run.stdout.splitlines() if line.startswith("Router: "))
+    lines = run.stdout.splitlines()
+    router = next(line for line in lines if line.startswith("Router: "))
     assert "--speculate 5 --speculator-max-batch-size 16 --prompt-lookup-min 1 " in router
     assert "--prompt-lookup-max 4" in router
+    # The shard captures CUDA graphs for the verify steps of that depth and batch size.
+    shard = next(line for line in lines if line.startswith("Shard 0: "))
+    assert "--speculate 5 --speculator-max-batch-size 16" in shard
     # TGIS's variable names the draft model; the depth then defaults to 4.
     run = run_launcher(
         ["--model-name", str(model_dir), "--dry-run"], {"SPECULATOR_NAME": "/models/draft"}
@@ -243,8 +247,10 @@ def test_speculation_flags_reach_the_router_and_a_draft_model_the_shard(
     lines = run.stdout.splitlines()
     shard = next(line for line in lines if line.startswith("Shard 0: "))
     router = next(line for line in lines if line.startswith("Router: "))
-    assert "--speculator-name /models/draft" in shard
+    assert "--speculator-name /models/draft --speculate 4 " in shard
     assert "--speculate 4 " in router
+    plain = run_launcher(["--model-name", str(model_dir), "--dry-run"])
+    assert "--speculate" not in plain.stdout
     bad = run_launcher(["--model-name", str(model_dir), "--dry-run", "--prompt-lookup-min", "5"])
     assert bad.returncode != 0
     assert "prompt_lookup_min (5) and prompt_lookup_max (3) must satisfy" in bad.stderr

@@ -32,7 +32,7 @@ def test_mode(monkeypatch: pytest.MonkeyPatch) -> None:
         graphs_mode()
 
 
-def graphs(max_batch: int = 16, max_context: int = 64) -> DecodeGraphs:
+def graphs(max_batch: int = 16, max_context: int = 64, width: int = 1) -> DecodeGraphs:
     spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, block_size=4)
     cache = KVCache(spec, 32, torch.device("cpu"))
 
@@ -40,7 +40,7 @@ def graphs(max_batch: int = 16, max_context: int = 64) -> DecodeGraphs:
         raise AssertionError("not run on CPU")
 
     return DecodeGraphs(
-        forward, cache, torch.device("cpu"), graph_buckets(max_batch), max_context, 100
+        forward, cache, torch.device("cpu"), graph_buckets(max_batch), max_context, 100, width
     )
 
 
@@ -50,7 +50,9 @@ def layout(query_lens: list[int], contexts: list[int], tables: list[list[int]]) 
     return replace(
         base,
         input_ids=np.arange(50, 50 + tokens, dtype=np.int64),
-        positions=np.asarray(contexts, dtype=np.int64) - 1,
+        positions=np.concatenate(
+            [np.arange(c - q, c) for q, c in zip(query_lens, contexts, strict=True)]
+        ).astype(np.int64),
     )
 
 
@@ -76,3 +78,33 @@ def test_staging_pads_the_bucket() -> None:
     meta = g.metadata(4)
     assert meta.decode_seqs.tolist() == [0, 1, 2, 3] and meta.tile_seqs.numel() == 0
     assert meta.max_decode_context == 64
+
+
+def test_verify_graphs_take_steps_of_up_to_width_tokens_a_sequence() -> None:
+    g = graphs(max_batch=4, max_context=64, width=3)  # 17 blocks of 4: 64 + 2 pad positions
+    assert g.bucket_for(layout([3, 1, 2], [9, 5, 7], [[1, 2, 3], [4, 5], [6, 7]])) == 4
+    assert g.bucket_for(layout([1, 1], [9, 5], [[1, 2, 3], [4, 5]])) == 2
+    assert g.bucket_for(layout([4, 1], [9, 5], [[1, 2, 3], [4, 5]])) is None  # too wide
+    assert g.bucket_for(layout([1] * 5, [1] * 5, [[i] for i in range(5)])) is None
+    assert g.bucket_for(layout([1], [64], [list(range(16))])) == 1  # padded to 66 of 68
+    assert g.bucket_for(layout([1], [67], [list(range(17))])) is None  # padded past 68
+
+
+def test_verify_staging_pads_each_sequence_to_width_rows() -> None:
+    g = graphs(max_batch=4, width=3)
+    g.stage(layout([3, 1], [9, 5], [[1, 2, 3], [4, 5]]), 2)  # ids 50-53, slots 7-10
+    # Sequence 0 fills its three rows; sequence 1 has one row, then two pad rows.
+    assert g.input_ids[:6].tolist() == [50, 51, 52, 53, 0, 0]
+    assert g.positions[:6].tolist() == [6, 7, 8, 4, 0, 0]
+    assert g.slots[:6].tolist() == [7, 8, 9, 10, -1, -1]
+    # Its context grows by its two pad rows: its real row keeps position 4.
+    assert g.context[:2].tolist() == [9, 7]
+    assert g.gather[:4].tolist() == [0, 1, 2, 3]
+    meta = g.metadata(2)
+    assert meta.query_starts.tolist() == [0, 3] and meta.query_lens.tolist() == [3, 3]
+    assert meta.tile_seqs.tolist() == [0, 1] and meta.tile_offsets.tolist() == [0, 0]
+    assert meta.decode_seqs.numel() == 0
+    g.stage(layout([1, 2], [5, 9], [[4, 5], [1, 2, 3]]), 4)
+    assert g.gather[:3].tolist() == [0, 3, 4]
+    assert g.context[:4].tolist() == [7, 10, 3, 3]  # pad sequences: width keys of block 0
+    assert g.slots[6:12].tolist() == [-1] * 6

@@ -1,11 +1,13 @@
 """On a CUDA device (skipped elsewhere; `benchmarks/gpu_check.sh` runs every test marked
 `gpu`): the tiny Llama served by each CUDA attention backend gives transformers' greedy
-tokens and logprobs, the compiled step equals the eager one, the KV warm-up measures real
+tokens and logprobs, the compiled step equals the eager one, decode and verify steps
+replayed from CUDA graphs equal the eager ones, the KV warm-up measures real
 memory, dummy weights are created on the device, and NCCL joins a group of one."""
 
 from __future__ import annotations
 
 import importlib.util
+import random
 from pathlib import Path
 
 import pytest
@@ -43,11 +45,16 @@ def cuda_runner(
     backend: str = "",
     compiled: bool = False,
     dtype: str = "float32",
+    speculate: int = 0,
 ) -> ModelRunner:
     monkeypatch.setenv("TGIS_ATTENTION_BACKEND", backend)
     monkeypatch.setenv("TGIS_COMPILE", "1" if compiled else "0")
     config = ShardConfig(
-        model_name=str(path), dtype=dtype, kv_cache_blocks=96, max_sequence_length=256
+        model_name=str(path),
+        dtype=dtype,
+        kv_cache_blocks=96,
+        max_sequence_length=256,
+        speculate=speculate,
     )
     runner = load_runner(config)
     assert isinstance(runner, ModelRunner)
@@ -134,20 +141,20 @@ def test_decode_graphs_equal_eager(
     forward run directly, over the eager and the compiled forward."""
     monkeypatch.setenv("TGIS_CUDA_GRAPHS", "0")
     direct = cuda_runner(tiny_model.path, monkeypatch, backend="triton_paged", compiled=compiled)
-    assert direct.graphs is None
+    assert direct.graph_sets == ()
     expected = generate(direct)
     monkeypatch.setenv("TGIS_CUDA_GRAPHS", "1")
     runner = cuda_runner(tiny_model.path, monkeypatch, backend="triton_paged", compiled=compiled)
-    assert runner.graphs is not None
-    runner.graphs.verify(seed=3)  # graph == direct forward on random inputs
+    (graphs,) = runner.graph_sets
+    graphs.verify(seed=3)  # graph == direct forward on random inputs
     replays: list[int] = []
-    real_run = runner.graphs.run
+    real_run = graphs.run
 
     def counting_run(layout: BatchLayout, bucket: int) -> torch.Tensor:
         replays.append(bucket)
         return real_run(layout, bucket)
 
-    monkeypatch.setattr(runner.graphs, "run", counting_run)
+    monkeypatch.setattr(graphs, "run", counting_run)
     got = generate(runner)
     # Prefill and the chunk steps run directly; then 8 decodes of all 3, 3 of the last one.
     assert replays == [4] * 8 + [1] * 3
@@ -155,6 +162,47 @@ def test_decode_graphs_equal_eager(
     for rid in PROMPTS:
         for a, b in zip(logprobs(got, rid), logprobs(expected, rid), strict=True):
             assert abs(a - b) < 1e-4, rid
+
+
+def test_verify_graphs_equal_eager(tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --speculate 4 the loader also captures verify graphs (1 + 4 rows a sequence):
+    drafted steps replayed from them give the eager step's tokens and logprobs."""
+    monkeypatch.setenv("TGIS_CUDA_GRAPHS", "0")
+    direct = cuda_runner(tiny_model.path, monkeypatch, backend="triton_paged", speculate=4)
+    expected = drafted_generate(direct)
+    monkeypatch.setenv("TGIS_CUDA_GRAPHS", "1")
+    runner = cuda_runner(tiny_model.path, monkeypatch, backend="triton_paged", speculate=4)
+    assert [g.width for g in runner.graph_sets] == [1, 5]
+    runner.graph_sets[1].verify(seed=3)
+    widths: list[int] = []
+    for graphs in runner.graph_sets:
+        real_run = graphs.run
+
+        def counting_run(layout: BatchLayout, bucket: int, g=graphs, run=real_run) -> torch.Tensor:  # type: ignore[no-untyped-def]
+            widths.append(g.width)
+            return run(layout, bucket)
+
+        monkeypatch.setattr(graphs, "run", counting_run)
+    got = drafted_generate(runner)
+    assert 5 in widths
+    assert got.generated == expected.generated
+    for rid in PROMPTS:
+        for a, b in zip(logprobs(got, rid), logprobs(expected, rid), strict=True):
+            assert abs(a - b) < 1e-4, rid
+
+
+def drafted_generate(runner: ModelRunner) -> Router:
+    """The three prompts, then steps drafting 0 to 4 tokens per sequence (random ids: the
+    drafts are verified whatever they are)."""
+    rng = random.Random(4)
+    router = Router(runner, seed=5)
+    for rid, prompt in PROMPTS.items():
+        router.add(rid, prompt, details=LOGPROBS)
+    router.step({rid: len(p) for rid, p in PROMPTS.items()})
+    while live := [r for r in PROMPTS if len(router.generated[r]) < NEW_TOKENS]:
+        drafts = {r: [rng.randrange(3, 200) for _ in range(rng.randrange(5))] for r in live}
+        router.speculate(drafts)
+    return router
 
 
 def test_kv_warm_up_measures_device_memory(

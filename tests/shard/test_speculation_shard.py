@@ -18,6 +18,7 @@ from tgis.shard.config import ShardConfig
 from tgis.shard.errors import InvalidStepError, StartupError
 from tgis.shard.loader import load_runner
 from tgis.shard.native.attention.selection import start_attention_backend
+from tgis.shard.native.cuda_graphs import DecodeGraphs, graph_buckets
 from tgis.shard.native.draft_loading import LoadedDraft, load_draft
 from tgis.shard.native.draft_model import DraftModel
 from tgis.shard.native.model_runner import ModelRunner
@@ -50,6 +51,7 @@ MODES = {
 PROMPTS = {1: [5, 9, 13, 5, 9, 13, 5, 9], 2: list(range(30, 51)), 3: [7, 7, 7]}
 NEW_TOKENS = 14
 CPU = torch.device("cpu")
+Drafter = Callable[[int, list[int], random.Random], list[int]]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def details_by_request(router: Router) -> dict[int, list[object]]:
 def speculated(
     runner: ModelRunner,
     sampling: SamplingParams,
-    draft: Callable[[int, list[int], random.Random], list[int]],
+    draft: Drafter,
 ) -> tuple[dict[int, list[object]], int, int]:
     """The same sequences with drafts from ``draft(rid, generated so far, rng)`` at every
     decode step, until each has at least NEW_TOKENS tokens; (details, drafted, accepted)."""
@@ -116,6 +118,26 @@ def assert_same(got: dict[int, list[object]], want: dict[int, list[object]]) -> 
             assert [t.token_id for t in x.top_tokens] == [t.token_id for t in y.top_tokens]  # type: ignore[attr-defined]
 
 
+def oracle_drafts(want: dict[int, list[object]]) -> Drafter:
+    """Drafts of the true next tokens (``want``'s), one of them replaced now and then, 0 to
+    4 of them."""
+    future = {rid: [t.token_id for t in tokens] for rid, tokens in want.items()}  # type: ignore[attr-defined]
+
+    def oracle(rid: int, generated: list[int], rng: random.Random) -> list[int]:
+        k = rng.choice([0, 1, 3, 4])
+        drafts = future[rid][len(generated) : len(generated) + k]
+        if drafts and rng.random() < 0.4:
+            drafts[rng.randrange(len(drafts))] = rng.randrange(3, 200)
+        return drafts
+
+    return oracle
+
+
+def noise(rid: int, generated: list[int], rng: random.Random) -> list[int]:
+    """1 to 4 random drafts."""
+    return [rng.randrange(3, 200) for _ in range(rng.choice([1, 2, 4]))]
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_drafts_right_wrong_or_mixed_give_the_plain_tokens(
     make_runner: Callable[..., ModelRunner], mode: str
@@ -123,19 +145,7 @@ def test_drafts_right_wrong_or_mixed_give_the_plain_tokens(
     sampling = MODES[mode]
     runner = make_runner()
     want = plain(runner, sampling)
-    future = {rid: [t.token_id for t in tokens] for rid, tokens in want.items()}  # type: ignore[attr-defined]
-
-    def oracle(rid: int, generated: list[int], rng: random.Random) -> list[int]:
-        """The true next tokens, one of them replaced now and then; sometimes none."""
-        k = rng.choice([0, 1, 3, 4])
-        drafts = future[rid][len(generated) : len(generated) + k]
-        if drafts and rng.random() < 0.4:
-            drafts[rng.randrange(len(drafts))] = rng.randrange(3, 200)
-        return drafts
-
-    def noise(rid: int, generated: list[int], rng: random.Random) -> list[int]:
-        return [rng.randrange(3, 200) for _ in range(rng.choice([1, 2, 4]))]
-
+    oracle = oracle_drafts(want)
     for draft in (oracle, noise):
         runner.reset()
         got, drafted, accepted = speculated(runner, sampling, draft)
@@ -149,6 +159,56 @@ def test_accepted_run() -> None:
     assert accepted_run([4, 9, 2], [4, 8]) == 2
     assert accepted_run([5, 9, 2], [4, 9]) == 1  # the first token differs from draft 1
     assert accepted_run([7], []) == 1
+
+
+class DirectReplay:
+    """A captured CUDA graph's stand-in on the CPU: a replay runs the forward over the
+    graphs' static buffers, which is what the captured kernels compute (on a GPU the
+    start-up check, ``DecodeGraphs.verify``, compares the two)."""
+
+    def __init__(self, graphs: DecodeGraphs, bucket: int, replays: list[tuple[int, int]]):
+        self.graphs, self.bucket, self.replays = graphs, bucket, replays
+
+    def replay(self) -> None:
+        self.replays.append((self.graphs.width, self.bucket))
+        self.graphs.outputs[self.bucket] = self.graphs._run_forward(self.bucket)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "penalties"])
+def test_verify_steps_staged_for_graphs_give_the_plain_tokens(
+    make_runner: Callable[..., ModelRunner], monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Decode and verify steps staged into the graphs' static buffers (each sequence's rows
+    padded to 1 + 4, Triton's kernels interpreted on the CPU) give the tokens and details
+    of the plain, eager decoding."""
+    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "triton_paged")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    runner = make_runner()
+    assert runner.info.attention_backend == "triton_paged"
+    want = plain(runner, MODES[mode])
+    replays: list[tuple[int, int]] = []
+    sets = []
+    for width in (1, 5):
+        graphs = DecodeGraphs(
+            runner.forward,
+            runner.kv_cache,
+            CPU,
+            graph_buckets(4),
+            256,
+            runner.info.vocab_size,
+            width,
+        )
+        graphs.graphs = {b: DirectReplay(graphs, b, replays) for b in graphs.buckets}  # type: ignore[misc]
+        sets.append(graphs)
+    runner.graph_sets = tuple(sets)
+    for draft in (oracle_drafts(want), noise):
+        runner.reset()
+        got, _, _ = speculated(runner, MODES[mode], draft)
+        assert_same(got, want)
+    # Three sequences replay bucket 4, fewer once some have finished.
+    assert (5, 4) in replays and {bucket for _, bucket in replays} <= {1, 2, 4}
+    assert {width for width, _ in replays} == {1, 5}  # steps without drafts: decode graphs
 
 
 def test_misused_drafts_are_refused(router: Router, runner: ModelRunner) -> None:

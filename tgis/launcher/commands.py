@@ -8,7 +8,12 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from tgis.launcher.config import ConfigError, ResolvedConfig, effective_max_batch_prefill_tokens
+from tgis.launcher.config import (
+    ConfigError,
+    LauncherConfig,
+    ResolvedConfig,
+    effective_max_batch_prefill_tokens,
+)
 
 SHARD_PROGRAM = "text-generation-server"
 ROUTER_PROGRAM = "text-generation-router"
@@ -77,6 +82,11 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
                 ("--max-lora-rank", flags.max_lora_rank if adapters else None),
                 ("--disable-prefix-caching", flags.disable_prefix_caching),
                 ("--speculator-name", flags.speculator_name),
+                ("--speculate", speculation_depth(flags) or None),
+                (
+                    "--speculator-max-batch-size",
+                    flags.speculator_max_batch_size if speculation_depth(flags) else None,
+                ),
             ]
         ),
     ]
@@ -116,6 +126,12 @@ DRAFT_MODEL_DEPTH = 4
 """Tokens a draft model drafts per step when only ``--speculator-name`` is given."""
 
 
+def speculation_depth(flags: LauncherConfig) -> int:
+    """Tokens drafted per sequence and step: ``--speculate``, else ``DRAFT_MODEL_DEPTH``
+    with a draft model, else 0 (off)."""
+    return flags.speculate or (DRAFT_MODEL_DEPTH if flags.speculator_name else 0)
+
+
 def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list[str]:
     """`text-generation-router ...` pointing at shard 0's socket and the tokenizer.json.
 
@@ -123,7 +139,7 @@ def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list
     by capacity, joining at the next step)."""
     flags = cfg.flags
     tls = bool(flags.tls_cert_path and flags.tls_key_path)
-    speculate = flags.speculate or (DRAFT_MODEL_DEPTH if flags.speculator_name else 0)
+    speculate = speculation_depth(flags)
     return [
         program,
         "--max-concurrent-requests",

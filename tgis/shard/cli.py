@@ -15,6 +15,7 @@ from tgis.log import setup_logging
 from tgis.shard.config import (
     DEFAULT_MAX_LORA_RANK,
     DEFAULT_MAX_LORAS,
+    DEFAULT_SPECULATOR_MAX_BATCH_SIZE,
     DEFAULT_UDS_PATH,
     LOAD_FORMATS,
     ShardConfig,
@@ -123,6 +124,23 @@ def main() -> None:
     help="A draft model (a directory or a cached model id sharing the tokenizer) for "
     "speculative decoding.",
 )
+@click.option(
+    "--speculate",
+    envvar="SPECULATE",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Tokens the router drafts per sequence and step (0: none): verify steps of that "
+    "many drafts get CUDA graphs of their own.",
+)
+@click.option(
+    "--speculator-max-batch-size",
+    envvar="SPECULATOR_MAX_BATCH_SIZE",
+    type=click.IntRange(min=1),
+    default=DEFAULT_SPECULATOR_MAX_BATCH_SIZE,
+    show_default=True,
+    help="The router speculates while at most this many requests run or wait: the verify "
+    "steps' CUDA graphs go up to that batch size.",
+)
 @click.option("--uds-path", default=DEFAULT_UDS_PATH, show_default=True)
 def serve(**options: Any) -> None:
     """Load MODEL_NAME ("" = the embedded model) and serve it on ``{uds-path}-{rank}``."""
@@ -152,6 +170,8 @@ class ServeOptions:
     max_lora_rank: int
     disable_prefix_caching: bool
     speculator_name: str | None
+    speculate: int
+    speculator_max_batch_size: int
     uds_path: str
 
 
@@ -216,6 +236,8 @@ def _shard_config(options: ServeOptions) -> ShardConfig:
         max_lora_rank=options.max_lora_rank,
         prefix_caching=not options.disable_prefix_caching,
         speculator_name=options.speculator_name or None,
+        speculate=options.speculate,
+        speculator_max_batch_size=options.speculator_max_batch_size,
     )
 
 

@@ -26,6 +26,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DEFAULT_PROMPT_CACHE_MB = 512  # TGIS's PROMPT_CACHE_SIZE_MB default
 DEFAULT_MAX_LORAS = 8  # different LoRA adapters one step may hold (--max-loras)
 DEFAULT_MAX_LORA_RANK = 64  # the largest LoRA rank accepted (--max-lora-rank)
+DEFAULT_SPECULATOR_MAX_BATCH_SIZE = 16  # TGIS's SPECULATOR_MAX_BATCH_SIZE default
 
 
 def default_max_prefix_length(max_sequence_length: int) -> int:
@@ -74,6 +75,10 @@ class ShardConfig:
     prefix_caching: bool = True
     # Speculative decoding's draft model (--speculator-name / SPECULATOR_NAME; None: none).
     speculator_name: str | None = None
+    # The router's drafts per sequence and step (--speculate; 0: none) and the largest
+    # batch it speculates in: the verify steps' CUDA graphs are captured for those.
+    speculate: int = 0
+    speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE
 
     @property
     def prefix_length_limit(self) -> int:

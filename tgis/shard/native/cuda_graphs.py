@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+"""Decode and verify steps replayed from CUDA graphs, one graph per batch-size bucket.
 
 A decode step of a large model on a GPU is a few milliseconds of memory traffic, and
 launching its hundreds of kernels one by one from Python costs as much again. At start-up
@@ -10,6 +10,15 @@ is then run by copying its inputs into those buffers (one host-to-device copy), 
 rows up to the bucket (pad rows write no KV: slot -1, and attend to one cached key), and
 replaying the bucket's graph; other steps (prompts, chunks) run the forward directly.
 Sampling stays outside the graph, on the replayed hidden states.
+
+Speculative decoding's verify steps (the last token and up to k drafts per sequence) have
+graphs of their own, of ``width`` 1 + k rows per sequence (``--speculate`` on the shard),
+for batches up to ``--speculator-max-batch-size``. A step whose sequences each compute at
+most ``width`` tokens is staged with every sequence's rows first in its slot of ``width``
+rows and pad rows after them (token 0 at position 0, no KV slot); its context length is
+raised by its pad rows, so its real rows keep their positions and the causal mask keeps
+them from the pad rows, which attend to whatever keys lie past them. The real rows' hidden
+states are gathered back into the step's order after the replay.
 
 Only ``triton_paged`` attention is captured: its metadata are plain tensors whose shapes
 depend on the bucket alone, and its decode kernel's grid is fixed by the bucket and the
@@ -27,7 +36,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -60,7 +69,9 @@ def graph_buckets(max_batch: int) -> tuple[int, ...]:
 
 
 class DecodeGraphs:
-    """The captured decode graphs of one model replica and their static buffers."""
+    """The captured graphs of one model replica for steps of up to ``width`` tokens per
+    sequence (1: decode steps; 1 + k: verify steps of k drafts), and their static buffers.
+    A ``width`` above 1 must fit one query tile of the prefill kernel."""
 
     def __init__(
         self,
@@ -70,52 +81,62 @@ class DecodeGraphs:
         buckets: tuple[int, ...],
         max_context: int,
         vocab_size: int,
+        width: int = 1,
     ) -> None:
         self.forward = forward
         self.vocab_size = vocab_size
         self.kv_cache = kv_cache
         self.device = device
         self.buckets = buckets
+        self.width = width
         self.max_batch = buckets[-1]
         self.max_context = max_context
-        self.max_blocks = -(-max_context // kv_cache.block_size)
-        n = self.max_batch
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        # A sequence's pad rows lengthen its context by up to width - 1 positions.
+        self.max_blocks = -(-(max_context + width - 1) // kv_cache.block_size)
+        n, rows = self.max_batch, self.max_batch * width
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.gather = torch.arange(rows, dtype=torch.long, device=device)
         self.tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
-        self.context = torch.ones(n, dtype=torch.int32, device=device)
-        self._rows = torch.arange(n, dtype=torch.int32, device=device)
-        self._ones = torch.ones(n, dtype=torch.int32, device=device)
+        self.context = torch.full((n,), width, dtype=torch.int32, device=device)
+        self._seqs = torch.arange(n, dtype=torch.int32, device=device)
+        self._starts = self._seqs * width
+        self._widths = torch.full((n,), width, dtype=torch.int32, device=device)
+        self._zeros = torch.zeros(n, dtype=torch.int32, device=device)
         self._none = torch.empty(0, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
     def metadata(self, bucket: int) -> TritonPagedMetadata:
-        """The static attention metadata of a bucket: views of the input buffers."""
+        """The static attention metadata of a bucket: views of the input buffers (one
+        decode per sequence for width 1, else one query tile per sequence)."""
         from tgis.shard.native.attention.triton_paged import TritonPagedMetadata
 
+        decode = self.width == 1
         return TritonPagedMetadata(
-            slot_mapping=self.slots[:bucket],
+            slot_mapping=self.slots[: bucket * self.width],
             block_tables=self.tables[:bucket],
             context_lens=self.context[:bucket],
-            query_starts=self._rows[:bucket],
-            query_lens=self._ones[:bucket],
-            tile_seqs=self._none,
-            tile_offsets=self._none,
-            decode_seqs=self._rows[:bucket],
-            max_decode_context=self.max_context,
+            query_starts=self._starts[:bucket],
+            query_lens=self._widths[:bucket],
+            tile_seqs=self._none if decode else self._seqs[:bucket],
+            tile_offsets=self._none if decode else self._zeros[:bucket],
+            decode_seqs=self._seqs[:bucket] if decode else self._none,
+            max_decode_context=self.max_context if decode else 0,
         )
 
     def _run_forward(self, bucket: int) -> torch.Tensor:
+        rows = bucket * self.width
         return self.forward(
-            self.input_ids[:bucket], self.positions[:bucket], self.kv_cache, self.metadata(bucket)
+            self.input_ids[:rows], self.positions[:rows], self.kv_cache, self.metadata(bucket)
         )
 
-    def capture(self) -> float:
-        """Capture every bucket, largest first, in one memory pool; seconds taken."""
+    def capture(self, pool: Any = None) -> float:
+        """Capture every bucket, largest first, in one memory pool (``pool``: one shared
+        with other graphs; default a new one); seconds taken."""
         started = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -134,15 +155,20 @@ class DecodeGraphs:
         """Replay the smallest and the largest bucket on random inputs (no KV written)
         against the forward run directly; RuntimeError when they differ."""
         gen = torch.Generator().manual_seed(seed)
+        width = self.width
         for bucket in {self.buckets[0], self.buckets[-1]}:
-            rows = bucket
+            rows = bucket * width
             vocab_ids = torch.randint(0, self.vocab_size, (rows,), generator=gen)
-            context = torch.randint(1, self.kv_cache.block_size + 1, (rows,), generator=gen)
+            context = torch.randint(
+                width, width + self.kv_cache.block_size, (bucket,), generator=gen
+            )
             self.input_ids[:rows].copy_(vocab_ids)
-            self.positions[:rows].copy_(context - 1)
+            last = context.repeat_interleave(width) - 1
+            self.positions[:rows].copy_(last - torch.arange(width - 1, -1, -1).repeat(bucket))
             self.slots[:rows].fill_(-1)
-            self.context[:rows].copy_(context.to(torch.int32))
-            self.tables[:rows].zero_()
+            self.gather[:rows].copy_(torch.arange(rows))
+            self.context[:bucket].copy_(context.to(torch.int32))
+            self.tables[:bucket].zero_()
             self.graphs[bucket].replay()
             replayed = self.outputs[bucket].clone()
             direct = self._run_forward(bucket)
@@ -152,9 +178,17 @@ class DecodeGraphs:
                 raise RuntimeError(f"the graph of {bucket} sequences differs by {diff:.3g}")
 
     def bucket_for(self, layout: BatchLayout) -> int | None:
-        """The bucket that runs this step, None when it is not a decode-only step that fits."""
-        count = len(layout.query_lens)
-        if count == 0 or count > self.max_batch or bool((layout.query_lens != 1).any()):
+        """The bucket that runs this step, None when the step does not fit: more sequences
+        than the largest bucket, a sequence computing none or more than ``width`` tokens
+        (exactly 1 for width 1), or a context past the buffers."""
+        lens = layout.query_lens
+        count = len(lens)
+        if count == 0 or count > self.max_batch or int(lens.min()) < 1:
+            return None
+        if int(lens.max()) > self.width or (self.width == 1 and int(lens.max()) != 1):
+            return None
+        padded_context = int((layout.context_lens + self.width - lens).max())
+        if padded_context > self.max_blocks * self.kv_cache.block_size:
             return None
         if layout.block_tables.shape[1] > self.max_blocks:
             return None
@@ -162,29 +196,42 @@ class DecodeGraphs:
 
     def run(self, layout: BatchLayout, bucket: int) -> torch.Tensor:
         """Stage the step, replay the bucket's graph, and return the hidden states of the
-        step's rows (valid until the next replay)."""
+        step's rows in the step's order (valid until the next replay)."""
         self.stage(layout, bucket)
         self.graphs[bucket].replay()
-        return self.outputs[bucket][: len(layout.query_lens)]
+        tokens = len(layout.input_ids) if layout.input_ids is not None else 0
+        if self.width == 1:
+            return self.outputs[bucket][:tokens]
+        return self.outputs[bucket].index_select(0, self.gather[:tokens])
 
     def stage(self, layout: BatchLayout, bucket: int) -> None:
-        """Fill the static buffers' first ``bucket`` rows: the step's rows, then pad rows
-        (token 0 at position 0, no KV slot, one cached key in block 0)."""
+        """Fill the static buffers' first ``bucket`` sequences (``width`` rows each): each
+        sequence's rows first in its slot, then pad rows (token 0 at position 0, no KV slot);
+        pad sequences attend to ``width`` keys of block 0. ``gather`` lists the step's rows
+        in the buffers."""
         assert layout.input_ids is not None and layout.positions is not None
-        count = len(layout.query_lens)
-        width = self.max_blocks
-        host = np.zeros((bucket, 4 + width), dtype=np.int64)
-        host[:, 2] = -1  # pad rows: no KV written
-        host[:, 3] = 1  # pad rows: one cached key (block 0) to attend to
-        host[:count, 0] = layout.input_ids
-        host[:count, 1] = layout.positions
-        host[:count, 2] = layout.slot_mapping
-        host[:count, 3] = layout.context_lens
+        lens, width = layout.query_lens, self.width
+        count, tokens, rows = len(lens), len(layout.input_ids), bucket * width
+        # Each token's row: its sequence's slot plus its place in the sequence's query.
+        dest = np.repeat(np.arange(count) * width - layout.query_starts, lens) + np.arange(tokens)
+        per_row = np.zeros((4, rows), dtype=np.int64)
+        per_row[2] = -1  # pad rows: no KV written
+        per_row[0, dest] = layout.input_ids
+        per_row[1, dest] = layout.positions
+        per_row[2, dest] = layout.slot_mapping
+        per_row[3, :tokens] = dest
+        per_seq = np.zeros((bucket, 1 + self.max_blocks), dtype=np.int64)
+        per_seq[:, 0] = width  # pad sequences: width keys (block 0) to attend to
+        per_seq[:count, 0] = layout.context_lens + width - lens
         tables = layout.block_tables
-        host[:count, 4 : 4 + tables.shape[1]] = tables
+        per_seq[:count, 1 : 1 + tables.shape[1]] = tables
+        host = np.concatenate([per_row.ravel(), per_seq.ravel()])
         staged = torch.from_numpy(host).to(self.device, non_blocking=True)
-        self.input_ids[:bucket].copy_(staged[:, 0])
-        self.positions[:bucket].copy_(staged[:, 1])
-        self.slots[:bucket].copy_(staged[:, 2])
-        self.context[:bucket].copy_(staged[:, 3])
-        self.tables[:bucket].copy_(staged[:, 4:])
+        rows_part, seq_part = staged.split([4 * rows, per_seq.size])
+        by_row, by_seq = rows_part.view(4, rows), seq_part.view(per_seq.shape)
+        self.input_ids[:rows].copy_(by_row[0])
+        self.positions[:rows].copy_(by_row[1])
+        self.slots[:rows].copy_(by_row[2])
+        self.gather[:tokens].copy_(by_row[3, :tokens])
+        self.context[:bucket].copy_(by_seq[:, 0])
+        self.tables[:bucket].copy_(by_seq[:, 1:])

@@ -337,8 +337,9 @@ def _kv_cache_blocks(
 
 
 def _capture_decode_graphs(runner: ModelRunner, config: ShardConfig, tp: TensorParallel) -> None:
-    """CUDA graphs of the decode steps (``cuda_graphs.py``) where they apply: CUDA,
-    ``triton_paged``, one rank, ``TGIS_CUDA_GRAPHS`` not 0."""
+    """CUDA graphs of the decode steps, and of the verify steps when the router drafts
+    (``cuda_graphs.py``), where they apply: CUDA, ``triton_paged``, one rank,
+    ``TGIS_CUDA_GRAPHS`` not 0."""
     from tgis.shard.native.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
 
     mode = graphs_mode()
@@ -352,27 +353,39 @@ def _capture_decode_graphs(runner: ModelRunner, config: ShardConfig, tp: TensorP
             log.warning("TGIS_CUDA_GRAPHS=1 ignored: graphs need CUDA, triton_paged, one rank")
         return
     max_batch = min(config.max_batch_size or DEFAULT_MAX_BATCH_SIZE, runner.info.num_blocks)
-    graphs = DecodeGraphs(
-        runner.forward,
-        runner.kv_cache,
-        runner.device,
-        graph_buckets(max_batch),
-        config.max_sequence_length,
-        runner.info.vocab_size,
-    )
-    try:
-        seconds = graphs.capture()
-        graphs.verify()
-    except Exception as e:
-        reason = " ".join(str(e).split())[:300]
-        if mode == "on":
-            raise StartupError(f"capturing the decode CUDA graphs failed: {reason}") from None
-        log.warning("Capturing the decode CUDA graphs failed, running without: %s", reason)
-        return
-    runner.graphs = graphs
-    log.info(
-        "Captured decode CUDA graphs for %d batch sizes (1 to %d) in %.1f s",
-        len(graphs.buckets),
-        graphs.max_batch,
-        seconds,
-    )
+    width = 1 + config.speculate
+    prefill_tile = getattr(runner.attention, "prefill_tile", 0)
+    if config.speculate and width > prefill_tile:
+        log.warning("No verify CUDA graphs: %d drafts exceed one query tile", config.speculate)
+    sets = [(1, max_batch)]
+    if config.speculate and width <= prefill_tile:
+        sets.append((width, min(max_batch, config.speculator_max_batch_size)))
+    pool = torch.cuda.graph_pool_handle()
+    for rows, batch in sets:
+        what = "decode" if rows == 1 else f"verify ({rows - 1} drafts)"
+        graphs = DecodeGraphs(
+            runner.forward,
+            runner.kv_cache,
+            runner.device,
+            graph_buckets(batch),
+            config.max_sequence_length,
+            runner.info.vocab_size,
+            rows,
+        )
+        try:
+            seconds = graphs.capture(pool)
+            graphs.verify()
+        except Exception as e:
+            reason = " ".join(str(e).split())[:300]
+            if mode == "on":
+                raise StartupError(f"capturing the {what} CUDA graphs failed: {reason}") from None
+            log.warning("Capturing the %s CUDA graphs failed, running without: %s", what, reason)
+            return
+        runner.graph_sets += (graphs,)
+        log.info(
+            "Captured %s CUDA graphs for %d batch sizes (1 to %d) in %.1f s",
+            what,
+            len(graphs.buckets),
+            graphs.max_batch,
+            seconds,
+        )

@@ -93,8 +93,9 @@ class ModelRunner(SequenceRunner):
         self.lora_kernel = lora_kernel(device) if self.adapters.enabled else "torch"
         # The model's forward: eager (the reference), or compiled.CompiledForward.
         self.forward: ForwardFn = forward or model.forward
-        # Decode steps replayed from CUDA graphs (cuda_graphs.py; set by the loader).
-        self.graphs: DecodeGraphs | None = None
+        # Steps replayed from CUDA graphs (cuda_graphs.py; set by the loader): the decode
+        # steps' graphs first, then the verify steps' (speculative decoding) if any.
+        self.graph_sets: tuple[DecodeGraphs, ...] = ()
         # Speculative decoding's draft model (draft_model.py; attach_draft).
         self.draft: DraftModel | None = None
         self.kv_cache = kv_cache
@@ -217,17 +218,15 @@ class ModelRunner(SequenceRunner):
     def _hidden_states(
         self, layout: BatchLayout, prefix_rows: EmbeddingRows | None, lora: LoraRows | None
     ) -> torch.Tensor:
-        """The forward pass of the step: a decode step that fits a captured bucket replays
-        its CUDA graph (``cuda_graphs.py``), a step computing prefix rows or using LoRA
-        adapters runs the eager forward (the only one that takes them), any other step runs
-        ``self.forward``."""
+        """The forward pass of the step: a decode or verify step that fits a captured bucket
+        replays its CUDA graph (``cuda_graphs.py``), a step computing prefix rows or using
+        LoRA adapters runs the eager forward (the only one that takes them), any other step
+        runs ``self.forward``."""
         eager_only = prefix_rows is not None or lora is not None
-        bucket = None
-        if self.graphs is not None and not eager_only:
-            bucket = self.graphs.bucket_for(layout)
-        if bucket is not None:
-            assert self.graphs is not None
-            return self.graphs.run(layout, bucket)
+        for graphs in () if eager_only else self.graph_sets:
+            bucket = graphs.bucket_for(layout)
+            if bucket is not None:
+                return graphs.run(layout, bucket)
         input_ids, positions, slot_mapping = layout.to_device(self.device)
         metadata = self.attention.prepare(layout, self.device, slot_mapping)
         if eager_only:
