@@ -297,3 +297,23 @@ def test_load_format_auto_is_the_default_and_not_passed(
     run = run_launcher(["--model-name", str(model_dir), "--dry-run"], {"LOAD_FORMAT": "auto"})
     assert run.returncode == 0, run.stderr
     assert "--load-format" not in shard_lines(run.stdout)[0]
+
+
+def test_openai_flags_reach_the_router_and_the_key_stays_out_of_argv(
+    run_launcher: RunLauncher, model_dir: Path
+) -> None:
+    run = run_launcher(
+        [
+            "--model-name", str(model_dir), "--dry-run", "--served-model-name", "granite",
+            "--chat-template", "/templates/chat.jinja", "--api-key", "s3cret",
+        ]
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    router = next(line for line in run.stdout.splitlines() if line.startswith("Router: "))
+    assert "--model-name granite " in router
+    assert f"--model-dir {model_dir} " in router
+    assert "--chat-template /templates/chat.jinja" in router
+    assert "--api-key" not in router and "API_KEY=s3cret" in router  # its environment
+    assert "s3cret" not in run.stderr  # the Args: log line leaves it out
+    bad = run_launcher(["--model-name", str(model_dir), "--dry-run", "--http-tls"])
+    assert bad.returncode != 0 and "http_tls" in bad.stderr

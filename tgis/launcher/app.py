@@ -13,6 +13,7 @@ from tgis.launcher.commands import (
     SHARD_PROGRAM,
     find_program,
     router_argv,
+    router_env,
     shard_argv,
     shard_env,
     shard_socket_path,
@@ -81,7 +82,9 @@ def _prepare(
         ChildSpec(f"Shard {rank}", argv, shard_env(cfg, rank, os.environ))
         for rank in range(cfg.num_shard)
     ]
-    router = ChildSpec("Router", router_argv(router_program, cfg, tokenizer.path))
+    router = ChildSpec(
+        "Router", router_argv(router_program, cfg, tokenizer.path), router_env(cfg, os.environ)
+    )
     return shards, router, sockets, tokenizer
 
 

@@ -206,6 +206,27 @@ def _flag(decl: str, envvar: str, help: str) -> Callable[[F], F]:
     "of the prompt and the output); 0 turns it off.",
 )
 @_option(
+    "--served-model-name",
+    envvar="SERVED_MODEL_NAME",
+    help="The model id of the OpenAI routes (/v1/models; default: --model-name).",
+)
+@_option(
+    "--chat-template",
+    envvar="CHAT_TEMPLATE",
+    help="The chat template of /v1/chat/completions: a file, or the template itself "
+    "(default: chat_template.jinja or tokenizer_config.json in the model directory).",
+)
+@_option(
+    "--api-key",
+    envvar="API_KEY",
+    help="A bearer token the /v1 routes require (Authorization: Bearer <key>).",
+)
+@_flag(
+    "--http-tls",
+    "HTTP_TLS",
+    "Serve the HTTP port (/health, /metrics, /v1) over TLS with the gRPC port's cert and key.",
+)
+@_option(
     "--speculator-name",
     envvar="SPECULATOR_NAME",
     help="A draft model sharing the model's tokenizer (a directory or a cached model id): it "

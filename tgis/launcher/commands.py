@@ -132,6 +132,14 @@ def speculation_depth(flags: LauncherConfig) -> int:
     return flags.speculate or (DRAFT_MODEL_DEPTH if flags.speculator_name else 0)
 
 
+def router_env(cfg: ResolvedConfig, base: Mapping[str, str]) -> dict[str, str] | None:
+    """The router's environment: the launcher's, with ``--api-key`` as ``API_KEY`` (an
+    environment variable, not a flag other users could read in the process list)."""
+    if cfg.flags.api_key is None:
+        return None
+    return {**base, "API_KEY": cfg.flags.api_key}
+
+
 def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list[str]:
     """`text-generation-router ...` pointing at shard 0's socket and the tokenizer.json.
 
@@ -175,6 +183,9 @@ def router_argv(program: str, cfg: ResolvedConfig, tokenizer_path: Path) -> list
                 ("--json-output", flags.json_output),
                 ("--output-special-tokens", flags.output_special_tokens),
                 ("--disable-prefix-caching", flags.disable_prefix_caching),
+                ("--model-dir", str(cfg.model_dir)),
+                ("--chat-template", flags.chat_template),
+                ("--http-tls", flags.http_tls),
                 ("--speculate", speculate or None),
                 (
                     "--speculator-max-batch-size",

@@ -8,7 +8,7 @@ message is the one line shown to the user and written to the termination log.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +82,12 @@ class LauncherConfig:
     tls_client_ca_cert_path: str | None = None
     output_special_tokens: bool = False
     disable_prefix_caching: bool = False
+    served_model_name: str | None = None  # the OpenAI routes' model id (default: model_name)
+    chat_template: str | None = None  # /v1/chat/completions' template: a file or the text
+    # A bearer token the /v1 routes require; passed to the router in its environment, and
+    # kept out of the launcher's "Args:" log line.
+    api_key: str | None = field(default=None, repr=False)
+    http_tls: bool = False  # the HTTP port over TLS too (the gRPC port's cert and key)
     speculate: int = 0  # tokens drafted per sequence and step (0: off, or 4 with a draft model)
     speculator_name: str | None = None  # a draft model (TGIS's SPECULATOR_NAME)
     speculator_max_batch_size: int = 16

@@ -49,7 +49,7 @@ def resolve(
     return ResolvedConfig(
         flags=flags,
         model_dir=model_dir,
-        served_model_name=flags.model_name or EMBEDDED_MODEL_NAME,
+        served_model_name=flags.served_model_name or flags.model_name or EMBEDDED_MODEL_NAME,
         deployment_framework=framework,
         dtype=dtype,
         num_shard=num_shard,

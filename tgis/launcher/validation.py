@@ -191,6 +191,8 @@ def validate_tls(flags: LauncherConfig) -> None:
         raise ConfigError("tls: must provide both cert and key")
     if ca is not None and cert is None:
         raise ConfigError("tls: cannot provide client ca cert without keypair")
+    if flags.http_tls and cert is None:
+        raise ConfigError("http_tls: the HTTP port's TLS needs --tls-cert-path and --tls-key-path")
     for what, path in (("cert", cert), ("key", key), ("client ca cert", ca)):
         if path is not None and not Path(path).is_file():
             raise ConfigError(f"tls: {what} file not found: {path}")

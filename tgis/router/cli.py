@@ -98,7 +98,9 @@ def _default_tokenization_workers() -> int:
     default=None,
     help="Longest input in tokens, after truncation  [default: max-sequence-length - 1]",
 )
-@click.option("-p", "--port", envvar="PORT", default=3000, help="HTTP port (/health, /metrics).")
+@click.option(
+    "-p", "--port", envvar="PORT", default=3000, help="HTTP port (/health, /metrics, /v1)."
+)
 @click.option("-g", "--grpc-port", envvar="GRPC_PORT", default=8033)
 @click.option(
     "--master-shard-uds-path",
@@ -106,7 +108,37 @@ def _default_tokenization_workers() -> int:
     default="/tmp/text-generation-server-0",
 )
 @click.option("--tokenizer-path", envvar="TOKENIZER_PATH", required=True)
-@click.option("--model-name", envvar="MODEL_NAME", default="", help="For logs only.")
+@click.option(
+    "--model-name",
+    envvar="MODEL_NAME",
+    default="",
+    help="The served model's name: the model id of the OpenAI routes.",
+)
+@click.option(
+    "--model-dir",
+    envvar="MODEL_DIR",
+    default=None,
+    help="The model's directory: chat_template.jinja and tokenizer_config.json are read there.",
+)
+@click.option(
+    "--chat-template",
+    envvar="CHAT_TEMPLATE",
+    default=None,
+    help="The chat template of /v1/chat/completions: a file, or the template itself "
+    "(default: the model's).",
+)
+@click.option(
+    "--api-key",
+    envvar="API_KEY",
+    default=None,
+    help="A bearer token the /v1 routes require (default: none).",
+)
+@click.option(
+    "--http-tls",
+    envvar="HTTP_TLS",
+    is_flag=True,
+    help="Serve the HTTP port over TLS too, with --tls-cert-path and --tls-key-path.",
+)
 @click.option("--tokenization-workers", envvar="TOKENIZATION_WORKERS", type=int, default=None)
 @click.option("--json-output", envvar="JSON_OUTPUT", is_flag=True)
 @click.option("--tls-cert-path", envvar="TLS_CERT_PATH")

@@ -79,6 +79,15 @@ class RouterConfig:
     shard_uds_path: str = "/tmp/text-generation-server-0"
     tokenizer_path: str
     model_name: str = ""
+    """The served model's name: the id of the OpenAI routes' model, and in logs."""
+    model_dir: str | None = None
+    """The model's directory: its chat_template.jinja and tokenizer_config.json."""
+    chat_template: str | None = None
+    """The OpenAI chat route's template: a file, or the template itself (None: the model's)."""
+    api_key: str | None = None
+    """A bearer token the /v1 routes require (None: none)."""
+    http_tls: bool = False
+    """Serve the HTTP port (health, metrics, /v1) over TLS with the gRPC port's cert and key."""
     tokenization_workers: int = 1
     json_output: bool = False
     tls: TlsConfig | None = None

@@ -14,6 +14,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
+from pathlib import Path
 
 from aiohttp import web
 
@@ -29,11 +31,15 @@ from tgis.router.edge.calls import CallGate
 from tgis.router.edge.grpc_server import PublicGrpc
 from tgis.router.edge.health import LIVENESS_TEXT, GenerationHealth
 from tgis.router.edge.http_server import start_http_server
+from tgis.router.edge.openai_replies import OpenAIReplies
+from tgis.router.edge.openai_routes import OpenAIRoutes
 from tgis.router.edge.replies import Replies
 from tgis.router.edge.servicer import GenerationServicer
 from tgis.router.edge.tracing import Tracing, setup_tracing
+from tgis.router.errors import StartupError
 from tgis.router.intake.adapters import adapter_kinds
 from tgis.router.intake.admission import Admission
+from tgis.router.intake.chat_template import ChatTemplateError, load_chat_template
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.guided import GrammarCompiler
 from tgis.router.intake.prefixes import PrefixInfos
@@ -78,7 +84,10 @@ class Router:
             max_batch_size=config.effective_max_batch_size,
         )
         engine = self._engine(info, metrics)
-        self.grpc = PublicGrpc(self._servicer(engine, metrics, info))
+        admission = self._admission(metrics, info)
+        replies = Replies(tokenizer=self.tokenizer, metrics=metrics, is_seq2seq=info.is_seq2seq)
+        calls = CallGate(self.drain, self.tracing)
+        self.grpc = PublicGrpc(self._servicer(engine, admission, replies, calls))
         await self.grpc.set_serving(False)
         self.grpc.bind(config.grpc_port, config.tls)
         engine_task = engine.start()
@@ -89,8 +98,13 @@ class Router:
         health_check = GenerationHealth(
             engine, self.shard, tuple(self.tokenizer.encode(LIVENESS_TEXT))
         )
-        http = await start_http_server(config.port, health_check, metrics, self.drain)
-        log.info("HTTP server started on port %d", config.port)
+        openai = self._openai_routes(engine, admission, replies, calls)
+        http = await start_http_server(
+            config.port, health_check, metrics, self.drain, openai, self._http_ssl()
+        )
+        log.info(
+            "HTTP server started on port %d%s", config.port, " (TLS)" if config.http_tls else ""
+        )
         hung = await self._serve(engine_task, health_check)
         await self._stop(http, engine)
         if hung is not None:
@@ -130,9 +144,9 @@ class Router:
         engine.on_token_generated = self._mark_serving
         return engine
 
-    def _servicer(self, engine: Engine, metrics: Metrics, info: ShardInfo) -> GenerationServicer:
+    def _admission(self, metrics: Metrics, info: ShardInfo) -> Admission:
         config = self.config
-        admission = Admission(
+        return Admission(
             tokenizer=self.tokenizer,
             limits=ServerLimits.from_args(
                 config.max_sequence_length,
@@ -152,14 +166,53 @@ class Router:
                 else None
             ),
         )
+
+    def _servicer(
+        self, engine: Engine, admission: Admission, replies: Replies, calls: CallGate
+    ) -> GenerationServicer:
         return GenerationServicer(
             admission=admission,
             engine=engine,
-            replies=Replies(tokenizer=self.tokenizer, metrics=metrics, is_seq2seq=info.is_seq2seq),
-            calls=CallGate(self.drain, self.tracing),
-            default_include_stop_seqs=config.default_include_stop_seqs,
-            stalled_streams=StalledStreams(config.stream_stall_timeout),
+            replies=replies,
+            calls=calls,
+            default_include_stop_seqs=self.config.default_include_stop_seqs,
+            stalled_streams=StalledStreams(self.config.stream_stall_timeout),
         )
+
+    def _openai_routes(
+        self, engine: Engine, admission: Admission, replies: Replies, calls: CallGate
+    ) -> OpenAIRoutes:
+        """The /v1 routes; StartupError when the chat template given cannot be read."""
+        config = self.config
+        model_dir = Path(config.model_dir) if config.model_dir else None
+        try:
+            template = load_chat_template(config.chat_template, model_dir)
+        except ChatTemplateError as err:
+            raise StartupError(f"chat template: {err}") from None
+        if template is None:
+            log.info("No chat template: /v1/chat/completions refuses requests")
+        else:
+            log.info("Chat template from %s", template.origin)
+        return OpenAIRoutes(
+            admission=admission,
+            engine=engine,
+            replies=OpenAIReplies(replies, self.tokenizer, config.model_name),
+            gate=calls,
+            chat_template=template,
+            api_key=config.api_key or None,
+        )
+
+    def _http_ssl(self) -> ssl.SSLContext | None:
+        """The HTTP port's TLS context (--http-tls): the gRPC port's cert and key."""
+        tls = self.config.tls
+        if not self.config.http_tls or tls is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(tls.cert_path, tls.key_path)
+        except (OSError, ssl.SSLError) as err:
+            raise StartupError(f"--http-tls: {err}") from None
+        return context
 
     def _mark_serving(self) -> None:
         if not self._serving:

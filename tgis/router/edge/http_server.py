@@ -1,4 +1,5 @@
-"""Plain HTTP on --port: GET /health (200 empty / 503 JSON) and GET /metrics (Prometheus text).
+"""Plain HTTP on --port: GET /health (200 empty / 503 JSON), GET /metrics (Prometheus text)
+and the OpenAI-compatible ``/v1`` routes (``openai_routes.py``).
 
 While the router drains after SIGTERM, /health answers 503 ``{"error":"shutting down"}`` at
 once (no generation check), so Kubernetes stops routing to the pod before it exits.
@@ -7,10 +8,12 @@ once (no generation check), so Kubernetes stops routing to the pod before it exi
 from __future__ import annotations
 
 import logging
+import ssl
 
 from aiohttp import web
 
 from tgis.router.edge.health import GenerationHealth, HealthTimeoutError
+from tgis.router.edge.openai_routes import MAX_BODY_BYTES, OpenAIRoutes
 from tgis.router.ops.drain import Drain
 from tgis.router.ops.metrics import Metrics
 
@@ -23,7 +26,10 @@ _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def build_app(
-    health: GenerationHealth, metrics: Metrics, drain: Drain | None = None
+    health: GenerationHealth,
+    metrics: Metrics,
+    drain: Drain | None = None,
+    openai: OpenAIRoutes | None = None,
 ) -> web.Application:
     async def get_health(_: web.Request) -> web.Response:
         if drain is not None and drain.draining:
@@ -39,18 +45,27 @@ def build_app(
     async def get_metrics(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": _PROMETHEUS_TEXT})
 
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/health", get_health)
     app.router.add_get("/metrics", get_metrics)
+    if openai is not None:
+        openai.add_to(app)
     return app
 
 
 async def start_http_server(
-    port: int, health: GenerationHealth, metrics: Metrics, drain: Drain | None = None
+    port: int,
+    health: GenerationHealth,
+    metrics: Metrics,
+    drain: Drain | None = None,
+    openai: OpenAIRoutes | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> web.AppRunner:
-    """Listen on every interface, IPv4 and IPv6 (TGIS binds 0.0.0.0 only)."""
-    runner = web.AppRunner(build_app(health, metrics, drain), access_log=None)
+    """Listen on every interface, IPv4 and IPv6 (TGIS binds 0.0.0.0 only). A handler is
+    cancelled when its client disconnects, which frees its requests at once."""
+    app = build_app(health, metrics, drain, openai)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, host=None, port=port)
+    site = web.TCPSite(runner, host=None, port=port, ssl_context=ssl_context)
     await site.start()
     return runner

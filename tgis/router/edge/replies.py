@@ -74,7 +74,7 @@ class Replies:
         text = output
         if validated.params.response.input_text:
             text = validated.text + ("\n\n" if self.is_seq2seq else "") + output
-        self._record_success(state, event, kind, arrival, output, index, count)
+        self.record_success(state, event, kind, arrival, output, index, count)
         return api.unary_response(
             input_token_count=validated.input_length,
             final=event,
@@ -109,11 +109,11 @@ class Replies:
             if event.is_final:
                 message.seed = seed
                 yield message
-                self._record_success(state, event, "stream", arrival, "".join(output), 0, 1)
+                self.record_success(state, event, "stream", arrival, "".join(output), 0, 1)
                 return
             yield message
 
-    def _record_success(
+    def record_success(
         self,
         state: RequestState,
         event: TokenEvent,

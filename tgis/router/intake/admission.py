@@ -74,6 +74,8 @@ class GenerationCall:
     """TGIS's ``prefix_id``: None when absent; present, even as "", it names a prefix."""
     adapter_id: str = ""
     """vllm-tgis-adapter's ``adapter_id``: "" when absent or empty (no adapter)."""
+    add_special_tokens: bool = True
+    """False for texts that carry their special tokens already (a rendered chat template)."""
 
 
 async def _no_prefixes(prefix_id: str) -> PrefixInfo:
@@ -164,14 +166,14 @@ class Admission:
     ) -> list[ValidatedRequest]:
         validate_params(call.params, self.limits)
         adapters = await self.resolve_adapters(call.prefix_id, call.adapter_id)
-        encoded = await self._encode(call.texts)
+        encoded = await self._encode(call.texts, call.add_special_tokens)
         validated = validate_inputs(
             call.texts,
             encoded,
             call.params,
             self.limits,
             adapters=adapters,
-            bos_token_id=self.tokenizer.bos_token_id,
+            bos_token_id=self.tokenizer.bos_token_id if call.add_special_tokens else None,
         )
         if call.params.guided is None:
             return validated
@@ -193,11 +195,13 @@ class Admission:
             on_compile(guided.kind, start, time.monotonic(), None)
         return grammar
 
-    async def _encode(self, texts: Sequence[str]) -> list[list[int]]:
+    async def _encode(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
         """The inputs' token ids (rule 13 when the tokenizer fails); every raw length is
         recorded, also of inputs refused afterwards."""
         try:
-            encoded = await self.tokenizer.encode_batch_async(texts)
+            encoded = await self.tokenizer.encode_batch_async(texts, add_special_tokens)
         except Exception as err:
             raise tokenizer_validation_error(err) from err
         for ids in encoded:

@@ -156,10 +156,13 @@ class RouterTokenizer:
         except Exception as err:  # the binding raises plain Exception
             raise TokenizationError(str(err)) from err
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """:meth:`encode` for several texts (parallel inside the Rust library)."""
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """:meth:`encode` for several texts (parallel inside the Rust library);
+        ``add_special_tokens`` False for texts that hold them already (a chat template's)."""
         try:
-            encodings = self._tok.encode_batch(list(texts), add_special_tokens=True)
+            encodings = self._tok.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         except Exception as err:
             raise TokenizationError(str(err)) from err
         return [list(e.ids) for e in encodings]
@@ -203,12 +206,14 @@ class RouterTokenizer:
         """:meth:`encode` on the tokenizer thread pool."""
         return await self._run(functools.partial(self.encode, text))
 
-    async def encode_batch_async(self, texts: Sequence[str]) -> list[list[int]]:
+    async def encode_batch_async(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
         """:meth:`encode_batch`: on the event loop for short inputs (``INLINE_ENCODE_CHARS``),
         else on the tokenizer thread pool."""
         if sum(len(t) for t in texts) <= INLINE_ENCODE_CHARS:
-            return self.encode_batch(texts)
-        return await self._run(functools.partial(self.encode_batch, texts))
+            return self.encode_batch(texts, add_special_tokens)
+        return await self._run(functools.partial(self.encode_batch, texts, add_special_tokens))
 
     async def run_async(self, fn: Callable[[], _T]) -> _T:
         """``fn()`` on the tokenizer thread pool: tokenizer work too big for the event loop."""

@@ -1,0 +1,297 @@
+"""The OpenAI-compatible routes on the HTTP port: ``GET /v1/models``,
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (server-sent events when
+``stream`` is true: ``data: {chunk}`` lines, then ``data: [DONE]``).
+
+Each generation request goes the gRPC calls' way: refused with 503 while the server drains,
+its ``x-correlation-id`` on its log lines, its span when tracing is on, counted in the
+``tgi_*`` series, then admitted (``intake/admission.py``: batch size, permits, validation,
+tokenization) and submitted to the engine; when the handler ends, however it ends (a
+client that disconnects cancels it), its requests are aborted (a no-op for finished ones)
+and its permits returned. Refusals have OpenAI's error shape (``openai_requests.py``):
+400 for invalid requests, 401 for a wrong ``--api-key``, 404 for another model, 413 for a
+body past the size limit, 429 when no concurrency permit is left, 503 while draining, 500
+for a failure during generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from aiohttp import web
+
+from tgis.log import bind_log_fields, reset_log_fields
+from tgis.router.core.engine import Engine
+from tgis.router.core.request_state import RequestState
+from tgis.router.edge.calls import CallGate
+from tgis.router.edge.openai_replies import OpenAIReplies
+from tgis.router.edge.openai_requests import (
+    OpenAIError,
+    OpenAIRequest,
+    bad_request,
+    parse_chat,
+    parse_completion,
+)
+from tgis.router.edge.tracing import RequestSpan
+from tgis.router.errors import (
+    GenerationError,
+    OverloadedError,
+    RouterError,
+    UnavailableError,
+    ValidationError,
+)
+from tgis.router.intake.admission import Admission
+from tgis.router.intake.chat_template import ChatTemplate, ChatTemplateError
+from tgis.router.ops.drain import SHUTTING_DOWN_MESSAGE
+from tgis.router.ops.request_context import correlation_id
+from tgis.router.request_types import StopReason
+
+__all__ = ["MAX_BODY_BYTES", "OpenAIRoutes"]
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+"""The largest request body accepted (413 beyond)."""
+
+NO_TEMPLATE_MESSAGE = (
+    "this model has no chat template: give one with --chat-template (a file or the template "
+    "itself), or put chat_template.jinja in the model directory; /v1/completions works "
+    "without one"
+)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class OpenAIRoutes:
+    """The ``/v1`` handlers of one served model."""
+
+    def __init__(
+        self,
+        *,
+        admission: Admission,
+        engine: Engine,
+        replies: OpenAIReplies,
+        gate: CallGate,
+        chat_template: ChatTemplate | None,
+        api_key: str | None = None,
+    ) -> None:
+        self.admission = admission
+        self.engine = engine
+        self.replies = replies
+        self.gate = gate
+        self.chat_template = chat_template
+        self.api_key = api_key
+        self.metrics = admission.metrics
+        self.created = int(time.time())
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_get("/v1/models", self._guarded(self.models))
+        app.router.add_post("/v1/completions", self._guarded(self.completions))
+        app.router.add_post("/v1/chat/completions", self._guarded(self.chat_completions))
+
+    # ---- handlers ----------------------------------------------------------------------------
+
+    async def models(self, _: web.Request) -> web.StreamResponse:
+        limits = self.admission.limits
+        card = {
+            "id": self.replies.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "tgis",
+            "max_model_len": limits.max_sequence_length,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "v1/completions", self._parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "v1/chat/completions", self._parse_chat)
+
+    def _parse_completion(self, body: object) -> OpenAIRequest:
+        limit = self.admission.limits.max_new_tokens
+        return parse_completion(body, max_new_tokens=limit, now=time.monotonic())
+
+    def _parse_chat(self, body: object) -> OpenAIRequest:
+        template = self.chat_template
+        if template is None:
+            raise bad_request(NO_TEMPLATE_MESSAGE, "messages")
+
+        def render(messages: list[Mapping[str, Any]]) -> str:
+            try:
+                return template.render(messages, add_generation_prompt=True)
+            except ChatTemplateError as err:
+                raise bad_request(str(err), "messages") from None
+
+        limit = self.admission.limits.max_new_tokens
+        return parse_chat(body, render, max_new_tokens=limit, now=time.monotonic())
+
+    # ---- one generation request --------------------------------------------------------------
+
+    async def _generate(
+        self, request: web.Request, method: str, parse: Callable[[object], OpenAIRequest]
+    ) -> web.StreamResponse:
+        arrival = time.monotonic()
+        if not self.gate.drain.enter():
+            raise OpenAIError(503, SHUTTING_DOWN_MESSAGE, type="service_unavailable")
+        fields = bind_log_fields(correlation_id=correlation_id(request.headers.items()))
+        span = None
+        if self.gate.tracing is not None:
+            headers = list(request.headers.items())
+            span = self.gate.tracing.start(method, headers, correlation_id(headers), arrival)
+        failure: str | None = "CANCELLED: the client went away"
+        try:
+            response = await self._admit_and_answer(request, parse, arrival, span)
+            failure = None
+            return response
+        except OpenAIError as err:
+            failure = f"{err.status}: {err.message}"
+            raise
+        finally:
+            self.gate.drain.exit()
+            if span is not None:
+                span.finish(failure)
+            with contextlib.suppress(ValueError):
+                reset_log_fields(fields)
+
+    async def _admit_and_answer(
+        self,
+        request: web.Request,
+        parse: Callable[[object], OpenAIRequest],
+        arrival: float,
+        span: RequestSpan | None,
+    ) -> web.StreamResponse:
+        try:
+            parsed = parse(await _json_body(request))
+            self._check_model(parsed.model)
+        except OpenAIError:
+            self.metrics.request_received("single", 1)
+            self.metrics.request_failure("validation")
+            raise
+        count = len(parsed.call.texts)
+        kind = "stream" if parsed.stream else ("single" if count == 1 else "batch")
+        self.metrics.request_received(kind, count)
+        try:
+            self.admission.check_batch_size(count)
+            with self.admission.permits(count):
+                on_compile = None if span is None else span.guided_compiled
+                validated = await self.admission.validate(parsed.call, arrival, on_compile)
+                states = [self.engine.submit(v, arrival) for v in validated]
+                if span is not None:
+                    span.validated(states, time.monotonic())
+                try:
+                    return await self._answer(request, parsed, states, arrival)
+                finally:
+                    self._abort(states)
+        except RouterError as err:
+            if isinstance(err, GenerationError):
+                self.metrics.request_failure("generate")
+            raise _openai_error(err) from None
+
+    async def _answer(
+        self,
+        request: web.Request,
+        parsed: OpenAIRequest,
+        states: Sequence[RequestState],
+        arrival: float,
+    ) -> web.StreamResponse:
+        chat = not parsed.call.add_special_tokens
+        if not parsed.stream:
+            if chat:
+                body = await self.replies.chat(parsed, states[0], arrival)
+            else:
+                body = await self.replies.completion(parsed, states, arrival)
+            return web.json_response(body)
+        if chat:
+            chunks = self.replies.chat_chunks(parsed, states[0], arrival)
+        else:
+            chunks = self.replies.completion_chunks(parsed, states, arrival)
+        return await _send_events(request, chunks, self.metrics)
+
+    def _abort(self, states: Sequence[RequestState]) -> None:
+        for state in states:
+            self.engine.abort(state)
+            if state.finish_reason is StopReason.ERROR:
+                self.admission.forget_lookups(state.request)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.replies.model:
+            raise OpenAIError(
+                404,
+                f"The model `{model}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+
+    # ---- authorization and errors ------------------------------------------------------------
+
+    def _guarded(self, handler: Handler) -> Handler:
+        """``handler`` behind the API key (when one is set), its OpenAIErrors as JSON."""
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            try:
+                self._authorize(request)
+                return await handler(request)
+            except OpenAIError as err:
+                return web.json_response(err.body(), status=err.status)
+
+        return guarded
+
+    def _authorize(self, request: web.Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        expected = self.api_key.encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+            raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
+async def _json_body(request: web.Request) -> object:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes") from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise bad_request(f"the request body is not valid JSON: {err}") from None
+
+
+def _openai_error(err: RouterError) -> OpenAIError:
+    if isinstance(err, ValidationError):
+        return bad_request(err.message)
+    if isinstance(err, OverloadedError):
+        return OpenAIError(429, err.message, type="rate_limit_exceeded")
+    if isinstance(err, UnavailableError):
+        return OpenAIError(503, err.message, type="service_unavailable")
+    if isinstance(err, GenerationError):
+        log.error("Request failed: %s", err)
+    return OpenAIError(500, err.message, type="server_error")
+
+
+async def _send_events(
+    request: web.Request, chunks: AsyncIterator[dict[str, Any]], metrics: Any
+) -> web.StreamResponse:
+    """Stream ``chunks`` as server-sent events, then ``[DONE]``; a failure once the
+    stream has started is sent as an error event (the status is already sent)."""
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    try:
+        async for chunk in chunks:
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    except RouterError as err:
+        if isinstance(err, GenerationError):
+            metrics.request_failure("generate")
+        error = _openai_error(err)
+        await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
