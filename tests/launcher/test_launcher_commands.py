@@ -35,7 +35,8 @@ def test_default_command_lines(model_dir: Path) -> None:
         "--port", "3000", "--grpc-port", "8033",
         "--master-shard-uds-path", "/tmp/text-generation-server-0",
         "--tokenizer-path", str(model_dir / "tokenizer.json"),
-        "--model-name", str(model_dir), "--default-include-stop-seqs",
+        "--model-name", str(model_dir), "--model-dir", str(model_dir),
+        "--default-include-stop-seqs",
     ]  # fmt: skip
 
 
@@ -72,7 +73,7 @@ def test_all_optional_arguments(model_dir: Path, tmp_path: Path) -> None:
         str(model_dir),
         "--tls-cert-path", cert, "--tls-key-path", key,
         "--tls-client-ca-cert-path", ca,
-        "--json-output", "--output-special-tokens",
+        "--json-output", "--output-special-tokens", "--model-dir", str(model_dir),
         "--otlp-endpoint", "http://otel:4317", "--otlp-service-name", "svc",
     ]  # fmt: skip
 
@@ -193,6 +194,6 @@ def test_dry_run_prints_commands(
     assert lines[1].endswith(" --sharded")
     assert lines[2].endswith(
         f"--master-shard-uds-path {tmp_path}/s-0 --tokenizer-path {model_dir}/tokenizer.json "
-        f"--model-name {model_dir} --default-include-stop-seqs"
+        f"--model-name {model_dir} --model-dir {model_dir} --default-include-stop-seqs"
     )
     assert "Using model max_sequence_length: 256" in run.stderr
