@@ -15,7 +15,7 @@ LIMIT = 1000
 
 
 def completion(**body: Any) -> Any:
-    return parse_completion({"model": "m", "prompt": "hi", **body}, max_new_tokens=LIMIT, now=0.0)
+    return parse_completion({"model": "m", "prompt": "hi", **body}, max_new_tokens=LIMIT)
 
 
 def chat(**body: Any) -> Any:
@@ -24,9 +24,7 @@ def chat(**body: Any) -> Any:
     def render(msgs: list[Any]) -> str:
         return "|".join(f"{m['role']}:{m.get('content')}" for m in msgs)
 
-    return parse_chat(
-        {"model": "m", "messages": messages, **body}, render, max_new_tokens=LIMIT, now=0.0
-    )
+    return parse_chat({"model": "m", "messages": messages, **body}, render, max_new_tokens=LIMIT)
 
 
 def test_completion_defaults_and_sampling() -> None:
@@ -55,6 +53,7 @@ def test_chat_renders_and_adds_no_special_tokens() -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     request = chat(messages=[{"role": "user", "content": parts}], logprobs=True, top_logprobs=2)
     assert request.call.texts == ("user:a\nb",) and not request.call.add_special_tokens
+    assert request.chat and not completion().chat
     assert request.logprobs == 2 and request.call.params.response.token_logprobs
     assert chat().call.params.stopping.max_new_tokens == LIMIT  # the server's limit
     assert chat(max_tokens=7, max_completion_tokens=9).call.params.stopping.max_new_tokens == 9

@@ -1,29 +1,41 @@
 """The surroundings of every generation call: drain, correlation id and span.
 
-``async with gate.open(method, context, arrival) as span:`` refuses the call with
-``UNAVAILABLE`` while the server drains (SIGTERM), counts it in, binds its
+``async with gate.open(method, context, arrival) as span:`` (a gRPC call) refuses the call
+with ``UNAVAILABLE`` while the server drains (SIGTERM), counts it in, binds its
 ``x-correlation-id`` to the task's log lines (``ops/request_context.py``) and opens its span
 when tracing is on; leaving the block undoes all three, the span ending with how the call
-failed, if it did (``status.py: describe_failure``).
+failed, if it did (``status.py: describe_failure``). ``gate.enter`` is the same for any
+protocol: an HTTP route (``openai_routes.py``) gives its headers, its own refusal and its
+own description of a failure.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextvars import Token
 from types import TracebackType
+from typing import NoReturn
 
 import grpc
 
 from tgis.log import bind_log_fields, reset_log_fields
+from tgis.router.core.engine import Engine
+from tgis.router.core.request_state import RequestState
 from tgis.router.edge.status import abort, describe_failure
 from tgis.router.edge.tracing import RequestSpan, Tracing
 from tgis.router.errors import UnavailableError
+from tgis.router.intake.admission import Admission
 from tgis.router.ops.drain import SHUTTING_DOWN_MESSAGE, Drain
 from tgis.router.ops.request_context import correlation_id
+from tgis.router.request_types import StopReason
 
-__all__ = ["CallGate", "OpenCall"]
+__all__ = ["CallGate", "OpenCall", "end_requests"]
+
+Refusal = Callable[[], Awaitable[NoReturn]]
+"""Ends a call that arrives while the server drains (raises)."""
+Describe = Callable[[BaseException | None], "str | None"]
+"""How a call failed, for its span (None: it did not)."""
 
 
 class CallGate:
@@ -34,33 +46,71 @@ class CallGate:
         self.tracing = tracing
 
     def open(self, method: str, context: grpc.aio.ServicerContext, arrival: float) -> OpenCall:
-        return OpenCall(self, method, context, arrival)
+        """A gRPC call: refused with ``UNAVAILABLE`` while draining."""
+
+        async def refuse() -> NoReturn:
+            await abort(context, UnavailableError(SHUTTING_DOWN_MESSAGE))
+
+        def describe(error: BaseException | None) -> str | None:
+            return describe_failure(error, context)
+
+        return self.enter(method, context.invocation_metadata(), arrival, refuse, describe)
+
+    def enter(
+        self,
+        method: str,
+        metadata: Iterable[tuple[str, str | bytes]] | None,
+        arrival: float,
+        refuse: Refusal,
+        describe: Describe,
+    ) -> OpenCall:
+        """A call of any protocol: ``metadata`` its headers, ``refuse`` what a call that
+        arrives while draining gets, ``describe`` how a failure reads in its span."""
+        return OpenCall(self, method, tuple(metadata or ()), arrival, refuse, describe)
 
 
 class OpenCall:
     """One call inside its gate (an async context manager; its value is the span)."""
 
-    __slots__ = ("_arrival", "_context", "_fields", "_gate", "_method", "_span")
+    __slots__ = (
+        "_arrival",
+        "_describe",
+        "_fields",
+        "_gate",
+        "_metadata",
+        "_method",
+        "_refuse",
+        "_span",
+    )
 
     def __init__(
-        self, gate: CallGate, method: str, context: grpc.aio.ServicerContext, arrival: float
+        self,
+        gate: CallGate,
+        method: str,
+        metadata: tuple[tuple[str, str | bytes], ...],
+        arrival: float,
+        refuse: Refusal,
+        describe: Describe,
     ) -> None:
         self._gate = gate
         self._method = method
-        self._context = context
+        self._metadata = metadata
         self._arrival = arrival
+        self._refuse = refuse
+        self._describe = describe
         self._fields: Token[Mapping[str, object]] | None = None
         self._span: RequestSpan | None = None
 
     async def __aenter__(self) -> RequestSpan | None:
         gate = self._gate
         if not gate.drain.enter():
-            await abort(self._context, UnavailableError(SHUTTING_DOWN_MESSAGE))
-        metadata = self._context.invocation_metadata()
-        correlation = correlation_id(metadata)
+            await self._refuse()
+        correlation = correlation_id(self._metadata)
         self._fields = bind_log_fields(correlation_id=correlation)
         if gate.tracing is not None:
-            self._span = gate.tracing.start(self._method, metadata, correlation, self._arrival)
+            self._span = gate.tracing.start(
+                self._method, self._metadata, correlation, self._arrival
+            )
         return self._span
 
     async def __aexit__(
@@ -71,7 +121,17 @@ class OpenCall:
     ) -> None:
         self._gate.drain.exit()
         if self._span is not None:
-            self._span.finish(describe_failure(error, self._context))
+            self._span.finish(self._describe(error))
         if self._fields is not None:
             with contextlib.suppress(ValueError):  # a generator closed from another context
                 reset_log_fields(self._fields)
+
+
+def end_requests(engine: Engine, admission: Admission, states: Sequence[RequestState]) -> None:
+    """What a call does with its requests when it ends, however it ends: cancel those still
+    live (a no-op for finished ones); the prefix and adapter of one that failed are looked
+    up again by the next call."""
+    for state in states:
+        engine.abort(state)
+        if state.finish_reason is StopReason.ERROR:
+            admission.forget_lookups(state.request)

@@ -26,7 +26,7 @@ from typing import Any
 
 from tgis.router.core.request_state import Event, RequestState, TokenEvent
 from tgis.router.edge.openai_requests import OpenAIRequest
-from tgis.router.edge.replies import Replies, merge_queued
+from tgis.router.edge.replies import Replies, all_or_nothing, merge_queued
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.request_types import StopReason
 from tgis.shard_api.messages import TokenDetail
@@ -77,8 +77,9 @@ class OpenAIReplies:
     ) -> dict[str, Any]:
         choices = [_Choice(s) for s in states]
         kind = "single" if len(states) == 1 else "batch"
-        await asyncio.gather(
-            *(self._collect(c, kind, arrival, i, len(states)) for i, c in enumerate(choices))
+        # The first failure fails them all, the others' waits cancelled.
+        await all_or_nothing(
+            [self._collect(c, kind, arrival, i, len(states)) for i, c in enumerate(choices)]
         )
         body = [
             {

@@ -87,6 +87,7 @@ class OpenAIRequest:
     # Token logprobs: None for none, else how many alternatives per position (0 or more).
     logprobs: int | None = None
     echo: bool = False  # completions: the prompt before the output
+    chat: bool = False  # /v1/chat/completions (its prompt rendered by the chat template)
 
 
 # Fields accepted and not used: they change nothing in the output.
@@ -134,7 +135,7 @@ _CHAT_FIELDS = (
 )
 
 
-def parse_completion(body: object, *, max_new_tokens: int, now: float) -> OpenAIRequest:
+def parse_completion(body: object, *, max_new_tokens: int) -> OpenAIRequest:
     """A ``/v1/completions`` body: ``prompt`` a string or a list of strings (one choice
     each, as a gRPC batch)."""
     fields = _fields(body, _COMPLETION_FIELDS)
@@ -154,16 +155,9 @@ def parse_completion(body: object, *, max_new_tokens: int, now: float) -> OpenAI
     if echo and logprobs is not None:
         raise bad_request("echo with logprobs is not supported", "echo")
     max_tokens = _optional_int(fields, "max_tokens", 1, None)
-    return _request(
-        fields,
-        prompts,
-        max_tokens
-        if max_tokens is not None
-        else min(COMPLETION_DEFAULT_MAX_TOKENS, max_new_tokens),
-        logprobs,
-        now,
-        echo=echo,
-    )
+    if max_tokens is None:
+        max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, max_new_tokens)
+    return _request(fields, prompts, max_tokens, logprobs, echo=echo)
 
 
 def parse_chat(
@@ -171,7 +165,6 @@ def parse_chat(
     render: Callable[[list[Mapping[str, Any]]], str],
     *,
     max_new_tokens: int,
-    now: float,
 ) -> OpenAIRequest:
     """A ``/v1/chat/completions`` body; ``render`` turns its messages into the prompt (the
     chat template), raising OpenAIError."""
@@ -204,10 +197,7 @@ def parse_chat(
         max_tokens = _optional_int(fields, "max_tokens", 1, None)
     prompt = render([_text_message(m) for m in messages])
     call_max = max_tokens if max_tokens is not None else max_new_tokens
-    request = _request(fields, (prompt,), call_max, logprobs, now)
-    # The template wrote the special tokens (a BOS) itself: none are added again.
-    call = GenerationCall(request.call.texts, request.call.params, add_special_tokens=False)
-    return OpenAIRequest(request.model, call, request.stream, request.include_usage, logprobs)
+    return _request(fields, (prompt,), call_max, logprobs, chat=True)
 
 
 def _text_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -231,10 +221,12 @@ def _request(
     prompts: tuple[str, ...],
     max_tokens: int,
     logprobs: int | None,
-    now: float,
     *,
     echo: bool = False,
+    chat: bool = False,
 ) -> OpenAIRequest:
+    """The request; a chat's prompt carries its special tokens (the template wrote its BOS),
+    so none are added again."""
     model = fields.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("you must provide a model parameter", "model")
@@ -252,11 +244,12 @@ def _request(
     if options is not None and (not stream or not isinstance(options, dict)):
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     include_usage = bool(options and options.get("include_usage"))
+    min_tokens = _optional_int(fields, "min_tokens", 0, None) or 0
     params = GenerationParams(
-        sampling=_sampling(fields),
+        sampling=_sampling(fields, min_tokens),
         stopping=StoppingParams(
             max_new_tokens=max_tokens,
-            min_new_tokens=_optional_int(fields, "min_tokens", 0, None) or 0,
+            min_new_tokens=min_tokens,
             stop_sequences=_stops(fields.get("stop")),
         ),
         response=ResponseOptions(
@@ -266,14 +259,14 @@ def _request(
         ),
         guided=_guided(fields.get("response_format")),
     )
-    call = GenerationCall(prompts, params)
-    return OpenAIRequest(model, call, stream, include_usage, logprobs, echo)
+    call = GenerationCall(prompts, params, add_special_tokens=not chat)
+    return OpenAIRequest(model, call, stream, include_usage, logprobs, echo, chat)
 
 
-def _sampling(fields: Mapping[str, Any]) -> SamplingParams:
+def _sampling(fields: Mapping[str, Any], min_tokens: int) -> SamplingParams:
+    """The sampling parameters; ``min_tokens`` also masks EOS (as gRPC's min_new_tokens)."""
     temperature = _optional_number(fields, "temperature", 0.0, 2.0)
     seed = _optional_int(fields, "seed", -(1 << 63), (1 << 64) - 1)
-    min_tokens = _optional_int(fields, "min_tokens", 0, None) or 0
     penalty = _optional_number(fields, "repetition_penalty", 0.0, None)
     greedy = temperature == 0.0
     return SamplingParams(

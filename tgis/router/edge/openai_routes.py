@@ -15,20 +15,18 @@ for a failure during generation.
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from aiohttp import web
 
-from tgis.log import bind_log_fields, reset_log_fields
 from tgis.router.core.engine import Engine
 from tgis.router.core.request_state import RequestState
-from tgis.router.edge.calls import CallGate
+from tgis.router.edge.calls import CallGate, end_requests
 from tgis.router.edge.openai_replies import OpenAIReplies
 from tgis.router.edge.openai_requests import (
     OpenAIError,
@@ -37,6 +35,7 @@ from tgis.router.edge.openai_requests import (
     parse_chat,
     parse_completion,
 )
+from tgis.router.edge.status import describe_exception
 from tgis.router.edge.tracing import RequestSpan
 from tgis.router.errors import (
     GenerationError,
@@ -48,8 +47,7 @@ from tgis.router.errors import (
 from tgis.router.intake.admission import Admission
 from tgis.router.intake.chat_template import ChatTemplate, ChatTemplateError
 from tgis.router.ops.drain import SHUTTING_DOWN_MESSAGE
-from tgis.router.ops.request_context import correlation_id
-from tgis.router.request_types import StopReason
+from tgis.router.ops.metrics import Metrics
 
 __all__ = ["MAX_BODY_BYTES", "OpenAIRoutes"]
 
@@ -115,7 +113,7 @@ class OpenAIRoutes:
 
     def _parse_completion(self, body: object) -> OpenAIRequest:
         limit = self.admission.limits.max_new_tokens
-        return parse_completion(body, max_new_tokens=limit, now=time.monotonic())
+        return parse_completion(body, max_new_tokens=limit)
 
     def _parse_chat(self, body: object) -> OpenAIRequest:
         template = self.chat_template
@@ -129,7 +127,7 @@ class OpenAIRoutes:
                 raise bad_request(str(err), "messages") from None
 
         limit = self.admission.limits.max_new_tokens
-        return parse_chat(body, render, max_new_tokens=limit, now=time.monotonic())
+        return parse_chat(body, render, max_new_tokens=limit)
 
     # ---- one generation request --------------------------------------------------------------
 
@@ -137,27 +135,10 @@ class OpenAIRoutes:
         self, request: web.Request, method: str, parse: Callable[[object], OpenAIRequest]
     ) -> web.StreamResponse:
         arrival = time.monotonic()
-        if not self.gate.drain.enter():
-            raise OpenAIError(503, SHUTTING_DOWN_MESSAGE, type="service_unavailable")
-        fields = bind_log_fields(correlation_id=correlation_id(request.headers.items()))
-        span = None
-        if self.gate.tracing is not None:
-            headers = list(request.headers.items())
-            span = self.gate.tracing.start(method, headers, correlation_id(headers), arrival)
-        failure: str | None = "CANCELLED: the client went away"
-        try:
-            response = await self._admit_and_answer(request, parse, arrival, span)
-            failure = None
-            return response
-        except OpenAIError as err:
-            failure = f"{err.status}: {err.message}"
-            raise
-        finally:
-            self.gate.drain.exit()
-            if span is not None:
-                span.finish(failure)
-            with contextlib.suppress(ValueError):
-                reset_log_fields(fields)
+        headers = request.headers.items()
+        call = self.gate.enter(method, headers, arrival, _refuse_draining, _describe_failure)
+        async with call as span:
+            return await self._admit_and_answer(request, parse, arrival, span)
 
     async def _admit_and_answer(
         self,
@@ -187,7 +168,7 @@ class OpenAIRoutes:
                 try:
                     return await self._answer(request, parsed, states, arrival)
                 finally:
-                    self._abort(states)
+                    end_requests(self.engine, self.admission, states)
         except RouterError as err:
             if isinstance(err, GenerationError):
                 self.metrics.request_failure("generate")
@@ -200,24 +181,17 @@ class OpenAIRoutes:
         states: Sequence[RequestState],
         arrival: float,
     ) -> web.StreamResponse:
-        chat = not parsed.call.add_special_tokens
         if not parsed.stream:
-            if chat:
+            if parsed.chat:
                 body = await self.replies.chat(parsed, states[0], arrival)
             else:
                 body = await self.replies.completion(parsed, states, arrival)
             return web.json_response(body)
-        if chat:
+        if parsed.chat:
             chunks = self.replies.chat_chunks(parsed, states[0], arrival)
         else:
             chunks = self.replies.completion_chunks(parsed, states, arrival)
         return await _send_events(request, chunks, self.metrics)
-
-    def _abort(self, states: Sequence[RequestState]) -> None:
-        for state in states:
-            self.engine.abort(state)
-            if state.finish_reason is StopReason.ERROR:
-                self.admission.forget_lookups(state.request)
 
     def _check_model(self, model: str) -> None:
         if model != self.replies.model:
@@ -252,6 +226,17 @@ class OpenAIRoutes:
             raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
+async def _refuse_draining() -> NoReturn:
+    raise OpenAIError(503, SHUTTING_DOWN_MESSAGE, type="service_unavailable")
+
+
+def _describe_failure(error: BaseException | None) -> str | None:
+    """How a request failed, for its span: the status and message it was refused with."""
+    if isinstance(error, OpenAIError):
+        return f"{error.status}: {error.message}"
+    return describe_exception(error)
+
+
 async def _json_body(request: web.Request) -> object:
     try:
         raw = await request.read()
@@ -276,7 +261,7 @@ def _openai_error(err: RouterError) -> OpenAIError:
 
 
 async def _send_events(
-    request: web.Request, chunks: AsyncIterator[dict[str, Any]], metrics: Any
+    request: web.Request, chunks: AsyncIterator[dict[str, Any]], metrics: Metrics
 ) -> web.StreamResponse:
     """Stream ``chunks`` as server-sent events, then ``[DONE]``; a failure once the
     stream has started is sent as an error event (the status is already sent)."""

@@ -27,7 +27,7 @@ from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.ops.metrics import Metrics
 from tgis.router.request_types import StopReason
 
-__all__ = ["Replies", "merge_queued"]
+__all__ = ["Replies", "all_or_nothing", "merge_queued"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Replies:
     ) -> list[pb.GenerationResponse]:
         """One response per input, in order; the first failure fails them all."""
         count = len(states)
-        return await _all_or_nothing(
+        return await all_or_nothing(
             [self._collect(s, kind, arrival, i, count) for i, s in enumerate(states)]
         )
 
@@ -180,7 +180,7 @@ def _merged(texts: list[str], last: TokenEvent) -> TokenEvent:
     )
 
 
-async def _all_or_nothing(coros: list[Coroutine[Any, Any, _T]]) -> list[_T]:
+async def all_or_nothing(coros: list[Coroutine[Any, Any, _T]]) -> list[_T]:
     """Await every coroutine; on the first failure cancel the rest and raise it."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:

@@ -23,7 +23,7 @@ from tgis.pb import generation_pb2, generation_pb2_grpc
 from tgis.router.core.engine import Engine
 from tgis.router.core.request_state import RequestState
 from tgis.router.edge import fmaas as api
-from tgis.router.edge.calls import CallGate
+from tgis.router.edge.calls import CallGate, end_requests
 from tgis.router.edge.registration import Undecodable, refuse_undecodable
 from tgis.router.edge.replies import Replies
 from tgis.router.edge.status import abort
@@ -32,7 +32,7 @@ from tgis.router.errors import GenerationError, RouterError, TokenizationError, 
 from tgis.router.intake.admission import Admission
 from tgis.router.ops.metrics import Metrics
 from tgis.router.ops.stalled_streams import StalledStreams
-from tgis.router.request_types import StopReason, ValidatedRequest
+from tgis.router.request_types import ValidatedRequest
 
 __all__ = ["GenerationServicer"]
 
@@ -82,7 +82,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     try:
                         responses = await self.replies.unary(states, kind, arrival)
                     finally:
-                        self._abort(states)
+                        end_requests(self.engine, self.admission, states)
                     return api.batched_response(responses)
             except RouterError as err:
                 await self._refuse(context, err, "Request failed")
@@ -107,7 +107,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                             async for message in messages:
                                 yield message
                     finally:
-                        self._abort((state,))
+                        end_requests(self.engine, self.admission, (state,))
             except RouterError as err:
                 await self._refuse(context, err, "Streaming response failed")
 
@@ -134,14 +134,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if span is not None:
             span.validated(states, time.monotonic())
         return states
-
-    def _abort(self, states: Sequence[RequestState]) -> None:
-        """Cancel the call's requests that are still live; the prefix and adapter of one
-        that failed are looked up again by the next call."""
-        for state in states:
-            self.engine.abort(state)
-            if state.finish_reason is StopReason.ERROR:
-                self.admission.forget_lookups(state.request)
 
     async def _pump(
         self, state: RequestState, arrival: float

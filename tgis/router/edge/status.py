@@ -20,7 +20,7 @@ from tgis.router.errors import (
     ValidationError,
 )
 
-__all__ = ["abort", "describe_failure", "status_code"]
+__all__ = ["abort", "describe_exception", "describe_failure", "status_code"]
 
 _STATUS: dict[type[RouterError], grpc.StatusCode] = {
     ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
@@ -49,14 +49,20 @@ async def abort(context: grpc.aio.ServicerContext, error: RouterError) -> NoRetu
 def describe_failure(error: BaseException | None, context: grpc.aio.ServicerContext) -> str | None:
     """How a call failed, for its span: the status it was aborted with, or the exception;
     None when it did not fail."""
-    if error is None or isinstance(error, GeneratorExit):  # GeneratorExit: closed at the end
-        return None
     if isinstance(error, grpc.aio.AbortError):
         try:
             code = context.code()
             return f"{getattr(code, 'name', code)}: {context.details()}"
         except Exception:
             pass
+    return describe_exception(error)
+
+
+def describe_exception(error: BaseException | None) -> str | None:
+    """How a call of any protocol failed with ``error``, for its span; None when it did
+    not fail."""
+    if error is None or isinstance(error, GeneratorExit):  # GeneratorExit: closed at the end
+        return None
     if isinstance(error, asyncio.CancelledError):
         return "CANCELLED: the client went away"
     return f"{type(error).__name__}: {error}"
