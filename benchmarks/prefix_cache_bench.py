@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc
 
 from tgis.embedded_model import MODEL_DIR
-from tgis.launcher.local_process import LauncherProcess, start_launcher
+from tgis.launcher.local_process import LauncherProcess, serving, start_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -79,11 +79,8 @@ def server(args: argparse.Namespace, cache: bool) -> Iterator[LauncherProcess]:
     if not cache:
         extra.append("--disable-prefix-caching")
     launcher = start_launcher(Path(tempfile.mkdtemp(prefix="prefix-bench-")), extra)
-    try:
-        launcher.wait_healthy(timeout=600)
+    with serving(launcher, timeout=600):
         yield launcher
-    finally:
-        launcher.stop()
 
 
 def ttft_and_tokens(

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tgis.launcher.local_process import BIN_DIR, LauncherProcess
+from tgis.launcher.local_process import BIN_DIR, LauncherProcess, serving
 from tgis.launcher.local_process import start_launcher as _start
 from tgis.procinfo import descendants, free_port, free_ports, is_alive
 
@@ -42,9 +42,5 @@ def healthy_launcher(
 ) -> Iterator[LauncherProcess]:
     """A launcher (``start_launcher``) serving for the block's duration: healthy when the
     block starts, stopped when it ends."""
-    launcher = start_launcher(log_dir, extra_args, env)
-    try:
-        launcher.wait_healthy()
+    with serving(start_launcher(log_dir, extra_args, env)) as launcher:
         yield launcher
-    finally:
-        launcher.stop()

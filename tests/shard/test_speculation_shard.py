@@ -62,12 +62,18 @@ def other_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def plain(runner: ModelRunner, sampling: SamplingParams) -> dict[int, list[object]]:
-    """Every sequence's generated token details, one decode step at a time."""
+def prefilled(runner: ModelRunner, sampling: SamplingParams) -> Router:
+    """A router whose PROMPTS have been computed in one step (each has its first token)."""
     router = Router(runner)
     for rid, prompt in PROMPTS.items():
         router.add(rid, prompt, sampling, DETAILS)
     router.step({rid: len(p) for rid, p in PROMPTS.items()})
+    return router
+
+
+def plain(runner: ModelRunner, sampling: SamplingParams) -> dict[int, list[object]]:
+    """Every sequence's generated token details, one decode step at a time."""
+    router = prefilled(runner, sampling)
     for _ in range(NEW_TOKENS - 1):
         router.decode(PROMPTS)
     return details_by_request(router)
@@ -89,10 +95,7 @@ def speculated(
     """The same sequences with drafts from ``draft(rid, generated so far, rng)`` at every
     decode step, until each has at least NEW_TOKENS tokens; (details, drafted, accepted)."""
     rng = random.Random(3)
-    router = Router(runner)
-    for rid, prompt in PROMPTS.items():
-        router.add(rid, prompt, sampling, DETAILS)
-    router.step({rid: len(p) for rid, p in PROMPTS.items()})
+    router = prefilled(runner, sampling)
     drafted = accepted = 0
     while live := [r for r in PROMPTS if len(router.generated[r]) < NEW_TOKENS]:
         drafts = {rid: draft(rid, router.generated[rid], rng) for rid in live}
@@ -302,10 +305,7 @@ def test_a_draft_model_gives_the_plain_tokens(
     attach_draft(runner, helper)
     assert runner.info.draft_model
     rng = random.Random(5)
-    router = Router(runner)
-    for rid, prompt in PROMPTS.items():
-        router.add(rid, prompt, sampling, DETAILS)
-    router.step({rid: len(p) for rid, p in PROMPTS.items()})
+    router = prefilled(runner, sampling)
     drafted = accepted = 0
     preempted = False
     while live := [r for r in PROMPTS if len(router.generated[r]) < NEW_TOKENS]:

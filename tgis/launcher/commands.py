@@ -52,6 +52,7 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
     """`text-generation-server serve ...`; the same for every rank (the rank is in the env)."""
     flags = cfg.flags
     adapters = bool(flags.adapter_cache)
+    speculate = speculation_depth(flags)
     return [
         program,
         "serve",
@@ -82,10 +83,10 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
                 ("--max-lora-rank", flags.max_lora_rank if adapters else None),
                 ("--disable-prefix-caching", flags.disable_prefix_caching),
                 ("--speculator-name", flags.speculator_name),
-                ("--speculate", speculation_depth(flags) or None),
+                ("--speculate", speculate or None),
                 (
                     "--speculator-max-batch-size",
-                    flags.speculator_max_batch_size if speculation_depth(flags) else None,
+                    flags.speculator_max_batch_size if speculate else None,
                 ),
             ]
         ),

@@ -16,7 +16,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,3 +142,14 @@ def start_launcher(
             args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
         )
     return LauncherProcess(proc, grpc_port, http_port, log_path, socket_dir, args)
+
+
+@contextmanager
+def serving(launcher: LauncherProcess, timeout: float = 180.0) -> Iterator[LauncherProcess]:
+    """``launcher`` for the block's duration: healthy (within ``timeout`` seconds) when the
+    block starts, stopped when it ends, also when it never became healthy."""
+    try:
+        launcher.wait_healthy(timeout)
+        yield launcher
+    finally:
+        launcher.stop()

@@ -353,13 +353,12 @@ def _capture_decode_graphs(runner: ModelRunner, config: ShardConfig, tp: TensorP
             log.warning("TGIS_CUDA_GRAPHS=1 ignored: graphs need CUDA, triton_paged, one rank")
         return
     max_batch = min(config.max_batch_size or DEFAULT_MAX_BATCH_SIZE, runner.info.num_blocks)
-    width = 1 + config.speculate
-    prefill_tile = getattr(runner.attention, "prefill_tile", 0)
-    if config.speculate and width > prefill_tile:
-        log.warning("No verify CUDA graphs: %d drafts exceed one query tile", config.speculate)
     sets = [(1, max_batch)]
-    if config.speculate and width <= prefill_tile:
+    width = 1 + config.speculate
+    if config.speculate and width <= getattr(runner.attention, "prefill_tile", 0):
         sets.append((width, min(max_batch, config.speculator_max_batch_size)))
+    elif config.speculate:
+        log.warning("No verify CUDA graphs: %d drafts exceed one query tile", config.speculate)
     pool = torch.cuda.graph_pool_handle()
     for rows, batch in sets:
         what = "decode" if rows == 1 else f"verify ({rows - 1} drafts)"
