@@ -71,7 +71,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -342,6 +342,7 @@ class RequestResult:
     input_tokens: int = 0
     output_tokens: int = 0
     itls: list[float] = field(default_factory=list)  # per token, normalised
+    messages: int = 0  # token-carrying stream messages
     stop_reason: str = ""
     error: str = ""
 
@@ -383,6 +384,7 @@ async def stream_one(
                     gap = (now - last_time) / (count - last_count)
                     result.itls.extend([gap] * (count - last_count))
                 last_time, last_count = now, count
+                result.messages += 1
             if message.stop_reason:
                 result.stop_reason = pb.StopReason.Name(message.stop_reason)
     except grpc.aio.AioRpcError as err:
@@ -523,24 +525,38 @@ async def run_level(
     timeout: float,
     seed: int,
 ) -> tuple[list[RequestResult], float, int]:
-    """Send every request of ``specs`` as ``level`` says; (results, wall seconds, peak in flight).
+    """Send every request of ``specs`` over GenerateStream as ``level`` says; (results, wall
+    seconds, peak in flight)."""
+    results = [RequestResult(s.input_tokens, s.output_tokens) for s in specs]
+    requests = [s.to_pb() for s in specs]
+
+    async def send(index: int) -> None:
+        stub = stubs[index % len(stubs)]
+        await stream_one(stub, requests[index], timeout, results[index])
+
+    duration, peak = await drive_arrivals(send, len(specs), level, seed)
+    return results, duration, peak
+
+
+async def drive_arrivals(
+    send: Callable[[int], Awaitable[None]], count: int, level: Level, seed: int
+) -> tuple[float, int]:
+    """Call ``send(i)`` for every request index as ``level`` says; (wall seconds, peak in
+    flight).
 
     Closed loop (``level.concurrency``): that many clients take the next request as soon as
     their previous one finished. Open loop (``level.request_rate``): request ``i`` is released
     at the ``i``-th Poisson arrival (exponential gaps, seeded), all at once for ``inf``, and
     waits for a slot when ``level.max_concurrency`` is set.
     """
-    results = [RequestResult(s.input_tokens, s.output_tokens) for s in specs]
-    requests = [s.to_pb() for s in specs]
     in_flight = peak = 0
 
-    async def send(index: int) -> None:
+    async def counted(index: int) -> None:
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
         try:
-            stub = stubs[index % len(stubs)]
-            await stream_one(stub, requests[index], timeout, results[index])
+            await send(index)
         finally:
             in_flight -= 1
 
@@ -550,10 +566,10 @@ async def run_level(
 
         async def client() -> None:
             nonlocal next_index
-            while next_index < len(specs):
+            while next_index < count:
                 index = next_index
                 next_index += 1
-                await send(index)
+                await counted(index)
 
         await asyncio.gather(*(client() for _ in range(level.concurrency)))
     else:
@@ -563,14 +579,14 @@ async def run_level(
 
         async def gated(index: int) -> None:
             if gate is None:
-                await send(index)
+                await counted(index)
                 return
             async with gate:
-                await send(index)
+                await counted(index)
 
         tasks: list[asyncio.Task[None]] = []
         release = 0.0
-        for index in range(len(specs)):
+        for index in range(count):
             if index and not math.isinf(rate):
                 release += rng.expovariate(rate)
                 delay = started + release - time.perf_counter()
@@ -578,7 +594,7 @@ async def run_level(
                     await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(gated(index)))
         await asyncio.gather(*tasks)
-    return results, time.perf_counter() - started, peak
+    return time.perf_counter() - started, peak
 
 
 # ---- output -----------------------------------------------------------------------------------
