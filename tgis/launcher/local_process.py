@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,8 @@ class LauncherProcess:
     log_path: Path
     socket_dir: Path
     args: list[str] = field(default_factory=list)
+    # The CA that signed the HTTP port's certificate, for a launcher started with --http-tls.
+    http_ca: Path | None = None
 
     @property
     def grpc_target(self) -> str:
@@ -41,7 +44,7 @@ class LauncherProcess:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}/metrics"
+        return self.http_base + "/metrics"
 
     def log_tail(self, chars: int = 6000) -> str:
         try:
@@ -49,10 +52,19 @@ class LauncherProcess:
         except OSError:
             return "<no log>"
 
+    @property
+    def http_base(self) -> str:
+        """``http://`` or, with ``http_ca`` set, ``https://`` and the loopback HTTP port."""
+        scheme = "https" if self.http_ca is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.http_port}"
+
     def http_get(self, path: str, timeout: float = 70.0) -> tuple[int, bytes]:
-        url = f"http://127.0.0.1:{self.http_port}{path}"
+        url = self.http_base + path
+        context = None
+        if self.http_ca is not None:
+            context = ssl.create_default_context(cafile=str(self.http_ca))
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as resp:
+            with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:
                 return resp.status, resp.read()
         except urllib.error.HTTPError as err:
             return err.code, err.read()
