@@ -9,6 +9,7 @@ import random
 import signal
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -229,6 +230,9 @@ def test_json_output_one_object_per_line_from_every_process(tmp_path: Path) -> N
 # ---- OpenTelemetry ----------------------------------------------------------------------------
 
 
+HTTP_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+
+
 def test_otlp_spans_of_one_generate_call(tmp_path: Path) -> None:
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     with OtlpCollector() as collector:
@@ -257,8 +261,23 @@ def test_otlp_spans_of_one_generate_call(tmp_path: Path) -> None:
                         ),
                         timeout=30,
                     )
-            collector.wait_for(1, "inference")
+            model = json.loads(launcher.http_get("/v1/models")[1])["data"][0]["id"]
+            completion = urllib.request.Request(
+                f"http://127.0.0.1:{launcher.http_port}/v1/completions",
+                data=json.dumps(
+                    {"model": model, "prompt": "hi", "max_tokens": 2, "min_tokens": 2}
+                ).encode(),
+                headers={
+                    "Content-Type": "application/json",
+                    "traceparent": f"00-{HTTP_TRACE_ID}-{parent_id}-01",
+                    "x-correlation-id": "traced-openai",
+                },
+            )
+            with urllib.request.urlopen(completion, timeout=30) as reply:
+                assert json.loads(reply.read())["usage"]["completion_tokens"] == 2
+            collector.wait_for(2, "inference")
             collector.wait_for(2, "fmaas.GenerationService/Generate")
+            collector.wait_for(1, "POST /v1/completions")
         finally:
             assert launcher.stop() == 0
         spans = list(collector.spans)
@@ -280,6 +299,16 @@ def test_otlp_spans_of_one_generate_call(tmp_path: Path) -> None:
     assert queue.end_ns <= inference.start_ns <= inference.end_ns <= root.end_ns
     assert inference.attributes["generated_tokens"] == 2
     assert inference.attributes["stop_reason"] == "MAX_TOKENS"
+    # An OpenAI request's span: the same parts, under the HTTP client's trace.
+    (http_root,) = (s for s in spans if s.name == "POST /v1/completions")
+    assert (http_root.trace_id, http_root.parent_span_id) == (HTTP_TRACE_ID, parent_id)
+    assert http_root.attributes == {
+        "http.request.method": "POST",
+        "http.route": "/v1/completions",
+        "correlation_id": "traced-openai",
+    }
+    http_children = {s.name for s in spans if s.parent_span_id == http_root.span_id}
+    assert http_children == {"validation", "queue", "inference"}
 
 
 # ---- fatal errors -----------------------------------------------------------------------------

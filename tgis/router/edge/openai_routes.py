@@ -106,10 +106,10 @@ class OpenAIRoutes:
         return web.json_response({"object": "list", "data": [card]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "v1/completions", self._parse_completion)
+        return await self._generate(request, "POST /v1/completions", self._parse_completion)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "v1/chat/completions", self._parse_chat)
+        return await self._generate(request, "POST /v1/chat/completions", self._parse_chat)
 
     def _parse_completion(self, body: object) -> OpenAIRequest:
         limit = self.admission.limits.max_new_tokens

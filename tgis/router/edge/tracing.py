@@ -4,8 +4,9 @@ Optional: the packages come with ``pip install 'tgis[otel]'``. Without them, or 
 endpoint, ``setup_tracing`` returns None and the servicer creates no span objects at all
 (one ``is None`` test per call).
 
-One trace per Generate / GenerateStream call, its parent taken from the W3C
-``traceparent`` metadata when the client sends one::
+One trace per Generate / GenerateStream call (and per OpenAI generation request, its root
+named ``POST /v1/completions`` or ``POST /v1/chat/completions`` with the HTTP attributes),
+its parent taken from the W3C ``traceparent`` metadata or header when the client sends one::
 
     fmaas.GenerationService/Generate      the whole call (correlation_id, prefix_id and
                                           adapter_id when sent, status)
@@ -57,6 +58,20 @@ def otlp_target(endpoint: str) -> tuple[str, bool]:
     return endpoint, not endpoint.startswith("https://")
 
 
+def span_identity(method: str) -> tuple[str, dict[str, str]]:
+    """The root span's name and attributes for a call: ``method`` is a gRPC method of the
+    service (``Generate``) or an HTTP verb and route (``POST /v1/completions``), named as
+    OpenTelemetry's semantic conventions name RPC and HTTP server spans."""
+    verb, _, route = method.partition(" ")
+    if route:
+        return method, {"http.request.method": verb, "http.route": route}
+    return f"{SERVICE}/{method}", {
+        "rpc.system": "grpc",
+        "rpc.service": SERVICE,
+        "rpc.method": method,
+    }
+
+
 class Tracing:
     """The router's tracer; ``start`` opens the span of one call."""
 
@@ -81,17 +96,13 @@ class Tracing:
         parent = self._propagator.extract(carrier=carrier)
         from opentelemetry.trace import SpanKind
 
+        name, attributes = span_identity(method)
         span = self._tracer.start_span(
-            f"{SERVICE}/{method}",
+            name,
             context=parent,
             kind=SpanKind.SERVER,
             start_time=self.epoch_ns(arrival),
-            attributes={
-                "rpc.system": "grpc",
-                "rpc.service": SERVICE,
-                "rpc.method": method,
-                "correlation_id": correlation_id,
-            },
+            attributes={**attributes, "correlation_id": correlation_id},
         )
         return RequestSpan(self, span, arrival)
 
