@@ -208,12 +208,18 @@ async def measured(
 
 async def benchmark(args: argparse.Namespace, server: LauncherProcess) -> list[Measured]:
     """Build the workload, warm both APIs up, then alternate them round by round."""
-    channel = grpc.aio.insecure_channel(server.grpc_target)
+    # Separate connections when asked (a local subchannel pool each), like separate clients.
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [
+        grpc.aio.insecure_channel(server.grpc_target, options=options)
+        for _ in range(args.grpc_channels)
+    ]
     base_url = f"http://127.0.0.1:{server.http_port}"
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         try:
-            stub = pb_grpc.GenerationServiceStub(channel)
+            stubs = [pb_grpc.GenerationServiceStub(channel) for channel in channels]
+            stub = stubs[0]
             specs = await build_workload(stub, args)
             async with session.get(base_url + "/v1/models") as resp:
                 model = (await resp.json())["data"][0]["id"]
@@ -235,13 +241,14 @@ async def benchmark(args: argparse.Namespace, server: LauncherProcess) -> list[M
                             api: str = api, level: Level = level
                         ) -> Awaitable[tuple[list[RequestResult], float, int]]:
                             if api == "grpc":
-                                return run_level([stub], specs, level, args.request_timeout, 0)
+                                return run_level(stubs, specs, level, args.request_timeout, 0)
                             return run_openai_level(client, specs, level, args.request_timeout)
 
                         runs.append(await measured(api, run, level, server, round_index))
             return runs
         finally:
-            await channel.close()
+            for channel in channels:
+                await channel.close()
 
 
 async def _warm_openai(client: OpenAIClient, spec: RequestSpec, timeout: float) -> str:
@@ -319,6 +326,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=64, help="output tokens (64)")
     parser.add_argument("--word", default="the", help="word repeated to build prompts (the)")
     parser.add_argument("--chat", action="store_true", help="/v1/chat/completions instead")
+    parser.add_argument(
+        "--grpc-channels",
+        type=int,
+        default=1,
+        help="gRPC connections the streams share, round robin (1; the OpenAI client opens "
+        "one connection per stream in flight)",
+    )
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, help="also write every run here")
@@ -327,8 +341,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         counts = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
         parser.error("--concurrency takes comma-separated integers")
-    if not counts or min(counts) < 1 or args.rounds < 1 or args.num_requests < 1:
-        parser.error("stream counts, --rounds and --num-requests must be positive")
+    if min([*counts, args.rounds, args.num_requests, args.grpc_channels], default=0) < 1:
+        parser.error("stream counts, --rounds, --num-requests and --grpc-channels must be positive")
     if args.output_tokens < 2 or args.input_tokens < 1:
         parser.error("--output-tokens must be >= 2 and --input-tokens >= 1")
     args.levels = [Level(f"c={c}", concurrency=c) for c in counts]
@@ -361,8 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": (
             f"{args.num_requests} requests per level, {args.input_tokens} prompt / "
             f"{args.output_tokens} output tokens, greedy, output length forced; "
-            f"{args.rounds} rounds, API order alternating; "
-            + ("/v1/chat/completions" if args.chat else "/v1/completions")
+            f"{args.rounds} rounds, API order alternating; {args.grpc_channels} gRPC "
+            "connection(s); " + ("/v1/chat/completions" if args.chat else "/v1/completions")
         ),
         "launcher exit code": code,
     }
