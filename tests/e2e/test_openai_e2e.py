@@ -217,6 +217,15 @@ def test_model_key_and_limits_are_refused_in_openai_shape(
         urllib.request.urlopen(request, timeout=30)
     assert bad_json.value.code == 400
     assert "not valid JSON" in json.loads(bad_json.value.read())["error"]["message"]
+    # A body that names no model is for the served one (vLLM's leniency).
+    unnamed = urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}/v1/completions",
+        data=json.dumps({"prompt": PROMPTS[0], "max_tokens": 2}).encode(),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(unnamed, timeout=30) as reply:
+        body = json.loads(reply.read())
+    assert body["model"] == MODEL and body["usage"]["completion_tokens"] <= 2
 
 
 def test_permits_give_429_and_a_closed_stream_frees_them(

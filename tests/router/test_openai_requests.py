@@ -47,6 +47,10 @@ def test_completion_defaults_and_sampling() -> None:
     assert batch.logprobs == 3 and batch.call.params.response.top_n_tokens == 3
     streamed = completion(stream=True, stream_options={"include_usage": True}, echo=True)
     assert streamed.stream and streamed.include_usage and streamed.echo
+    assert plain.model == "m"
+    # No model named: the served one (as vLLM takes it); named, checked by the route.
+    unnamed = parse_completion({"prompt": "hi"}, max_new_tokens=LIMIT)
+    assert unnamed.model is None and unnamed.call.texts == ("hi",)
 
 
 def test_chat_renders_and_adds_no_special_tokens() -> None:
@@ -80,6 +84,7 @@ def test_chat_renders_and_adds_no_special_tokens() -> None:
         ({"prompt": [1, 2]}, "prompt"),
         ({"prompt": None}, "prompt"),
         ({"model": ""}, "model"),
+        ({"model": 3}, "model"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": 3}, "temperature"),
         ({"temperature": "hot"}, "temperature"),

@@ -80,7 +80,7 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 class OpenAIRequest:
     """A completion or chat request in plain terms."""
 
-    model: str
+    model: str | None  # None: not named, the served model
     call: GenerationCall
     stream: bool = False
     include_usage: bool = False
@@ -227,9 +227,9 @@ def _request(
 ) -> OpenAIRequest:
     """The request; a chat's prompt carries its special tokens (the template wrote its BOS),
     so none are added again."""
-    model = fields.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("you must provide a model parameter", "model")
+    model = fields.get("model")  # absent: the served model, as vLLM takes it
+    if model is not None and (not isinstance(model, str) or not model):
+        raise bad_request("model must be the served model's name", "model")
     _refuse_unless(fields, "n", lambda v: v in (None, 1), "n must be 1: one choice per prompt")
     for name in ("presence_penalty", "frequency_penalty"):
         _refuse_unless(

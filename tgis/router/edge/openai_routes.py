@@ -193,8 +193,8 @@ class OpenAIRoutes:
             chunks = self.replies.completion_chunks(parsed, states, arrival)
         return await _send_events(request, chunks, self.metrics)
 
-    def _check_model(self, model: str) -> None:
-        if model != self.replies.model:
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.replies.model:
             raise OpenAIError(
                 404,
                 f"The model `{model}` does not exist.",
