@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,3 +41,19 @@ def save_tiny_llama(path: Path) -> LlamaForCausalLM:
         shutil.copy(EMBEDDED_MODEL_DIR / name, path / name)
     model.generation_config.eos_token_id = None
     return model
+
+
+def greedy_new_tokens(model: Any, ids: list[int], new_tokens: int, **options: Any) -> list[int]:
+    """The oracle of the e2e tests: the ids of transformers' greedy ``generate`` of exactly
+    ``new_tokens`` tokens after ``ids``; ``options`` go to ``generate`` (EOS and pad ids,
+    transformers' own speculative decoding)."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            **options,
+        )
+    return list(out[0, len(ids) :].tolist())

@@ -30,10 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from tokenizers import Tokenizer
 
-from tests.e2e.models import PAD_TOKEN_ID, save_tiny_llama
+from tests.e2e.models import PAD_TOKEN_ID, greedy_new_tokens, save_tiny_llama
 from tests.e2e.server import LauncherProcess, healthy_launcher
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -91,17 +90,9 @@ def oracle(model: tuple[Path, Any]) -> Any:
     @cache
     def expected(text: str, new_tokens: int) -> Expected:
         ids = tokenizer.encode(text).ids
-        with torch.no_grad():
-            out = twin.generate(
-                input_ids=torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                eos_token_id=EOS_TOKEN_ID,
-                pad_token_id=PAD_TOKEN_ID,
-            )
-        new = out[0, len(ids) :].tolist()
+        new = greedy_new_tokens(
+            twin, ids, new_tokens, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID
+        )
         assert len(new) == new_tokens
         return Expected(
             len(ids),

@@ -28,7 +28,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from tests.e2e.models import PAD_TOKEN_ID, TOKENIZER_FILES, save_tiny_llama
+from tests.e2e.models import PAD_TOKEN_ID, TOKENIZER_FILES, greedy_new_tokens, save_tiny_llama
 from tests.e2e.server import LauncherProcess, healthy_launcher
 from tests.quant_fixtures.compressed_tensors import load_reference, save_compressed
 from tests.quant_fixtures.packing import decoder_linears, save_awq_checkpoint, save_gptq_checkpoint
@@ -121,17 +121,7 @@ def expected(reference: Any, path: Path, text: str) -> tuple[list[str | None], s
     """The oracle's greedy tokens (vocabulary strings), text and input token count."""
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     ids = tokenizer.encode(text).ids
-    with torch.no_grad():
-        out = reference.generate(
-            input_ids=torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            eos_token_id=2,
-            pad_token_id=PAD_TOKEN_ID,
-        )
-    new = out[0, len(ids) :].tolist()
+    new = greedy_new_tokens(reference, ids, NEW_TOKENS, eos_token_id=2, pad_token_id=PAD_TOKEN_ID)
     text_out = tokenizer.decode(new, skip_special_tokens=True).rstrip("\ufffd")
     return [tokenizer.id_to_token(i) for i in new], text_out, len(ids)
 

@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
+from tests.e2e.models import greedy_new_tokens
 from tests.e2e.probes import metric_sample
 from tests.e2e.server import LauncherProcess, healthy_launcher
 from tests.lora_oracle import save_random_lora
@@ -221,16 +222,8 @@ def assert_greedy_text_equals_transformers(
     )
     for text, response in zip(PROMPTS, generate(server, parameters), strict=True):
         ids = tokenizer.encode(text).ids
-        with torch.no_grad():
-            out = twin.generate(
-                input_ids=torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                **speculation,
-            )
-        want = tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+        new = greedy_new_tokens(twin, ids, NEW_TOKENS, **speculation)
+        want = tokenizer.decode(new, skip_special_tokens=True)
         assert response.text == want.rstrip("\ufffd")
 
 
