@@ -55,6 +55,8 @@ from serve import (
     RequestResult,
     RequestSpec,
     build_workload,
+    cpu_by_role,
+    cpu_used_since,
     device_description,
     drive_arrivals,
     engine_commit,
@@ -68,7 +70,6 @@ from serve import (
 
 from tgis.launcher.local_process import LauncherProcess, start_launcher
 from tgis.pb import generation_pb2_grpc as pb_grpc
-from tgis.procinfo import cpu_seconds
 
 APIS = ("grpc", "openai")
 
@@ -187,12 +188,10 @@ async def measured(
 ) -> Measured:
     """Run one level through ``run`` and attach the processes' CPU time per output token."""
     pids = server.process_pids()
-    before = {role: sum(cpu_seconds(p) for p in ps) for role, ps in pids.items()}
-    before_client = time.process_time()
+    before = cpu_by_role(pids)
     results, duration, peak = await run()
     stats = summarise(level, results, duration, peak)
-    used = {role: sum(cpu_seconds(p) for p in ps) - before[role] for role, ps in pids.items()}
-    used["client"] = time.process_time() - before_client
+    used = cpu_used_since(before, pids)
     if stats.output_tokens:
         stats.cpu_ms_per_token = {r: s * 1000 / stats.output_tokens for r, s in used.items()}
     print(

@@ -57,6 +57,8 @@ from serve import (
     STEP_METRICS,
     Level,
     RequestSpec,
+    cpu_by_role,
+    cpu_used_since,
     device_description,
     engine_commit,
     fmt,
@@ -72,7 +74,7 @@ from serve import (
 
 from tgis.launcher.local_process import BIN_DIR
 from tgis.pb import generation_pb2_grpc as pb_grpc
-from tgis.procinfo import cpu_seconds, free_ports, host_busy_seconds
+from tgis.procinfo import free_ports, host_busy_seconds
 
 FAKE_SHARD = Path(__file__).resolve().parent / "fake_shard.py"
 DEFAULT_PROMPT = "Return the number of items in the list."
@@ -189,8 +191,8 @@ async def run_streams(
     timeout: float,
 ) -> StreamLevel:
     """``streams`` closed-loop clients sending ``specs``."""
-    before_cpu = {role: cpu_seconds(pid) for role, pid in pids.items()}
-    before_client = time.process_time()
+    processes = {role: [pid] for role, pid in pids.items()}
+    before_cpu = cpu_by_role(processes)
     before_host = host_busy_seconds()
     before = scrape_step_metrics(metrics_url)
     results, duration, _peak = await run_level(
@@ -198,8 +200,7 @@ async def run_streams(
     )
     after = scrape_step_metrics(metrics_url)
     host_used = host_busy_seconds() - before_host
-    used = {role: cpu_seconds(pid) - before_cpu[role] for role, pid in pids.items()}
-    used["client"] = time.process_time() - before_client
+    used = cpu_used_since(before_cpu, processes)
     ok = [r for r in results if not r.error]
     errors = [r.error for r in results if r.error]
     tokens = sum(r.output_tokens for r in ok)

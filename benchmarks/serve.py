@@ -71,7 +71,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,6 +126,22 @@ def scrape_step_metrics(url: str | None) -> dict[str, float] | None:
         if name in totals:
             totals[name] += float(line.rsplit(" ", 1)[1])
     return totals
+
+
+def cpu_by_role(pids: Mapping[str, Sequence[int]]) -> dict[str, float]:
+    """CPU seconds used so far by each role's processes (``/proc``), and by this process
+    (``client``)."""
+    seconds = {role: sum(cpu_seconds(p) for p in ps) for role, ps in pids.items()}
+    seconds["client"] = time.process_time()
+    return seconds
+
+
+def cpu_used_since(
+    before: Mapping[str, float], pids: Mapping[str, Sequence[int]]
+) -> dict[str, float]:
+    """CPU seconds each role (and ``client``) used since ``before``, a ``cpu_by_role``
+    reading of the same ``pids``."""
+    return {role: now - before[role] for role, now in cpu_by_role(pids).items()}
 
 
 # ---- environment header ---------------------------------------------------------------------
@@ -902,8 +918,7 @@ async def benchmark(
         levels: list[LevelStats] = []
         for index, level in enumerate(plan):
             pids = server.process_pids() if server else {}
-            before_cpu = {r: sum(cpu_seconds(p) for p in ps) for r, ps in pids.items()}
-            before_client = time.process_time()
+            before_cpu = cpu_by_role(pids)
             before_host = host_busy_seconds()
             before = scrape_step_metrics(metrics_url)
             results, duration, peak = await run_level(
@@ -925,11 +940,7 @@ async def benchmark(
                     stats.forward_ms = (after[STEP_METRICS[2]] - before[STEP_METRICS[2]]) * (
                         1000 / steps
                     )
-            used = {
-                role: sum(cpu_seconds(p) for p in ps) - before_cpu[role]
-                for role, ps in pids.items()
-            }
-            used["client"] = time.process_time() - before_client
+            used = cpu_used_since(before_cpu, pids)
             if out_tokens:
                 for role, seconds in used.items():
                     stats.cpu_ms_per_token[role] = seconds * 1000 / out_tokens
