@@ -106,10 +106,10 @@ class OpenAIRoutes:
         return web.json_response({"object": "list", "data": [card]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "POST /v1/completions", self._parse_completion)
+        return await self._generate(request, self._parse_completion)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "POST /v1/chat/completions", self._parse_chat)
+        return await self._generate(request, self._parse_chat)
 
     def _parse_completion(self, body: object) -> OpenAIRequest:
         limit = self.admission.limits.max_new_tokens
@@ -132,10 +132,13 @@ class OpenAIRoutes:
     # ---- one generation request --------------------------------------------------------------
 
     async def _generate(
-        self, request: web.Request, method: str, parse: Callable[[object], OpenAIRequest]
+        self, request: web.Request, parse: Callable[[object], OpenAIRequest]
     ) -> web.StreamResponse:
         arrival = time.monotonic()
         headers = request.headers.items()
+        # The call's name in its span: the verb and the route ("POST /v1/completions"; the
+        # routes are fixed paths, so the path matched is the route).
+        method = f"{request.method} {request.path}"
         call = self.gate.enter(method, headers, arrival, _refuse_draining, _describe_failure)
         async with call as span:
             return await self._admit_and_answer(request, parse, arrival, span)
