@@ -181,15 +181,16 @@ class Measured:
 
 async def measured(
     api: str,
-    run: Callable[[], Awaitable[tuple[list[RequestResult], float, int]]],
+    run: Awaitable[tuple[list[RequestResult], float, int]],
     level: Level,
     server: LauncherProcess,
     round_index: int,
 ) -> Measured:
-    """Run one level through ``run`` and attach the processes' CPU time per output token."""
+    """Run one level (``run``, a coroutine not yet started) and attach the processes' CPU
+    time per output token."""
     pids = server.process_pids()
     before = cpu_by_role(pids)
-    results, duration, peak = await run()
+    results, duration, peak = await run  # not started before the CPU reading
     stats = summarise(level, results, duration, peak)
     used = cpu_used_since(before, pids)
     if stats.output_tokens:
@@ -235,14 +236,11 @@ async def benchmark(args: argparse.Namespace, server: LauncherProcess) -> list[M
                 order = APIS if round_index % 2 == 0 else APIS[::-1]
                 for api in order:
                     for level in args.levels:
-
-                        def run(
-                            api: str = api, level: Level = level
-                        ) -> Awaitable[tuple[list[RequestResult], float, int]]:
-                            if api == "grpc":
-                                return run_level(stubs, specs, level, args.request_timeout, 0)
-                            return run_openai_level(client, specs, level, args.request_timeout)
-
+                        run = (
+                            run_level(stubs, specs, level, args.request_timeout, 0)
+                            if api == "grpc"
+                            else run_openai_level(client, specs, level, args.request_timeout)
+                        )
                         runs.append(await measured(api, run, level, server, round_index))
             return runs
         finally:
