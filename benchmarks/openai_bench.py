@@ -63,6 +63,7 @@ from serve import (
     fmt,
     header_lines,
     json_safe,
+    print_progress,
     run_level,
     stream_one,
     summarise,
@@ -195,13 +196,7 @@ async def measured(
     used = cpu_used_since(before, pids)
     if stats.output_tokens:
         stats.cpu_ms_per_token = {r: s * 1000 / stats.output_tokens for r, s in used.items()}
-    print(
-        f"round {round_index} {api} {level.label}: {stats.completed}/{stats.requests} ok, "
-        f"{stats.output_throughput:.0f} out tok/s"
-        + (f", first error: {stats.first_error}" if stats.first_error else ""),
-        file=sys.stderr,
-        flush=True,
-    )
+    print_progress(f"round {round_index} {api} {level.label}", stats)
     messages = statistics.fmean(r.messages for r in results)
     return Measured(api, round_index, stats, messages)
 

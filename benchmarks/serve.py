@@ -534,6 +534,17 @@ def summarise(
     )
 
 
+def print_progress(label: str, stats: LevelStats) -> None:
+    """One level's line on stderr: requests done, seconds, output tokens/s, first error."""
+    print(
+        f"{label}: {stats.completed}/{stats.requests} ok in {stats.duration_s:.1f} s, "
+        f"{stats.output_throughput:.0f} out tok/s"
+        + (f", first error: {stats.first_error}" if stats.first_error else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 async def run_level(
     stubs: list[pb_grpc.GenerationServiceStub],
     specs: list[RequestSpec],
@@ -948,13 +959,7 @@ async def benchmark(
                 foreign = max(0.0, host_used - sum(used.values()))
                 stats.foreign_cpu_percent = 100 * foreign / (duration * (os.cpu_count() or 1))
             levels.append(stats)
-            print(
-                f"{level.label}: {stats.completed}/{stats.requests} ok in {duration:.1f} s, "
-                f"{stats.output_throughput:.0f} out tok/s"
-                + (f", first error: {stats.first_error}" if stats.first_error else ""),
-                file=sys.stderr,
-                flush=True,
-            )
+            print_progress(level.label, stats)
         if args.sequential and levels[0].output_throughput > 0:
             for s in levels:
                 s.speedup_vs_sequential = s.output_throughput / levels[0].output_throughput
