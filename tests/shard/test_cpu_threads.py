@@ -15,6 +15,7 @@ from tgis.shard.cpu_threads import (
     UNCALIBRATED_LARGE_FROM_TOKENS,
     CpuThreads,
     StepTiming,
+    busy_host_seconds,
     cpu_threads,
 )
 from tgis.shard.native.model_runner import ModelRunner
@@ -32,6 +33,15 @@ def test_timing_is_the_line_through_two_measured_steps() -> None:
     assert timing.estimate(101) == pytest.approx(0.110)
     # A noisy measurement never makes more tokens cheaper.
     assert StepTiming.from_two_steps(0.010, 31, 0.009).per_token_s == 0.0
+
+
+def test_a_preempted_measurement_counts_the_step_own_cpu_time() -> None:
+    # Other processes held the core for most of an 8 ms wall: the step's cost is its 1 ms.
+    assert busy_host_seconds(wall_s=0.008, cpu_s=0.001, threads=1) == pytest.approx(0.001)
+    # Two threads, CPU time per thread over the wall time (spin-waits): the wall time.
+    assert busy_host_seconds(wall_s=0.001, cpu_s=0.0024, threads=2) == pytest.approx(0.001)
+    # Two threads, one preempted half the time: the CPU time per thread.
+    assert busy_host_seconds(wall_s=0.004, cpu_s=0.005, threads=2) == pytest.approx(0.0025)
 
 
 def test_small_model_decodes_keep_a_core_for_the_router() -> None:

@@ -11,7 +11,11 @@ second thread that the router keeps preempting holds back every GEMM of the step
 The step's length is not guessed from token counts: ``StepTiming`` is measured at start-up
 on the loaded model, dtype and machine (``ModelRunner.calibrate_cpu_threads``: a one-token
 decode and a prompt, on the reduced thread count), and a step is estimated as the
-one-token time plus the per-token time for every further token. ``OMP_NUM_THREADS`` fixes
+one-token time plus the per-token time for every further token. A measured step counts
+its CPU time per thread when that is less than its wall time (``busy_host_seconds``): a
+shard that starts while other processes keep the cores busy would otherwise take its
+decodes for long steps and give them every core, which on a busy host is what slows
+them most. ``OMP_NUM_THREADS`` fixes
 the count for every step. Tensor-parallel ranks on the CPU split the cores between them,
 each rank deciding for itself.
 """
@@ -53,6 +57,13 @@ class StepTiming:
     def estimate(self, tokens: int) -> float:
         """Seconds of a step of ``tokens`` tokens on the reduced thread count."""
         return self.one_token_s + self.per_token_s * max(tokens - 1, 0)
+
+
+def busy_host_seconds(wall_s: float, cpu_s: float, threads: int) -> float:
+    """A measured step's time on ``threads`` threads: its wall time, or its process CPU
+    time per thread when less (the step was preempted: time other processes held the
+    cores is not the step's cost)."""
+    return min(wall_s, cpu_s / max(threads, 1))
 
 
 @dataclass(frozen=True)
