@@ -63,6 +63,12 @@ def describe_status(returncode: int) -> str:
     return f"exit status: {returncode}"
 
 
+def may_follow_a_peer(returncode: int) -> bool:
+    """Whether a shard's end may be the consequence of another shard's: an exit status or
+    SIGABRT (a failed collective), as opposed to a kill by any other signal."""
+    return returncode >= 0 or returncode == -signal.SIGABRT
+
+
 class StartError(RuntimeError):
     """A child could not be started (e.g. its program is missing)."""
 
@@ -135,6 +141,7 @@ class Supervisor:
         router_stop_timeout: float = 30.0,
         shard_stop_timeout: float = 10.0,
         waiting_log_interval: float = 10.0,
+        peer_settle: float = 0.5,
     ) -> None:
         self.log = log
         self.forwarder = forwarder
@@ -142,6 +149,7 @@ class Supervisor:
         self.router_stop_timeout = router_stop_timeout
         self.shard_stop_timeout = shard_stop_timeout
         self.waiting_log_interval = waiting_log_interval
+        self.peer_settle = peer_settle
         self.shards: list[Child] = []
         self.router: Child | None = None
         self._stop = threading.Event()
@@ -203,12 +211,32 @@ class Supervisor:
             return SIGBUS_MESSAGE
         return f"Shard {rank} failed: {describe_status(returncode)}"
 
+    def _dead_shards(self) -> dict[int, int]:
+        """Rank -> exit code of every shard that has exited."""
+        codes = {rank: shard.poll() for rank, shard in enumerate(self.shards)}
+        return {rank: code for rank, code in codes.items() if code is not None}
+
     def _dead_shard(self) -> Outcome | None:
-        for rank, shard in enumerate(self.shards):
-            returncode = shard.poll()
-            if returncode is not None:
-                return Outcome(1, self._shard_failure(rank, returncode))
-        return None
+        """The failure to report when a shard has exited: the shard that caused it.
+
+        With several shards, one that loses a peer mid-collective aborts or exits on its own
+        within milliseconds (gloo and NCCL raise SIGABRT), and may be seen first. So when every
+        dead shard looks like such a follower, the peers get `peer_settle` seconds to show a
+        shard killed by another signal, and that one is named.
+        """
+        dead = self._dead_shards()
+        if not dead:
+            return None
+        deadline = time.monotonic() + self.peer_settle
+        while (
+            len(dead) < len(self.shards)
+            and all(may_follow_a_peer(code) for code in dead.values())
+            and time.monotonic() < deadline
+        ):
+            time.sleep(self.poll_interval / 4)
+            dead = self._dead_shards()
+        rank, code = min(dead.items(), key=lambda item: (may_follow_a_peer(item[1]), item[0]))
+        return Outcome(1, self._shard_failure(rank, code))
 
     def wait_until_ready(self, probe: ReadyProbe, timeout: float) -> Outcome | None:
         """Poll until every shard is ready; an Outcome if start-up ends otherwise."""
