@@ -136,13 +136,13 @@ fi
 kill -TERM "$launcher" 2>/dev/null
 wait "$launcher" 2>/dev/null
 
-# ---- 4. quantized weights: one layer by kernel, then the 8B shape dense against 4-bit ----
+# ---- 4. quantized weights: one layer by kernel, then the 8B shape dense, 4-bit, FP8 ------
 part quant-kernels 120 "$py" benchmarks/quant_kernels.py --device cuda \
     --shapes 28672x4096,4096x14336,6144x4096 --rows 1,16,64,256 --bits 4,8 \
     >"$out/quant-kernels.log" 2>&1
 tail -25 "$out/quant-kernels.log" | tee -a "$summary"
 part quant-bench 240 "$py" benchmarks/quant_bench.py --model "$model" --dtype bfloat16 \
-    --batches 1,64 --contexts 512 --steps 10 --rounds 1 --variants dense,gptq \
+    --batches 1,64 --contexts 512 --steps 10 --rounds 1 --variants dense,gptq,fp8 \
     --json "$out/quant.json" >"$out/quant.log" 2>&1
 tail -10 "$out/quant.log" | tee -a "$summary"
 

@@ -1,7 +1,8 @@
 """Quantized against dense weights, in process: decode speed and resident weight bytes.
 
 For each variant (``--variants``: ``dense``, ``int8`` = ``--quantize int8`` at load,
-``gptq`` = random 4-bit GPTQ layers in groups of 128, ``awq`` likewise; ``name:kernel``
+``fp8`` = ``--quantize fp8`` at load (FP8 products on a GPU that has them, dequantized
+elsewhere), ``gptq`` = random 4-bit GPTQ layers in groups of 128, ``awq`` likewise; ``name:kernel``
 loads it with ``TGIS_QUANT_KERNEL=kernel``, e.g. ``gptq:torch``) the shard's
 ``ModelRunner`` is loaded on the model directory (``--load-format dummy`` by default:
 random weights of a real shape, e.g. ``benchmarks/models/llama-3.2-1b``), its weights are
@@ -40,7 +41,7 @@ from tgis.shard.loader import load_runner  # noqa: E402
 from tgis.shard.native.model_runner import ModelRunner  # noqa: E402
 from tgis.shard.native.models.decoder import DecoderLM  # noqa: E402
 
-VARIANTS = {"dense": None, "int8": "int8", "gptq": "gptq", "awq": "awq"}
+VARIANTS = {"dense": None, "int8": "int8", "fp8": "fp8", "gptq": "gptq", "awq": "awq"}
 
 
 def tensors_of(obj: object, seen: set[int]) -> Iterator[torch.Tensor]:

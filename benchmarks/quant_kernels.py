@@ -14,8 +14,10 @@ CPU (``--device cpu``, the default), with:
 On CUDA (``--device cuda``, what ``gpu_check.sh`` runs), with ``triton``: the Triton
 products (``quant_triton.kernel_product``) at every row count, ``dequant``: the layer
 dequantized and multiplied by cuBLAS (``dequantized_product``) at every row count, and
-``dense`` (``torch.matmul`` with the bfloat16 weight); the layer switches from the first to
-the second at ``quant_triton.DEQUANTIZE_ROWS`` rows.
+``dense`` (``torch.matmul`` with the bfloat16 weight), and ``fp8`` (the same weight in FP8
+per output channel, by ``torch._scaled_mm`` with per-token activation scales: FP8 checkpoints'
+kernel on GPUs of compute capability 8.9+); the layer switches from the first to the second
+at ``quant_triton.DEQUANTIZE_ROWS`` rows.
 
 The median of ``--repeats`` calls after two warm-ups; the same matrix stays in the caches
 between calls, so these are the kernels' rates, not a model's (``quant_bench.py`` runs
@@ -40,8 +42,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tgis.shard.checkpoints.quantized.fp8_matrix import quantize_fp8  # noqa: E402
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized  # noqa: E402
 from tgis.shard.native.cpu_gemm import linear, pack  # noqa: E402
+from tgis.shard.native.fp8_linear import scaled_weight  # noqa: E402
 from tgis.shard.native.parallel.layers import apply  # noqa: E402
 from tgis.shard.native.quantized_linear import runtime_weight  # noqa: E402
 
@@ -93,10 +97,13 @@ def kernels(matrix: GroupQuantized, device: torch.device) -> dict[str, Callable[
         assert not isinstance(w, str), w
         args = (w.qweight, w.scales, w.szeros, w.out_features, w.group_size, w.bits)
         dense = matrix.dequantize(torch.bfloat16).t().contiguous().to(device)
+        fp8 = scaled_weight(quantize_fp8(dense.t(), torch.bfloat16))
+        assert not isinstance(fp8, str), fp8
         return {
             "triton": functools.partial(_call, quant_triton.kernel_product, args=args),
             "dequant": functools.partial(_call, quant_triton.dequantized_product, args=args),
             "dense": functools.partial(torch.matmul, other=dense),
+            "fp8": functools.partial(apply, weight=fp8, bias=None),
         }
     tgis, _ = runtime_weight(matrix, "tgis")
     torch_weight, _ = runtime_weight(matrix, "torch")
@@ -131,7 +138,7 @@ def main() -> None:
         for bits in (int(b) for b in args.bits.split(",")):
             matrix = layer(out, in_, bits, args.group if bits == 4 else -1)
             calls = kernels(matrix, device)
-            first, second, _ = calls
+            first, second = list(calls)[:2]
             if header is None:
                 header = " ".join(f"{name:>8s}" for name in calls)
                 print(f"bits  out x in       rows {header}  {first}/{second}")

@@ -128,12 +128,13 @@ def test_sampler_bench_reports_every_configuration() -> None:
 
 
 def test_quant_bench_reports_every_variant(tmp_path: Path) -> None:
-    """Dense, int8 at load and random 4-bit GPTQ layers of the embedded model's shape."""
+    """Dense, int8 and FP8 (its products forced onto the CPU) at load, and random 4-bit
+    GPTQ layers of the embedded model's shape."""
     out = tmp_path / "quant.json"
     stdout = run_script(
         "quant_bench.py",
         "--model", str(EMBEDDED),
-        "--variants", "dense,int8,gptq:torch",
+        "--variants", "dense,int8,gptq:torch,fp8:torch",
         "--batches", "1,2",
         "--contexts", "16",
         "--steps", "2",
@@ -141,12 +142,14 @@ def test_quant_bench_reports_every_variant(tmp_path: Path) -> None:
         "--json", str(out),
     )  # fmt: skip
     report = json.loads(out.read_text())
-    assert set(report) == {"dense", "int8", "gptq:torch"}
+    assert set(report) == {"dense", "int8", "gptq:torch", "fp8:torch"}
     dense = report["dense"]["weight_bytes"]
     assert report["int8"]["weight_bytes"] < dense and report["gptq:torch"]["weight_bytes"] < dense
     linears = report["dense"]["linear_bytes"]
     assert report["gptq:torch"]["linear_bytes"] < report["int8"]["linear_bytes"] < linears
     assert any(k.startswith("int4 (_weight_int4pack") for k in report["gptq:torch"]["kernels"])
+    assert report["fp8:torch"]["linear_bytes"] < 0.55 * linears  # one byte a weight
+    assert any(k.startswith("fp8 (torch._scaled_mm") for k in report["fp8:torch"]["kernels"])
     for data in report.values():
         assert set(data["cases"]) == {"b1-c16", "b2-c16"}
         assert all(t > 0 for times in data["cases"].values() for t in times)

@@ -248,8 +248,8 @@ def test_bfloat16_runs_the_weight_only_kernels_within_tolerance(quantized: TinyM
     runner = make_runner(quantized.path, dtype="bfloat16")
     used = kernels(runner)
     name = quantized.path.parent.name
-    if "fp8" in name:
-        assert set(used) == {"dense"}, used  # FP8 is read into dense weights on the CPU
+    if "fp8" in name:  # FP8 is dequantized at load on the CPU (block scales: read dense)
+        assert all(k == "dense" or k.startswith("dequantized (no fast FP8") for k in used), used
     else:
         assert any(k.startswith(("int4", "int8")) for k in used), used
     router = generate(runner, PROMPTS)

@@ -150,16 +150,18 @@ class Weights:
     ) -> LinearMatrix:
         """Linear layer ``module``'s weight: the output rows of every [start, stop) in
         ``rows`` (in that order), or input columns [start, stop) (``cols``), or all of it.
-        Dense in the model's dtype, or group-quantized (``quantized/matrix.py``)."""
+        Dense in the model's dtype, group-quantized (``quantized/matrix.py``) or FP8
+        (``quantized/fp8_matrix.py``)."""
         if self.layout is None or not self.layout.holds(self, module):
             return self._dense_linear(f"{module}.weight", rows, cols)
         matrix = self.layout.read(self, module, self.dtype)
-        if isinstance(matrix, torch.Tensor):  # a dense read of a float format (FP8)
+        if isinstance(matrix, torch.Tensor):  # FP8 scaled per group or block, read dense
             return _slice_dense(matrix.to(self.dtype), rows, cols)
         if rows is not None:
             return matrix.rows(rows)
         if cols is not None:
-            check_group_split(module, matrix, cols, self.tp.world_size)
+            if isinstance(matrix, GroupQuantized):
+                check_group_split(module, matrix, cols, self.tp.world_size)
             return matrix.cols(*cols)
         return matrix
 

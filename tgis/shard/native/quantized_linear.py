@@ -15,7 +15,10 @@ quantized/matrix.py``). ``runtime_weight`` turns it into what the step multiplie
   GEMM), so the model computes exactly what the dequantized checkpoint does and memory is
   not saved;
 - CUDA: 4- and 8-bit weights through the Triton kernels (``quant_triton.py``: products
-  for decode steps, dequantized for cuBLAS from 64 rows); FP8 is read dense (upcast);
+  for decode steps, dequantized for cuBLAS from 64 rows);
+- FP8 with channel scales (``Fp8Matrix``): ``torch._scaled_mm`` with per-token activation
+  scales (``fp8_linear.py``) on a GPU with FP8 units (capability 8.9+); dequantized on
+  other GPUs and on the CPU;
 - fused layers (q/k/v, gate/up) that cannot be one matrix (quantized in different
   activation orders): each part with its own kernel, outputs concatenated;
 - any layer the kernels' layout limits exclude (e.g. output features not a multiple of 16
@@ -24,7 +27,8 @@ quantized/matrix.py``). ``runtime_weight`` turns it into what the step multiplie
 
 ``TGIS_QUANT_KERNEL`` forces a path: ``auto`` (the rules above), ``triton`` (CUDA),
 ``tgis`` (tgis's CPU kernel wherever it fits, float32 activations too), ``torch``
-(PyTorch's CPU kernels wherever they fit), ``dequant`` (always dense). A layer a forced
+(PyTorch's CPU kernels wherever they fit, and ``_scaled_mm`` for FP8 on any device),
+``dequant`` (always dense). A layer a forced
 kernel cannot take, or one forced onto the other device's kernel, is dequantized.
 """
 
@@ -38,10 +42,12 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from tgis.shard.checkpoints.quantized.fp8_matrix import Fp8Matrix
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized, fuse_rows
 from tgis.shard.checkpoints.quantized.source import LinearMatrix
 from tgis.shard.errors import StartupError
 from tgis.shard.native.cpu_quant import quant_cpu_weight
+from tgis.shard.native.fp8_linear import fp8_supported, scaled_weight
 
 KERNEL_VARIABLE = "TGIS_QUANT_KERNEL"
 KERNEL_MODES = ("auto", "triton", "tgis", "torch", "dequant")
@@ -141,7 +147,7 @@ def runtime_weight(
     """The weight a layer runs with and a description of its kernel (for the start-up
     log): dense tensors as they are, quantized ones by the rules of this module. A
     sequence is fused layers, stacked along the output rows."""
-    if not isinstance(matrix, torch.Tensor | GroupQuantized):
+    if not isinstance(matrix, torch.Tensor | GroupQuantized | Fp8Matrix):
         fused = fuse_rows(matrix)
         if fused is None:
             return _stacked(matrix, mode)
@@ -151,7 +157,11 @@ def runtime_weight(
     mode = mode or kernel_mode()
     reason = _dequantize_reason(matrix, mode)
     if reason is None:
-        weight = _kernel_weight(matrix, mode)
+        weight = (
+            _fp8_weight(matrix, mode)
+            if isinstance(matrix, Fp8Matrix)
+            else _kernel_weight(matrix, mode)
+        )
         if isinstance(weight, str):
             reason = weight
         else:
@@ -178,6 +188,19 @@ def _kernel_weight(matrix: GroupQuantized, mode: str) -> KernelWeight | str:
     return _int4(matrix) if matrix.bits == 4 else _int8(matrix)
 
 
+def _fp8_weight(matrix: Fp8Matrix, mode: str) -> KernelWeight | str:
+    """``matrix`` for ``_scaled_mm`` where the device multiplies FP8 (or where forced), or
+    why it is dequantized instead."""
+    if mode not in ("auto", "torch"):
+        return f"{KERNEL_VARIABLE}={mode} has no FP8 kernel"
+    device = matrix.weight.device
+    if mode == "auto" and not fp8_supported(device):
+        if device.type == "cuda":
+            return "this GPU has no FP8 matrix units (compute capability 8.9 or later)"
+        return "no fast FP8 product on the CPU"
+    return scaled_weight(matrix)
+
+
 def _stacked(
     parts: Sequence[LinearMatrix], mode: str | None
 ) -> tuple[torch.Tensor | StackedWeight, str]:
@@ -190,12 +213,14 @@ def _stacked(
     return StackedWeight(tuple(w for w, _ in chosen)), f"stacked parts ({kernels})"
 
 
-def _dequantize_reason(matrix: GroupQuantized, mode: str) -> str | None:
+def _dequantize_reason(matrix: GroupQuantized | Fp8Matrix, mode: str) -> str | None:
     """Why ``matrix`` must be dequantized before any kernel is tried, or None."""
     if mode == "dequant":
         return f"{KERNEL_VARIABLE}=dequant"
     if matrix.compute_dtype == torch.float32 and mode == "auto":
         return "float32 activations"
+    if isinstance(matrix, Fp8Matrix):
+        return None
     if matrix.bits not in (4, 8):
         return f"no kernel for {matrix.bits}-bit weights"
     return None

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from tgis.shard.checkpoints.quantized.fp8_matrix import quantize_fp8
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized
 from tgis.shard.checkpoints.quantized.source import LinearMatrix, TensorSource
 
 INT8_MAX = 127
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
 def quantize_int8(weight: torch.Tensor, compute_dtype: torch.dtype) -> GroupQuantized:
@@ -36,15 +36,6 @@ def quantize_int8(weight: torch.Tensor, compute_dtype: torch.dtype) -> GroupQuan
         8,
         compute_dtype,
     )
-
-
-def fp8_round_trip(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [out, in] quantized to float8 e4m3 per output channel and multiplied
-    back, in float32: the values an FP8 layer computes with."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (w / scale).to(torch.float8_e4m3fn).float() * scale
 
 
 @dataclass(frozen=True)
@@ -64,4 +55,4 @@ class AtLoadReader:
         weight = source.raw(f"{module}.weight")
         if self.method == "int8":
             return quantize_int8(weight, compute_dtype)
-        return fp8_round_trip(weight)
+        return quantize_fp8(weight, compute_dtype)

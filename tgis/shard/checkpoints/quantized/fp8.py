@@ -1,5 +1,5 @@
 """FP8 weights: the native ``quant_method: fp8`` layout and compressed-tensors'
-``float-quantized`` one, read into dense float32.
+``float-quantized`` one.
 
 Per linear layer ``<m>``: ``<m>.weight`` float8 (e4m3) [out, in] and a float32 scale:
 
@@ -8,9 +8,11 @@ Per linear layer ``<m>``: ``<m>.weight`` float8 (e4m3) [out, in] and a float32 s
 - ``<m>.weight_scale_inv`` (native fp8 with ``weight_block_size: [b0, b1]``, as DeepSeek
   and Qwen write it): per block, a multiplier despite its name.
 
-``W = float(weight) * scale`` (the scale broadcast over its tensor, row or block). An
-``input_scale`` (static activation quantization) is not used: activations stay in the
-model's dtype, the weights are what is quantized.
+``W = float(weight) * scale`` (the scale broadcast over its tensor, row or block). A layer
+scaled per tensor or per channel stays in FP8 (``fp8_matrix.py: Fp8Matrix``); one scaled
+per group of columns or per block is read dense, in float32. An ``input_scale`` (static
+activation quantization) is not used: where the layer runs in FP8, the activations get
+their own scales per token (``native/fp8_linear.py``).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from typing import Any
 
 import torch
 
+from tgis.shard.checkpoints.quantized.fp8_matrix import FP8_DTYPE, Fp8Matrix, channel_scales
 from tgis.shard.checkpoints.quantized.matrix import expect_dtype
-from tgis.shard.checkpoints.quantized.source import TensorSource, quantized_weight
+from tgis.shard.checkpoints.quantized.source import LinearMatrix, TensorSource, quantized_weight
 from tgis.shard.errors import StartupError
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_DTYPES = (FP8_DTYPE,)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -54,7 +57,7 @@ class Fp8Reader:
         out, in_ = source.shape(f"{module}.weight")[:2]
         return out, in_
 
-    def read(self, source: TensorSource, module: str, compute_dtype: torch.dtype) -> torch.Tensor:
+    def read(self, source: TensorSource, module: str, compute_dtype: torch.dtype) -> LinearMatrix:
         weight = source.raw(f"{module}.weight")
         expect_dtype(f"{module}.weight", weight, FP8_DTYPES)
         name = f"{module}.weight_scale"
@@ -62,6 +65,9 @@ class Fp8Reader:
             name = f"{module}.weight_scale_inv"
         scale = source.raw(name)
         expect_dtype(name, scale, SCALE_DTYPES)
+        channels = None if self.block else channel_scales(scale, int(weight.shape[0]))
+        if channels is not None:
+            return Fp8Matrix(weight, channels, compute_dtype)
         return weight.float() * expand_scale(name, scale.float(), weight.shape, self.block)
 
 

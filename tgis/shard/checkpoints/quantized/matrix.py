@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tgis.shard.checkpoints.quantized.fp8_matrix import Fp8Matrix, concat_fp8
 from tgis.shard.errors import StartupError
 
 
@@ -167,8 +168,8 @@ def expect_dtype(name: str, tensor: torch.Tensor, dtypes: tuple[torch.dtype, ...
 
 
 def fuse_rows(
-    parts: Sequence[torch.Tensor | GroupQuantized],
-) -> torch.Tensor | GroupQuantized | None:
+    parts: Sequence[torch.Tensor | GroupQuantized | Fp8Matrix],
+) -> torch.Tensor | GroupQuantized | Fp8Matrix | None:
     """Several layers' weights stacked along the output rows (fused q/k/v, gate/up), or
     None when they cannot be one matrix: dense and quantized parts mixed, or quantized
     parts whose groups differ."""
@@ -177,5 +178,8 @@ def fuse_rows(
     dense = [p for p in parts if isinstance(p, torch.Tensor)]
     if len(dense) == len(parts):
         return torch.cat(dense)
+    fp8 = [p for p in parts if isinstance(p, Fp8Matrix)]
+    if len(fp8) == len(parts):
+        return concat_fp8(fp8)
     quantized = [p for p in parts if isinstance(p, GroupQuantized)]
     return concat(quantized) if len(quantized) == len(parts) else None

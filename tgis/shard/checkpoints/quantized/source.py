@@ -6,12 +6,13 @@ from typing import Protocol
 
 import torch
 
+from tgis.shard.checkpoints.quantized.fp8_matrix import Fp8Matrix
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized
 from tgis.shard.errors import StartupError
 
-LinearMatrix = torch.Tensor | GroupQuantized
-"""One linear layer's weight [out, in] as read: dense (in the model's dtype) or
-group-quantized."""
+LinearMatrix = torch.Tensor | GroupQuantized | Fp8Matrix
+"""One linear layer's weight [out, in] as read: dense (in the model's dtype),
+group-quantized, or FP8 with channel scales."""
 
 
 class TensorSource(Protocol):
@@ -45,8 +46,8 @@ class LayoutReader(Protocol):
         ...
 
     def read(self, source: TensorSource, module: str, compute_dtype: torch.dtype) -> LinearMatrix:
-        """``module``'s whole weight: group-quantized, or dense float32 for formats whose
-        values are not integers (FP8)."""
+        """``module``'s whole weight: group-quantized, FP8 with channel scales, or dense
+        float32 (FP8 scaled per group or block)."""
         ...
 
 
