@@ -9,7 +9,10 @@ CPU (``--device cpu``, the default), with:
 - ``torch``: PyTorch's weight-only kernel (``_weight_int4pack_mm_for_cpu``, or
   ``_weight_int8pack_mm`` for 8 bits per channel);
 - ``dense``: the same weight as bfloat16, packed for oneDNN (``cpu_gemm.py``): what the
-  layer costs unquantized.
+  layer costs unquantized;
+- ``fp8``: the same weight in FP8 per output channel through ``torch._scaled_mm``
+  (``fp8_linear.py``), which on the CPU is a reference loop: why FP8 layers are
+  dequantized there.
 
 On CUDA (``--device cuda``, what ``gpu_check.sh`` runs), with ``triton``: the Triton
 products (``quant_triton.kernel_product``) at every row count, ``dequant``: the layer
@@ -108,10 +111,13 @@ def kernels(matrix: GroupQuantized, device: torch.device) -> dict[str, Callable[
     tgis, _ = runtime_weight(matrix, "tgis")
     torch_weight, _ = runtime_weight(matrix, "torch")
     packed = pack(matrix.dequantize(torch.bfloat16))
+    fp8 = scaled_weight(quantize_fp8(matrix.dequantize(torch.float32), torch.bfloat16))
+    assert not isinstance(fp8, str), fp8
     return {
         "tgis": functools.partial(apply, weight=tgis, bias=None),
         "torch": functools.partial(apply, weight=torch_weight, bias=None),
         "dense": functools.partial(linear, weight=packed),
+        "fp8": functools.partial(apply, weight=fp8, bias=None),
     }
 
 
