@@ -113,29 +113,27 @@ def test_sigbus_with_several_shards(tmp_path: Path) -> None:
     assert outcome == Outcome(1, SIGBUS_MESSAGE)
 
 
+def two_shards(tmp_path: Path, sup: Supervisor, shard0: str, shard1: str) -> Outcome:
+    """Run two ready fake shards with one more behaviour each (``""``: none) and a router."""
+    shards = [
+        fake(tmp_path, f"shard{rank}", "ready", *([extra] if extra else []))
+        for rank, extra in enumerate((shard0, shard1))
+    ]
+    return sup.run(
+        shards, fake(tmp_path, "router"), probe(tmp_path), startup_timeout=10, handle_signals=False
+    )
+
+
 def test_the_killed_shard_is_named_not_the_peer_that_aborted_first(tmp_path: Path) -> None:
     # Shard 0 aborts (as gloo does when a peer vanishes) before shard 1's kill is seen.
-    outcome = supervisor(peer_settle=2.0).run(
-        [fake(tmp_path, "shard0", "ready", f"signal=0.3:{int(signal.SIGABRT)}"),
-         fake(tmp_path, "shard1", "ready", "signal=0.6:9")],
-        fake(tmp_path, "router"),
-        probe(tmp_path),
-        startup_timeout=10,
-        handle_signals=False,
-    )  # fmt: skip
+    abort = f"signal=0.3:{int(signal.SIGABRT)}"
+    outcome = two_shards(tmp_path, supervisor(peer_settle=2.0), abort, "signal=0.6:9")
     assert outcome == Outcome(1, "Shard 1 failed: signal: 9 (SIGKILL)")
 
 
 def test_a_shard_aborting_alone_is_named_after_the_settle_time(tmp_path: Path) -> None:
-    sup = supervisor(peer_settle=0.5)
-    outcome = sup.run(
-        [fake(tmp_path, "shard0", "ready"),
-         fake(tmp_path, "shard1", "ready", f"signal=0.3:{int(signal.SIGABRT)}")],
-        fake(tmp_path, "router"),
-        probe(tmp_path),
-        startup_timeout=10,
-        handle_signals=False,
-    )  # fmt: skip
+    abort = f"signal=0.3:{int(signal.SIGABRT)}"
+    outcome = two_shards(tmp_path, supervisor(peer_settle=0.5), "", abort)
     assert outcome == Outcome(1, "Shard 1 failed: signal: 6 (SIGABRT)")
     assert (tmp_path / "shard0.term").exists()
 

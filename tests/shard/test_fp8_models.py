@@ -20,8 +20,8 @@ import torch
 from conftest import TinyModel
 from test_model_families import PROMPTS, assert_matches_hf
 from test_quantized_models import (
-    BF16_LOGPROB_GAP,
     CASES,
+    assert_near_the_oracle,
     dense_model,
     generate,
     kernels,
@@ -102,15 +102,7 @@ def test_bfloat16_scaled_mm_within_tolerance(tmp_path: Path) -> None:
     model = fp8_model("ct-fp8-channel-llama", tmp_path)
     runner = make_runner(model.path, dtype="bfloat16")
     assert set(kernels(runner)) == {SCALED}, kernels(runner)
-    router = generate(runner, PROMPTS)
-    for rid, prompt in PROMPTS.items():
-        tokens = router.generated[rid]
-        with torch.no_grad():
-            logits = model.hf(torch.tensor([prompt + tokens])).logits[0].float()
-        logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-        chosen = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
-        gap = (logprobs.max(dim=-1).values - chosen).max().item()
-        assert gap < BF16_LOGPROB_GAP, (rid, gap)
+    assert_near_the_oracle(generate(runner, PROMPTS), model)
 
 
 @pytest.mark.slow
