@@ -10,11 +10,12 @@ from tgis.shard.checkpoints.quantized.fp8_matrix import (
     Fp8Matrix,
     channel_scales,
     concat_fp8,
+    fp8_rows,
     quantize_fp8,
 )
 from tgis.shard.checkpoints.quantized.matrix import fuse_rows
 from tgis.shard.native import fp8_linear
-from tgis.shard.native.fp8_linear import Fp8ScaledWeight, fp8_supported, quantize_rows
+from tgis.shard.native.fp8_linear import Fp8ScaledWeight, fp8_supported
 from tgis.shard.native.quantized_linear import StackedWeight, runtime_weight
 
 
@@ -95,9 +96,9 @@ def test_activation_rounding_moves_the_output_a_few_percent() -> None:
     assert 0.005 < drift < 0.05, drift
 
 
-def test_quantize_rows_scales_each_row_to_448() -> None:
+def test_fp8_rows_scales_each_row_to_448() -> None:
     x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0]])
-    xq, scale = quantize_rows(x)
+    xq, scale = fp8_rows(x)
     assert xq.dtype == torch.float8_e4m3fn
     assert xq.float()[0].tolist() == [224.0, -448.0, 112.0]
     assert scale[0, 0] == pytest.approx(2 / 448) and bool((xq.float()[1] == 0).all())

@@ -3,17 +3,17 @@ matrix units (compute capability 8.9 and later: Ada, Hopper, Blackwell).
 
 The weight stays float8 e4m3 with one float32 scale per output channel
 (``checkpoints/quantized/fp8_matrix.py``). Each step quantizes its activations the same
-way, per token: ``s[t] = max|x[t, :]| / 448`` and ``x[t] / s[t]`` rounded to e4m3, so
-``y[t, o] = s[t] * scale[o] * sum_i xq[t, i] * weight[o, i]``, which ``_scaled_mm``
-computes with FP8 products, float32 accumulation and both scales applied to its output
-("row-wise" scaling). This is the dynamic W8A8 scheme vLLM applies to FP8 checkpoints;
-the activations' rounding (3 mantissa bits) moves a layer's output by about 3 % (relative
-norm) from the weight-only product.
+way, per token (``fp8_rows``): ``s[t] = max|x[t, :]| / 448`` and ``x[t] / s[t]`` rounded
+to e4m3, so ``y[t, o] = s[t] * scale[o] * sum_i xq[t, i] * weight[o, i]``, which
+``_scaled_mm`` computes with FP8 products, float32 accumulation and both scales applied to
+its output ("row-wise" scaling). This is the dynamic W8A8 scheme vLLM applies to FP8
+checkpoints; the activations' rounding (3 mantissa bits) moves a layer's output by about
+3 % (relative norm) from the weight-only product.
 
 Where this kernel is not chosen (a GPU without FP8, the CPU, where ``_scaled_mm`` is a
-reference loop some 50x slower than a dense bfloat16 GEMM, shapes it does not take), the
-layer is dequantized at load (``native/quantized_linear.py``). ``TGIS_QUANT_KERNEL=torch``
-forces it on any device, which is how the tests run it on the CPU.
+reference loop 35-160x slower than oneDNN's bfloat16 GEMM (BENCHMARKS.md), shapes it does
+not take), the layer is dequantized at load (``native/quantized_linear.py``).
+``TGIS_QUANT_KERNEL=torch`` forces it on the CPU, which is how the tests run it there.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tgis.shard.checkpoints.quantized.fp8_matrix import FP8_DTYPE, FP8_MAX, Fp8Matrix
+from tgis.shard.checkpoints.quantized.fp8_matrix import Fp8Matrix, fp8_rows
 
 MIN_CAPABILITY = (8, 9)  # the first CUDA architecture with FP8 tensor cores (Ada)
 SHAPE_MULTIPLE = 16  # _scaled_mm's rule for both dimensions of the weight
-MIN_SCALE = 1e-12  # an all-zero row of activations keeps a finite scale
 
 
 @dataclass(frozen=True)
@@ -54,7 +53,7 @@ def fp8_scaled_linear(x: torch.Tensor, weight_t: torch.Tensor, scale: torch.Tens
     ``_scaled_mm``. Also an operator (``tgis::fp8_scaled_linear``): the compiled step holds
     it whole, as ``_scaled_mm``'s own shape rules cannot be traced over a step's symbolic
     token count."""
-    xq, x_scale = quantize_rows(x)
+    xq, x_scale = fp8_rows(x)
     # CUDA's row-wise scaling writes bfloat16 only; the CPU's writes any float type
     out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
     y = torch._scaled_mm(xq, weight_t, scale_a=x_scale, scale_b=scale, out_dtype=out_dtype)
@@ -69,13 +68,6 @@ def _fp8_scaled_linear_shape(
     x: torch.Tensor, weight_t: torch.Tensor, scale: torch.Tensor
 ) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight_t.shape[1])
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [rows, in] as float8 e4m3 with one float32 scale per row ([rows, 1])."""
-    x32 = x.float()
-    scale = (x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
-    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def fp8_supported(device: torch.device) -> bool:

@@ -28,8 +28,8 @@ quantized/matrix.py``). ``runtime_weight`` turns it into what the step multiplie
 ``TGIS_QUANT_KERNEL`` forces a path: ``auto`` (the rules above), ``triton`` (CUDA),
 ``tgis`` (tgis's CPU kernel wherever it fits, float32 activations too), ``torch``
 (PyTorch's CPU kernels wherever they fit, and ``_scaled_mm`` for FP8 on any device),
-``dequant`` (always dense). A layer a forced
-kernel cannot take, or one forced onto the other device's kernel, is dequantized.
+``dequant`` (always dense). A layer a forced kernel cannot take, or one forced onto the
+other device's kernel, is dequantized.
 """
 
 from __future__ import annotations

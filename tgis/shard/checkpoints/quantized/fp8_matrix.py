@@ -58,13 +58,21 @@ def channel_scales(scale: torch.Tensor, out_features: int) -> torch.Tensor | Non
     return None
 
 
-def quantize_fp8(weight: torch.Tensor, compute_dtype: torch.dtype) -> Fp8Matrix:
-    """``weight`` [out, in] in float8 e4m3 per output channel: ``scale = max|W[o, :]| /
-    448``, ``W / scale`` rounded to the nearest FP8 value (an all-zero row gets scale 1)."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` [rows, n] in float8 e4m3 with its own float32 scale ([rows, 1]):
+    ``scale = max|row| / 448``, ``row / scale`` rounded to the nearest FP8 value (a row whose
+    scale is 0, all zeros or too small for float32, gets scale 1). Weights are quantized
+    this way per output channel at load, activations per token at every FP8 step."""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1, keepdim=True) / FP8_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return Fp8Matrix((w / scale).to(FP8_DTYPE), scale, compute_dtype)
+    return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_fp8(weight: torch.Tensor, compute_dtype: torch.dtype) -> Fp8Matrix:
+    """``weight`` [out, in] in float8 e4m3 per output channel (``fp8_rows``)."""
+    values, scale = fp8_rows(weight)
+    return Fp8Matrix(values, scale, compute_dtype)
 
 
 def concat_fp8(parts: Sequence[Fp8Matrix]) -> Fp8Matrix:
