@@ -27,7 +27,7 @@ quantized/matrix.py``). ``runtime_weight`` turns it into what the step multiplie
 
 ``TGIS_QUANT_KERNEL`` forces a path: ``auto`` (the rules above), ``triton`` (CUDA),
 ``tgis`` (tgis's CPU kernel wherever it fits, float32 activations too), ``torch``
-(PyTorch's CPU kernels wherever they fit, and ``_scaled_mm`` for FP8 on any device),
+(PyTorch's CPU kernels wherever they fit, and ``_scaled_mm`` for FP8 on the CPU too),
 ``dequant`` (always dense). A layer a forced kernel cannot take, or one forced onto the
 other device's kernel, is dequantized.
 """
@@ -189,14 +189,14 @@ def _kernel_weight(matrix: GroupQuantized, mode: str) -> KernelWeight | str:
 
 
 def _fp8_weight(matrix: Fp8Matrix, mode: str) -> KernelWeight | str:
-    """``matrix`` for ``_scaled_mm`` where the device multiplies FP8 (or where forced), or
-    why it is dequantized instead."""
+    """``matrix`` for ``_scaled_mm`` where the device multiplies FP8 (and on the CPU when
+    forced), or why it is dequantized instead."""
     if mode not in ("auto", "torch"):
         return f"{KERNEL_VARIABLE}={mode} has no FP8 kernel"
     device = matrix.weight.device
-    if mode == "auto" and not fp8_supported(device):
-        if device.type == "cuda":
-            return "this GPU has no FP8 matrix units (compute capability 8.9 or later)"
+    if device.type == "cuda" and not fp8_supported(device):  # _scaled_mm would fail there
+        return "this GPU has no FP8 matrix units (compute capability 8.9 or later)"
+    if device.type != "cuda" and mode == "auto":
         return "no fast FP8 product on the CPU"
     return scaled_weight(matrix)
 
