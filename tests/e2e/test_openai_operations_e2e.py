@@ -59,7 +59,10 @@ def test_https_correlation_ids_and_the_drain(tmp_path: Path) -> None:
     pki = make_pki(tmp_path / "pki")
     tls = ["--tls-cert-path", str(pki.server_cert), "--tls-key-path", str(pki.server_key)]
     launcher = start_launcher(
-        tmp_path, [*tls, "--http-tls", "--json-output", "--shutdown-grace-period", "30"]
+        # A grace period far beyond the stream's length, even on a busy machine: the stream
+        # must run to its end (one the grace period cuts: test_shutdown_e2e.py).
+        tmp_path,
+        [*tls, "--http-tls", "--json-output", "--shutdown-grace-period", "300"],
     )
     launcher.http_ca = pki.ca_cert
     try:

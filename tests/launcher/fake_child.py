@@ -8,6 +8,8 @@ At start it writes DIR/NAME.pid, and DIR/NAME.json with ARGV and its environment
   exit=SECONDS:CODE   exit with CODE after SECONDS
   signal=SECONDS:SIG  kill itself with signal number SIG after SECONDS
   ignore-term         ignore SIGTERM
+  terms=N             exit 0 only at the Nth SIGTERM (each writes DIR/NAME.term<k>)
+  term-signal=SIG     on SIGTERM, kill itself with signal number SIG instead of exiting
   grandchild          start `sleep 300` (in its process group), its pid in DIR/NAME.grandchild
   spam                first write 20000 lines to stdout and to stderr
 On SIGTERM (unless ignored) it writes DIR/NAME.term (time.monotonic()) and exits 0.
@@ -54,9 +56,23 @@ def main() -> None:
     print(f"fake {name} started", flush=True)
     print(f"fake {name} says hello on stderr", file=sys.stderr, flush=True)
 
+    terms_to_exit = next(
+        (int(b.partition("=")[2]) for b in behaviours if b.startswith("terms=")), 1
+    )
+    terms = [0]
+    term_signal = next(
+        (int(b.partition("=")[2]) for b in behaviours if b.startswith("term-signal=")), 0
+    )
+
     def on_term(_signum: int, _frame: object) -> None:
-        (out / f"{name}.term").write_text(repr(time.monotonic()))
-        os._exit(0)
+        terms[0] += 1
+        (out / f"{name}.term{terms[0]}").write_text(repr(time.monotonic()))
+        if terms[0] >= terms_to_exit:
+            (out / f"{name}.term").write_text(repr(time.monotonic()))
+            if term_signal:
+                signal.signal(term_signal, signal.SIG_DFL)
+                os.kill(os.getpid(), term_signal)
+            os._exit(0)
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN if "ignore-term" in behaviours else on_term)
     deadline: tuple[float, str, int] | None = None

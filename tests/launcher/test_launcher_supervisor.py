@@ -203,10 +203,42 @@ def test_child_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
         startup_timeout=10,
         handle_signals=False,
     )
-    assert outcome == Outcome(0)
+    # A stop that had to kill is not a clean one: exit 1, and the reason says what.
+    assert outcome == Outcome(
+        1,
+        "router did not stop within 0.5 s: killed; shard0 did not stop within 0.5 s: killed",
+    )
     assert time.monotonic() - start < 5
     assert sup.router is not None and sup.router.poll() == -signal.SIGKILL
     assert sup.shards[0].poll() == -signal.SIGKILL
+
+
+def test_a_shard_that_fails_while_stopping_makes_the_stop_unclean(tmp_path: Path) -> None:
+    sup = supervisor()
+    stop_when_exists(sup, tmp_path / "router.pid")
+    outcome = sup.run(
+        [fake(tmp_path, "shard0", "ready", "term-signal=6", spec_name="Shard 0")],
+        fake(tmp_path, "router", spec_name="Router"),
+        probe(tmp_path),
+        startup_timeout=10,
+        handle_signals=False,
+    )
+    assert outcome == Outcome(1, "Shard 0 stopped with signal: 6 (SIGABRT)")
+
+
+def test_children_are_told_the_launchers_pid(tmp_path: Path) -> None:
+    sup = supervisor()
+    stop_when_exists(sup, tmp_path / "router.pid")
+    sup.run(
+        [fake(tmp_path, "shard0", "ready")],
+        fake(tmp_path, "router"),
+        probe(tmp_path),
+        startup_timeout=10,
+        handle_signals=False,
+    )
+    for name in ("shard0", "router"):
+        env = json.loads((tmp_path / f"{name}.json").read_text())["env"]
+        assert env["TGIS_LAUNCHER_PID"] == str(os.getpid())
 
 
 def test_stop_during_startup_exits_zero(tmp_path: Path) -> None:
@@ -312,3 +344,37 @@ def test_signal_to_supervisor_process_leaves_no_child(tmp_path: Path, sig: signa
     assert proc.returncode == 0, err
     assert f"Received {sig.name}, shutting down" in err
     assert not any(alive(pid) for pid in children + grandchildren)
+
+
+def run_supervisor_script(tmp_path: Path, router_behaviour: str) -> subprocess.Popen[str]:
+    """SUPERVISOR_SCRIPT in a process of its own, with ``router_behaviour`` for the router."""
+    router = 'fake(d, "router", "grandchild")'
+    script = SUPERVISOR_SCRIPT.replace(
+        router, router.replace('"grandchild"', repr(router_behaviour))
+    )
+    repo = Path(__file__).resolve().parents[2]
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path), str(repo)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_second_signal_reaches_the_draining_router(tmp_path: Path) -> None:
+    """The router drains on the first SIGTERM (this one waits for a second); a second
+    SIGTERM to the launcher is passed on to it, long before the stop timeout (30 s)."""
+    proc = run_supervisor_script(tmp_path, "terms=2")
+    try:
+        pids(tmp_path, "shard0", "shard1", "router")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(tmp_path / "router.term1")
+        assert not (tmp_path / "router.term").exists()
+        again = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert float((tmp_path / "router.term").read_text()) - again < 2
+    assert "Signal received again: passing it on" in err

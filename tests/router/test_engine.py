@@ -20,7 +20,7 @@ from tgis.router.core.expiry import drop_aborted_and_expired
 from tgis.router.core.request_state import OutputRules, RequestState, TokenEvent
 from tgis.router.core.scheduler import new_scheduler
 from tgis.router.core.shard_client import ShardError, ShardFailure
-from tgis.router.errors import GenerationError
+from tgis.router.errors import GenerationError, UnavailableError
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.ops.metrics import Metrics
 from tgis.router.request_types import (
@@ -296,6 +296,35 @@ def test_a_step_unanswered_past_the_timeout_fails_every_request_and_ends_the_loo
             metrics['tgi_batch_inference_failure_total{method="next_token",reason="connection"}']
             == 1
         )
+
+    run(scenario())
+
+
+def test_close_ends_running_and_queued_requests_and_refuses_new_ones() -> None:
+    """The end of a drain: every live request gets the reason, the engine runs on (its
+    steps in flight are answered and forgotten), a late submission is refused the same way."""
+
+    async def scenario() -> None:
+        shard = ScriptedShard()
+        engine = make_engine(shard, batch_size=2)
+        states = [engine.submit(request(1000), time.monotonic()) for _ in range(3)]  # 1 queued
+        while len(states[1].generated_ids) < 3:
+            await asyncio.sleep(0.005)
+        assert engine.close("Server is shutting down: the request was ended") == 3
+        results = [await final_event(s) for s in states]
+        for result in results:
+            assert isinstance(result, UnavailableError)
+            assert str(result) == "Server is shutting down: the request was ended"
+        with pytest.raises(UnavailableError, match="the request was ended"):
+            engine.submit(request(5), time.monotonic())
+        await asyncio.sleep(0.1)  # the steps in flight come back to finished requests
+        forgotten = {i for p in shard.plans for i in p.finished_request_ids}
+        await engine.stop()
+        assert {s.request_id for s in states[:2]} <= forgotten
+        metrics = metric_samples(engine)
+        assert metrics["tgi_batch_current_size"] == 0
+        assert metrics["tgi_queue_size"] == 0
+        assert metrics["tgi_kv_cache_used_blocks"] == 0
 
     run(scenario())
 

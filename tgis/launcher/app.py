@@ -30,8 +30,9 @@ from tgis.shard_api.channel import step_channel_path
 from tgis.termination import fail_startup
 from tgis.termination_log import termination_log_path, write_termination_log
 
-ROUTER_STOP_MARGIN_S = 5.0
-"""After its grace period, how long the router may take to stop before it is killed."""
+ROUTER_STOP_MARGIN_S = 15.0
+"""After its grace period, how long the router may take to stop before it is killed (it
+needs a few seconds: shutdown.py, END_WAIT_S and SERVER_STOP_S, then the tracing flush)."""
 
 
 def remove_sockets(paths: Sequence[str], log: logging.Logger, *, strict: bool) -> None:

@@ -7,7 +7,13 @@ Lifecycle (`Supervisor.run`): start the shards; wait until every one is ready (p
 exits (failure), the start-up timeout passes (failure) or a signal arrives (clean stop); start
 the router; then wait for a signal (clean stop, exit 0) or any child's exit (failure, exit 1).
 Stopping is always the same: SIGTERM the router's group and wait (then SIGKILL), then SIGTERM
-every shard's group and wait (then SIGKILL), then SIGKILL what is left of each group.
+every shard's group and wait (then SIGKILL), then SIGKILL what is left of each group. A signal
+that comes while the router drains is passed on to it (a second SIGTERM or SIGINT ends its
+drain at once). A clean stop exits 0 unless a child had to be killed or ended badly (a shard
+that aborted, a router that exited non-zero): then 1, with the reason.
+
+Every child is told the launcher's pid (``tgis/stop_requests.py``), so that it stops by itself
+when the launcher is gone, even after a SIGKILL that left no time to stop it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from tgis.launcher.output import OutputForwarder
+from tgis.stop_requests import launcher_env
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -79,9 +86,10 @@ class Child:
     def __init__(self, spec: ChildSpec, forwarder: OutputForwarder | None) -> None:
         piped = subprocess.PIPE if forwarder is not None else None
         self.name = spec.name
+        env = dict(spec.env) if spec.env is not None else dict(os.environ)
         self.popen = subprocess.Popen(
             list(spec.argv),
-            env=dict(spec.env) if spec.env is not None else None,
+            env={**env, **launcher_env()},
             stdin=subprocess.DEVNULL,
             stdout=piped,
             stderr=piped,
@@ -154,6 +162,7 @@ class Supervisor:
         self.router: Child | None = None
         self._stop = threading.Event()
         self._signal: int | None = None
+        self._signals = 0
 
     # -- signals ---------------------------------------------------------------------------
 
@@ -168,6 +177,7 @@ class Supervisor:
         # The loops notice within one poll interval.
         if self._signal is None:
             self._signal = signum
+        self._signals += 1
 
     def _stopping(self) -> bool:
         return self._signal is not None or self._stop.is_set()
@@ -288,34 +298,62 @@ class Supervisor:
 
     # -- stopping --------------------------------------------------------------------------
 
-    def _stop_children(self, children: Sequence[Child], timeout: float, what: str) -> None:
+    def _stop_children(self, children: Sequence[Child], timeout: float, what: str) -> list[str]:
+        """SIGTERM ``children``, wait up to ``timeout`` (passing on each new signal), then
+        SIGKILL what is left of their groups; what went wrong, for the exit reason."""
         running = [child for child in children if child.poll() is None]
         for child in running:
             child.signal_group(signal.SIGTERM)
             child.signal_group(signal.SIGCONT)  # a stopped (SIGSTOP) child acts on it too
         if running:
             self.log.info("Waiting for %s to stop", what)
-        deadline = time.monotonic() + timeout
-        for child in running:
-            if not child.wait(deadline - time.monotonic()):
-                self.log.warning("%s did not stop after %g s, killing it", child.name, timeout)
+        problems: list[str] = []
+        if not self._wait_passing_signals_on(running, timeout):
+            for child in running:
+                if child.poll() is None:
+                    self.log.warning("%s did not stop after %g s, killing it", child.name, timeout)
+                    problems.append(f"{child.name} did not stop within {timeout:g} s: killed")
         for child in children:
             child.kill()  # reaps, and kills whatever is left in the group
             returncode = child.poll()
             if returncode is None:
                 self.log.error("%s (pid %d) survived SIGKILL", child.name, child.pid)
+                problems.append(f"{child.name} (pid {child.pid}) survived SIGKILL")
             elif child in running:
                 self.log.info("%s stopped: %s", child.name, describe_status(returncode))
+                if returncode != 0 and returncode != -signal.SIGKILL:
+                    problems.append(f"{child.name} stopped with {describe_status(returncode)}")
+        return problems
 
-    def shutdown(self) -> None:
-        """Stop the router (graceful, then forced), then the shards; wait for their output."""
+    def _wait_passing_signals_on(self, children: Sequence[Child], timeout: float) -> bool:
+        """Wait until every child has exited (True) or ``timeout`` passes; a signal the
+        launcher gets meanwhile is passed on to the children's groups as SIGTERM."""
+        deadline = time.monotonic() + timeout
+        seen = self._signals
+        while any(child.poll() is None for child in children):
+            if time.monotonic() >= deadline:
+                return False
+            if self._signals != seen:
+                seen = self._signals
+                self.log.info("Signal received again: passing it on")
+                for child in children:
+                    child.signal_group(signal.SIGTERM)
+            for child in children:
+                child.wait(min(self.poll_interval, max(deadline - time.monotonic(), 0.0)))
+        return True
+
+    def shutdown(self) -> list[str]:
+        """Stop the router (graceful, then forced), then the shards; wait for their output.
+        What went wrong on the way (nothing: a clean stop)."""
+        problems: list[str] = []
         if self.router is not None:
-            self._stop_children([self.router], self.router_stop_timeout, "the router")
+            problems += self._stop_children([self.router], self.router_stop_timeout, "the router")
         if self.shards:
-            self._stop_children(self.shards, self.shard_stop_timeout, "the shards")
+            problems += self._stop_children(self.shards, self.shard_stop_timeout, "the shards")
         for child in [*self.shards, *([self.router] if self.router else [])]:
             child.join_output(timeout=1.0)
         self.log.info("Shutdown complete")
+        return problems
 
     # -- the whole lifecycle ---------------------------------------------------------------
 
@@ -331,17 +369,21 @@ class Supervisor:
         """Start shards, wait for them, start the router, watch; always stop everything."""
         if handle_signals:
             self.install_signal_handlers()
+        outcome = Outcome(1, "the launcher was interrupted")
         try:
             try:
                 self.start_shards(shards)
-                outcome = self.wait_until_ready(probe, startup_timeout)
-                if outcome is None:
+                failed = self.wait_until_ready(probe, startup_timeout)
+                if failed is None:
                     self.start_router(router)
-                    outcome = self.watch()
+                outcome = failed or self.watch()
             except StartError as e:
                 outcome = Outcome(1, str(e))
             if outcome.reason:
                 self.log.error("%s", outcome.reason)
-            return outcome
         finally:
-            self.shutdown()
+            problems = self.shutdown()
+        if outcome.exit_code == 0 and problems:
+            outcome = Outcome(1, "; ".join(problems))
+            self.log.error("Stopped uncleanly: %s", outcome.reason)
+        return outcome

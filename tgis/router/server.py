@@ -1,5 +1,5 @@
 """The router's composition root: connect to the shard, build the pieces, serve gRPC and
-HTTP until SIGTERM/SIGINT, drain, stop.
+HTTP until SIGTERM/SIGINT (or the launcher's end), drain (``shutdown.py``), stop.
 
 Built once per process, in this order: the shard client (``core/shard_client.py``) and the
 shard's facts, the start-up checks (``startup.py``), the scheduler with its budgets and KV
@@ -11,15 +11,14 @@ public gRPC server (``edge/grpc_server.py``) and the HTTP app (``edge/http_serve
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
+import os
 import ssl
 from pathlib import Path
 
 from aiohttp import web
 
-from tgis.router import startup
+from tgis.router import shutdown, startup
 from tgis.router.config import RouterConfig
 from tgis.router.core.batching import scheduler_limits
 from tgis.router.core.engine import Engine, ShardHungError
@@ -48,21 +47,19 @@ from tgis.router.intake.validation import ServerLimits
 from tgis.router.ops.drain import Drain
 from tgis.router.ops.metrics import Metrics
 from tgis.router.ops.stalled_streams import StalledStreams
+from tgis.router.shutdown import StopRequests
 from tgis.shard_api.messages import ShardInfo
+from tgis.stop_requests import launcher_pid
 
 log = logging.getLogger(__name__)
 
-STOP_GRACE_S = 2.0
-"""After the drain: how long the gRPC server lets the RPCs left (Tokenize, health) end."""
 TRACING_FLUSH_S = 3.0
 """At exit: how long buffered spans may take to reach the collector."""
 
 
 class Router:
-    """Owns every long-lived router object; `run` serves until SIGTERM/SIGINT, then drains:
-    health NOT_SERVING (gRPC) / 503 (HTTP) at once, new generation calls refused with
-    UNAVAILABLE, the calls in flight given up to ``shutdown_grace_period`` seconds (a second
-    signal cuts it short), then everything stops."""
+    """Owns every long-lived router object; `run` serves until SIGTERM/SIGINT (or the
+    launcher's end), then drains (``shutdown.py``) and stops."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -100,12 +97,18 @@ class Router:
         )
         openai = self._openai_routes(engine, admission, replies, calls)
         http = await start_http_server(
-            config.port, health_check, metrics, self.drain, openai, self._http_ssl()
+            config.port,
+            health_check,
+            metrics,
+            self.drain,
+            openai,
+            self._http_ssl(),
+            stop_timeout=shutdown.SERVER_STOP_S,
         )
         log.info(
             "HTTP server started on port %d%s", config.port, " (TLS)" if config.http_tls else ""
         )
-        hung = await self._serve(engine_task, health_check)
+        hung = await self._serve(engine, engine_task, health_check)
         await self._stop(http, engine)
         if hung is not None:
             raise hung
@@ -222,56 +225,31 @@ class Router:
     # ---- serving and shutdown -----------------------------------------------------------------
 
     async def _serve(
-        self, engine_task: asyncio.Task[None], health_check: GenerationHealth
+        self, engine: Engine, engine_task: asyncio.Task[None], health_check: GenerationHealth
     ) -> ShardHungError | None:
-        """Serve until a signal (then drain) or until the shard hangs (then let the failed
-        calls end); returns the hang, if that is why."""
+        """Serve until a stop is asked for (then drain: ``shutdown.py``) or until the shard
+        hangs (then let the failed calls end); returns the hang, if that is why."""
         warmup = asyncio.create_task(health_check.generate_one_token())
-        signals = _signal_event()
-        signalled = asyncio.ensure_future(signals.wait())
-        await asyncio.wait((signalled, engine_task), return_when=asyncio.FIRST_COMPLETED)
-        signalled.cancel()
+        stops = StopRequests(launcher_pid(os.environ))
+        asked = asyncio.ensure_future(stops.wait())
+        await asyncio.wait((asked, engine_task), return_when=asyncio.FIRST_COMPLETED)
+        asked.cancel()
         warmup.cancel()
         hung = _hung_shard(engine_task)
-        if hung is None:
-            await self._drain(signals)
-        else:  # the requests have failed already: let their calls end, then exit non-zero
-            self.drain.start()
-            await self.grpc.set_serving(False)
-            await self.drain.wait_idle(STOP_GRACE_S)
+        try:
+            if hung is None:
+                grace = self.config.shutdown_grace_period
+                await shutdown.drain(stops, self.drain, self.grpc, engine, grace)
+            else:  # the requests have failed already: let their calls end, then exit non-zero
+                self.drain.start()
+                await self.grpc.set_serving(False)
+                await self.drain.wait_idle(shutdown.END_WAIT_S)
+        finally:
+            stops.close()
         return hung
 
-    async def _drain(self, signals: asyncio.Event) -> None:
-        """Refuse new work, report NOT_SERVING, wait for the calls in flight."""
-        grace = self.config.shutdown_grace_period
-        self.drain.start()
-        await self.grpc.enter_graceful_shutdown()
-        log.info(
-            "shutting down: health NOT_SERVING, new requests refused, %d in flight given up "
-            "to %g s",
-            self.drain.active,
-            grace,
-        )
-        signals.clear()
-        idle = asyncio.ensure_future(self.drain.wait_idle(grace))
-        again = asyncio.ensure_future(signals.wait())
-        await asyncio.wait((idle, again), return_when=asyncio.FIRST_COMPLETED)
-        again.cancel()
-        if idle.done() and idle.result():
-            log.info("in-flight requests finished")
-            return
-        idle.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await idle
-        log.warning(
-            "%d requests still in flight after %s: cancelling them",
-            self.drain.active,
-            "a second signal" if signals.is_set() else f"the {grace:g} s grace period",
-        )
-
     async def _stop(self, http: web.AppRunner, engine: Engine) -> None:
-        await self.grpc.server.stop(STOP_GRACE_S)
-        await http.cleanup()
+        await asyncio.gather(self.grpc.server.stop(shutdown.SERVER_STOP_S), http.cleanup())
         await engine.stop()
         await self.shard.close()
         self.tokenizer.close()
@@ -289,15 +267,6 @@ def _hung_shard(engine_task: asyncio.Task[None]) -> ShardHungError | None:
     if error is not None:
         raise error
     return None
-
-
-def _signal_event() -> asyncio.Event:
-    """An event set by each SIGTERM / SIGINT."""
-    loop = asyncio.get_running_loop()
-    event = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, event.set)
-    return event
 
 
 def speculation_config(config: RouterConfig) -> SpeculationConfig | None:

@@ -23,6 +23,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("<I")
 STEP_CHANNEL_SUFFIX = ".steps"
 MAX_FRAME_BYTES = 256 * 1024 * 1024
+CLOSE_JOIN_S = 8.0
+"""How long closing the server waits for a step that is still running."""
 
 # Each failure code of a Step: its value in the step channel's ``StepFailure`` and the gRPC
 # status the ``Step`` RPC answers with (``shard.proto``). The one map of both, for the
@@ -111,6 +114,7 @@ class StepChannelServer:
         self._sock: socket.socket | None = None
         self._closed = threading.Event()
         self._connections: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -123,8 +127,16 @@ class StepChannelServer:
         self._sock = sock
         threading.Thread(target=self._accept, name="step-channel", daemon=True).start()
 
-    def close(self) -> None:
-        """Stop accepting, drop connections, remove the socket file."""
+    @property
+    def connected(self) -> int:
+        """Connections open now (the router's, while it runs)."""
+        with self._lock:
+            return len(self._connections)
+
+    def close(self, join_timeout: float = CLOSE_JOIN_S) -> None:
+        """Stop accepting, drop connections, remove the socket file, and wait (up to
+        ``join_timeout`` seconds) for a step still running on a connection's thread, so that
+        the process never exits in the middle of one (the runtime aborts if it does)."""
         self._closed.set()
         if self._sock is not None:
             with contextlib.suppress(OSError):
@@ -134,8 +146,14 @@ class StepChannelServer:
             for conn in list(self._connections):
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
+            threads = list(self._threads)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        deadline = time.monotonic() + join_timeout
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive():
+                log.warning("step channel: a step still running after %g s", join_timeout)
 
     def _accept(self) -> None:
         assert self._sock is not None
@@ -144,11 +162,13 @@ class StepChannelServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
+            thread = threading.Thread(
+                target=self._serve, args=(conn,), name="step-channel-conn", daemon=True
+            )
             with self._lock:
                 self._connections.add(conn)
-            threading.Thread(
-                target=self._serve, args=(conn,), name="step-channel-conn", daemon=True
-            ).start()
+                self._threads.add(thread)
+            thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -163,6 +183,7 @@ class StepChannelServer:
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                self._threads.discard(threading.current_thread())
             conn.close()
 
     def _reply(self, payload: bytes) -> bytes:

@@ -25,6 +25,9 @@ A shard that does not answer a step within ``step_timeout`` seconds of starting 
 deadlocked, stuck in a driver call) is taken as hung: every live request fails with the
 reason, and the engine task ends with ``ShardHungError``, which the router turns into a
 fatal exit (the launcher then stops everything and exits non-zero).
+
+``close`` is the end of a drain: every live request fails with the router's reason (the
+server is going away), and a request submitted after it is refused the same way.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from tgis.router.core.request_state import OutputRules, RequestState
 from tgis.router.core.scheduler import Scheduler
 from tgis.router.core.shard_client import ShardClient, ShardError, ShardFailure
 from tgis.router.core.steps import ScheduledStep, StepUpdate
-from tgis.router.errors import GenerationError
+from tgis.router.errors import GenerationError, RouterError, UnavailableError
 from tgis.router.ops.metrics import Metrics, step_method
 from tgis.router.ops.request_context import current_correlation_id, request_log_extra
 from tgis.router.request_types import ValidatedRequest
@@ -102,11 +105,18 @@ class Engine:
         self._in_flight: deque[_InFlight] = deque()
         self._last_answer = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._closed: UnavailableError | None = None
 
     # ---- called by the servicer -------------------------------------------------------
 
     def submit(self, request: ValidatedRequest, arrival: float) -> RequestState:
-        """Queue a validated input; its events arrive on the returned state's queue."""
+        """Queue a validated input; its events arrive on the returned state's queue.
+
+        Raises:
+            UnavailableError: the engine is closed (the end of a drain).
+        """
+        if self._closed is not None:
+            raise self._closed
         # submit runs in the RPC's task: the correlation id bound there (request_context.py)
         state = self.output.new_state(next(self._ids), request, arrival, current_correlation_id())
         self.scheduler.add(state)
@@ -119,6 +129,12 @@ class Engine:
         if state.finish_reason is None:
             state.aborted = True
             self._wakeup.set()
+
+    def close(self, message: str) -> int:
+        """End every live request with ``UnavailableError(message)`` and refuse new ones
+        with it; the number of requests ended."""
+        self._closed = UnavailableError(message)
+        return self._fail_all(self._closed)
 
     # ---- the loop -----------------------------------------------------------------------
 
@@ -259,20 +275,29 @@ class Engine:
         log.error("%s", message)
         self.generation_healthy = False
         self.metrics.step_failed(flight.method, ShardFailure.CONNECTION.value)
+        self._fail_all(GenerationError(message))
+        raise ShardHungError(message)
+
+    def _fail_all(self, error: RouterError) -> int:
+        """End every live request, running or queued, with ``error``; how many."""
         scheduler = self.scheduler
         update = StepUpdate()
-        for state in [*scheduler.running, *scheduler.waiting]:
-            scheduler.fail(state, GenerationError(message), update)
+        live = [*scheduler.running, *scheduler.waiting]
+        for state in live:
+            scheduler.fail(state, error, update)
         self._emit(update)
         self._update_gauges()
-        raise ShardHungError(message)
+        return len(live)
 
     # ---- events and metrics ---------------------------------------------------------------
 
     def _emit(self, update: StepUpdate) -> None:
         for state, event in update.events:
             if isinstance(event, BaseException):
-                log.error(
+                # A request ended by the drain is the server's choice, not a failure.
+                level = logging.WARNING if isinstance(event, UnavailableError) else logging.ERROR
+                log.log(
+                    level,
                     "request %d failed: %s",
                     state.request_id,
                     event,

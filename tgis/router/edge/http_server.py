@@ -60,11 +60,15 @@ async def start_http_server(
     drain: Drain | None = None,
     openai: OpenAIRoutes | None = None,
     ssl_context: ssl.SSLContext | None = None,
+    stop_timeout: float = 1.0,
 ) -> web.AppRunner:
     """Listen on every interface, IPv4 and IPv6 (TGIS binds 0.0.0.0 only). A handler is
-    cancelled when its client disconnects, which frees its requests at once."""
+    cancelled when its client disconnects, which frees its requests at once, and when it
+    is still running ``stop_timeout`` seconds into the runner's ``cleanup``."""
     app = build_app(health, metrics, drain, openai)
-    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(
+        app, access_log=None, handler_cancellation=True, shutdown_timeout=stop_timeout
+    )
     await runner.setup()
     site = web.TCPSite(runner, host=None, port=port, ssl_context=ssl_context)
     await site.start()

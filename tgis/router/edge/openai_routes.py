@@ -266,8 +266,10 @@ def _openai_error(err: RouterError) -> OpenAIError:
 async def _send_events(
     request: web.Request, chunks: AsyncIterator[dict[str, Any]], metrics: Metrics
 ) -> web.StreamResponse:
-    """Stream ``chunks`` as server-sent events, then ``[DONE]``; a failure once the
-    stream has started is sent as an error event (the status is already sent)."""
+    """Stream ``chunks`` as server-sent events, then ``[DONE]``. A failure once the
+    stream has started is sent as an error event (the status is already sent), followed
+    by ``[DONE]`` (as vLLM does) unless the server is shutting down: a stream the drain
+    ended closes without it, so that no client can take it for a complete one."""
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -280,6 +282,9 @@ async def _send_events(
             metrics.request_failure("generate")
         error = _openai_error(err)
         await response.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n")
+        if isinstance(err, UnavailableError):
+            await response.write_eof()
+            return response
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
+import time
 from pathlib import Path
 
 import grpc
@@ -24,11 +24,20 @@ from tgis.shard.serving.servicer import ShardServicer
 from tgis.shard.serving.step_executor import StepExecutor
 from tgis.shard.step.runner import Runner
 from tgis.shard_api.channel import StepChannelServer, step_channel_path
+from tgis.stop_requests import (
+    POLL_S,
+    ignore_stop_signals,
+    launcher_pid,
+    on_stop_signals,
+    wait_until_orphaned,
+)
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 SHUTDOWN_GRACE_S = 5.0
+ORPHAN_WAIT_S = 5.0
+"""Once the launcher is gone: how long the shard waits for the router to let go."""
 
 
 class ShardServer:
@@ -80,22 +89,44 @@ class ShardServer:
             await self._server.stop(grace)
             self._server = None
         if self._channel is not None:
-            self._channel.close()
+            await asyncio.to_thread(self._channel.close)
         await asyncio.to_thread(self._servicer.close)
         remove_socket(self.socket_path)
 
     async def serve_until_signal(self) -> None:
-        """Start, serve until SIGTERM or SIGINT, then stop gracefully."""
+        """Start, serve until SIGTERM or SIGINT (or the launcher's end), then stop
+        gracefully."""
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        on_stop_signals(stop.set)
         await self.start()
+        signalled = asyncio.ensure_future(stop.wait())
+        orphaned = asyncio.ensure_future(wait_until_orphaned(launcher_pid(os.environ)))
         try:
-            await stop.wait()
+            await asyncio.wait((signalled, orphaned), return_when=asyncio.FIRST_COMPLETED)
+            if orphaned.done() and not signalled.done():
+                await self._let_the_router_go(stop)
             log.info("Shard %d shutting down", self.rank)
         finally:
+            signalled.cancel()
+            orphaned.cancel()
+            ignore_stop_signals()
             await self.stop()
+
+    async def _let_the_router_go(self, stop: asyncio.Event) -> None:
+        """The launcher is gone: the router, gone too, ends its calls with its own message;
+        the steps it still sends are served until it lets go of the step channel (or
+        ``ORPHAN_WAIT_S`` pass, or a signal comes)."""
+        log.warning(
+            "Shard %d: the launcher is gone; stopping once the router has (at most %g s)",
+            self.rank,
+            ORPHAN_WAIT_S,
+        )
+        deadline = time.monotonic() + ORPHAN_WAIT_S
+        channel = self._channel
+        while channel is not None and channel.connected and not stop.is_set():
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(POLL_S)
 
 
 def remove_socket(path: Path) -> None:

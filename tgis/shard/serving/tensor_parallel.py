@@ -6,7 +6,8 @@ broadcasts every Step, Reset, Health and PrefixLookup to the other ranks. Ranks 
 `{uds}-{rank}` (the launcher's readiness check); `Step`, `Reset` and `PrefixLookup` there
 are refused.
 
-Shutdown: the launcher sends SIGTERM to every rank. Rank 0 stops its gRPC server (in-flight
+Shutdown: the launcher sends SIGTERM to every rank (a rank whose launcher is gone acts as if
+it had). Rank 0 stops its gRPC server (in-flight
 Steps finish), then broadcasts Stop; each worker leaves its loop on Stop, stops its server,
 destroys the process group and exits 0. A worker whose Stop does not come within
 `STOP_WAIT_S` of its own SIGTERM (rank 0 hung) exits anyway; a worker whose rank 0 vanished
@@ -29,6 +30,7 @@ from tgis.shard.parallel.group import TensorParallel
 from tgis.shard.serving.server import ShardServer
 from tgis.shard.step.runner import Runner
 from tgis.shard_api.messages import AdapterInfo, PrefixInfo, ShardInfo, StepOutput, StepPlan
+from tgis.stop_requests import launcher_pid, wait_until_orphaned
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +131,12 @@ async def _serve_worker(runner: ModelRunner, tp: TensorParallel, socket_path: st
         loop.add_signal_handler(sig, stop.set)
     thread.start()
     await server.start()
-    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(ended.wait())]
+    waiters = [
+        asyncio.create_task(stop.wait()),
+        asyncio.create_task(ended.wait()),
+        # the launcher gone: as SIGTERM (rank 0 sees it too, and sends Stop)
+        asyncio.create_task(wait_until_orphaned(launcher_pid(os.environ))),
+    ]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for task in waiters:
         task.cancel()
