@@ -21,7 +21,7 @@ $(VENV)/bin/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py tgis/shard/native/attention/csrc/cpu_attention.c \
-		tgis/shard/native/csrc/cpu_quant.c
+		tgis/shard/native/linear/csrc/cpu_quant.c
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@

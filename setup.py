@@ -26,11 +26,11 @@ CPU_ATTENTION = Extension(
     optional=True,
 )
 
-# Weight-only 4/8-bit products of quantized checkpoints (tgis/shard/native/cpu_quant.py falls
-# back to PyTorch's int4/int8 ops without it).
+# Weight-only 4/8-bit products of quantized checkpoints (tgis/shard/native/linear/cpu_quant.py
+# falls back to PyTorch's int4/int8 ops without it).
 CPU_QUANT = Extension(
-    "tgis.shard.native._cpu_quant",
-    sources=["tgis/shard/native/csrc/cpu_quant.c"],
+    "tgis.shard.native.linear._cpu_quant",
+    sources=["tgis/shard/native/linear/csrc/cpu_quant.c"],
     extra_compile_args=["-O3", "-fopenmp", "-std=c11", "-ffp-contract=fast", "-Wno-psabi"],
     extra_link_args=["-fopenmp"],
     optional=True,

@@ -41,9 +41,9 @@ from typing import Any
 import torch
 
 from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
+from tgis.shard.native.attention.kv_cache import BLOCK_SIZE
 from tgis.shard.native.attention.torch_paged import TorchPagedAttention
 from tgis.shard.native.attention.varlen import SdpaVarlenAttention
-from tgis.shard.native.kv_cache import BLOCK_SIZE
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from step_bench import Plans, parse_ints  # noqa: E402
 
 from tgis.shard.config import ShardConfig  # noqa: E402
 from tgis.shard.loader import load_runner  # noqa: E402
-from tgis.shard.native.model_runner import ModelRunner  # noqa: E402
+from tgis.shard.native.runtime.model_runner import ModelRunner  # noqa: E402
 
 # A small Llama shape that still has real matrix sizes for a CPU.
 DEFAULT_CONFIG: dict[str, Any] = {

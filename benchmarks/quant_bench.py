@@ -38,8 +38,8 @@ from step_bench import parse_ints, run_case  # noqa: E402
 
 from tgis.shard.config import ShardConfig  # noqa: E402
 from tgis.shard.loader import load_runner  # noqa: E402
-from tgis.shard.native.model_runner import ModelRunner  # noqa: E402
 from tgis.shard.native.models.decoder import DecoderLM  # noqa: E402
+from tgis.shard.native.runtime.model_runner import ModelRunner  # noqa: E402
 
 VARIANTS = {"dense": None, "int8": "int8", "fp8": "fp8", "gptq": "gptq", "awq": "awq"}
 

@@ -4,7 +4,7 @@ For each weight shape (``--shapes``, out x in) and width (``--bits``) a random l
 groups of ``--group`` columns is built and multiplied by bfloat16 rows (``--rows``). On the
 CPU (``--device cpu``, the default), with:
 
-- ``tgis``: tgis's kernel in its own layout (``native/cpu_quant.py``; products up to
+- ``tgis``: tgis's kernel in its own layout (``native/linear/cpu_quant.py``; products up to
   ``DEQUANTIZE_ROWS`` rows, dequantized for oneDNN from there);
 - ``torch``: PyTorch's weight-only kernel (``_weight_int4pack_mm_for_cpu``, or
   ``_weight_int8pack_mm`` for 8 bits per channel);
@@ -47,10 +47,10 @@ sys.path.insert(0, str(ROOT))
 
 from tgis.shard.checkpoints.quantized.fp8_matrix import quantize_fp8  # noqa: E402
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized  # noqa: E402
-from tgis.shard.native.cpu_gemm import linear, pack  # noqa: E402
-from tgis.shard.native.fp8_linear import scaled_weight  # noqa: E402
-from tgis.shard.native.parallel.layers import apply  # noqa: E402
-from tgis.shard.native.quantized_linear import runtime_weight  # noqa: E402
+from tgis.shard.native.linear.cpu_gemm import linear, pack  # noqa: E402
+from tgis.shard.native.linear.fp8_linear import scaled_weight  # noqa: E402
+from tgis.shard.native.linear.quantized_linear import runtime_weight  # noqa: E402
+from tgis.shard.native.linear.sharded import apply  # noqa: E402
 
 
 def timed(call: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -86,7 +86,7 @@ def layer(out: int, in_: int, bits: int, group: int) -> GroupQuantized:
 def kernels(matrix: GroupQuantized, device: torch.device) -> dict[str, Callable[..., object]]:
     """Each kernel of ``device`` as a function of the rows x."""
     if device.type == "cuda":
-        from tgis.shard.native import quant_triton
+        from tgis.shard.native.linear import quant_triton
 
         on_device = GroupQuantized(
             matrix.q.to(device),

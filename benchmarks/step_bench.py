@@ -48,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 from tgis.shard.checkpoints.model_config import ModelConfig  # noqa: E402
 from tgis.shard.config import ShardConfig  # noqa: E402
 from tgis.shard.loader import load_runner  # noqa: E402
-from tgis.shard.native.model_runner import ModelRunner  # noqa: E402
 from tgis.shard.native.models import model_class  # noqa: E402
+from tgis.shard.native.runtime.model_runner import ModelRunner  # noqa: E402
 from tgis.shard_api.messages import NewSequence, ScheduledSequence, StepPlan  # noqa: E402
 
 

@@ -23,8 +23,8 @@ from tgis.launcher.model_config import model_max_sequence_length
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.shard.checkpoints.dummy_weights import DummyWeights, parameter_count
 from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.native.attention.kv_cache import BLOCK_SIZE
 from tgis.shard.native.attention.selection import select_attention_backend
-from tgis.shard.native.kv_cache import BLOCK_SIZE
 from tgis.shard.native.models import check_config, model_class
 from tgis.shard.native.models.llama import LlamaArgs
 from tgis.shard.parallel.group import TensorParallel

@@ -12,15 +12,15 @@ from tgis.shard.capacity import CPU_KV_CACHE_BYTES, available_memory, configured
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
-from tgis.shard.native import cuda_capacity as capacity
-from tgis.shard.native.cuda_capacity import (
+from tgis.shard.native.loading import cuda_capacity as capacity
+from tgis.shard.native.loading.cuda_capacity import (
     MemoryReading,
     kv_budget_bytes,
     measure_cuda_blocks,
     warm_up,
     warmup_plans,
 )
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 
 GIB = 1 << 30
 

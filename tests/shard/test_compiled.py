@@ -14,8 +14,8 @@ from test_preemption import PROMPTS, Preemption, drive
 
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.native.compiled import CompiledForward
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.graphs.compiled import CompiledForward
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard_api.messages import DetailOptions, SamplingParams
 
 DETAILS = DetailOptions(logprobs=True, generated_tokens=True)

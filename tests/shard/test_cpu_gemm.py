@@ -1,4 +1,4 @@
-"""Linear layers with oneDNN-packed weights on the CPU (tgis/shard/native/cpu_gemm.py)."""
+"""Linear layers with oneDNN-packed weights on the CPU (tgis/shard/native/linear/cpu_gemm.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from conftest import NUM_BLOCKS, TinyModel
 
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.native.cpu_gemm import (
+from tgis.shard.native.linear.cpu_gemm import (
     PRIMITIVE_CACHE_ENTRIES,
     PRIMITIVE_CACHE_VARIABLES,
     bound_primitive_caches,
@@ -22,7 +22,7 @@ from tgis.shard.native.cpu_gemm import (
     pack,
     packing_available,
 )
-from tgis.shard.native.parallel.layers import ColumnLinear, LMHead, RowLinear
+from tgis.shard.native.linear.sharded import ColumnLinear, LMHead, RowLinear
 
 needs_packing = pytest.mark.skipif(
     not packing_available(torch.float32), reason="this PyTorch build has no oneDNN packing"
@@ -81,7 +81,7 @@ def test_primitive_caches_are_capped_unless_the_environment_sets_them() -> None:
 # GEMMs over 250 row counts and four weight shapes: 1,000 primitives, as a server meets them.
 _MANY_ROW_COUNTS = """
 import sys
-from tgis.shard.native.cpu_gemm import bound_primitive_caches, linear, pack
+from tgis.shard.native.linear.cpu_gemm import bound_primitive_caches, linear, pack
 import torch
 if sys.argv[1] == "capped":
     bound_primitive_caches()

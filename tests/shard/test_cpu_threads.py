@@ -18,7 +18,7 @@ from tgis.shard.cpu_threads import (
     busy_host_seconds,
     cpu_threads,
 )
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 
 # Step costs measured on a 2-core host (BENCHMARKS.md, "CPU thread policy"): the tiny
 # 4 x 256 Llama and the ~90M 8 x 1024 one, float32, one thread.

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tgis.shard.native.attention.interface import BatchLayout
-from tgis.shard.native.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
-from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.native.attention.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.native.graphs.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
 
 
 def test_buckets() -> None:

@@ -26,10 +26,10 @@ from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
+from tgis.shard.native.attention.kv_cache import BLOCK_SIZE
 from tgis.shard.native.attention.selection import select_attention_backend
-from tgis.shard.native.kv_cache import BLOCK_SIZE
-from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.native.models import model_class
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.parallel.group import TensorParallel
 
 MAX_SEQUENCE_LENGTH = 128
@@ -120,7 +120,7 @@ def tensors_of(obj: Any, path: str = "") -> dict[str, torch.Tensor]:
         for i, item in enumerate(obj):
             found |= tensors_of(item, f"{path}.{i}")
     elif type(obj).__module__.startswith(
-        ("tgis.shard.native.models", "tgis.shard.native.parallel.layers")
+        ("tgis.shard.native.models", "tgis.shard.native.linear.sharded")
     ):
         for key, value in vars(obj).items():
             found |= tensors_of(value, f"{path}.{key}" if path else key)

@@ -1,5 +1,5 @@
 """FP8 layers kept in FP8 (``Fp8Matrix``) and multiplied by ``torch._scaled_mm``
-(``native/fp8_linear.py``), against float64 arithmetic on the same values."""
+(``native/linear/fp8_linear.py``), against float64 arithmetic on the same values."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from tgis.shard.checkpoints.quantized.fp8_matrix import (
     quantize_fp8,
 )
 from tgis.shard.checkpoints.quantized.matrix import fuse_rows
-from tgis.shard.native import fp8_linear
-from tgis.shard.native.fp8_linear import Fp8ScaledWeight, fp8_supported
-from tgis.shard.native.quantized_linear import StackedWeight, runtime_weight
+from tgis.shard.native.linear import fp8_linear
+from tgis.shard.native.linear.fp8_linear import Fp8ScaledWeight, fp8_supported
+from tgis.shard.native.linear.quantized_linear import StackedWeight, runtime_weight
 
 
 def matrix(out: int, in_: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> Fp8Matrix:

@@ -30,8 +30,8 @@ from test_quantized_models import (
 from tp_utils import Request, make_plans, run_plans
 
 from tests.quant_fixtures.packing import decoder_linears
-from tgis.shard.native.compiled import CompiledForward
-from tgis.shard.native.fp8_linear import Fp8ScaledWeight
+from tgis.shard.native.graphs.compiled import CompiledForward
+from tgis.shard.native.linear.fp8_linear import Fp8ScaledWeight
 
 SCALED = Fp8ScaledWeight.kernel
 

@@ -17,8 +17,8 @@ from conftest import Router, TinyModel, build_tiny_llama
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard.native.attention.interface import BatchLayout
-from tgis.shard.native.compiled import CompiledForward
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.graphs.compiled import CompiledForward
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard_api.messages import DetailOptions
 
 pytestmark = [

@@ -29,7 +29,7 @@ from tgis.router.intake.guided import grammar_source
 from tgis.router.request_types import GuidedKind, GuidedRequest
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.step.guided import Grammars, Guide
 from tgis.shard_api.messages import DetailOptions, SamplingParams
 
@@ -292,7 +292,7 @@ def test_the_compiled_step_stays_in_use_and_agrees(
 ) -> None:
     """With the compiled forward (``TGIS_COMPILE=1``), a guided sequence beside unguided
     ones gets the eager step's tokens: the mask is applied outside the compiled graph."""
-    from tgis.shard.native.compiled import CompiledForward
+    from tgis.shard.native.graphs.compiled import CompiledForward
 
     sampling = {
         1: SamplingParams(),

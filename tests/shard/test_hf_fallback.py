@@ -26,7 +26,7 @@ from tgis.shard.errors import InvalidStepError, StartupError
 from tgis.shard.fallback.kv import KVBatch, concat, select
 from tgis.shard.fallback.runner import HfRunner
 from tgis.shard.loader import load_runner
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard_api.messages import (
     DetailOptions,
     ModelKind,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.native.attention.kv_cache import KVCache, KVCacheSpec
 
 CPU = torch.device("cpu")
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)

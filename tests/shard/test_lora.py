@@ -19,7 +19,7 @@ from tests.lora_oracle import lora_greedy, save_random_lora
 from tgis.shard.adapters.store_paths import StoreError
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard_api.messages import AdapterKind, DetailOptions
 
 NEW_TOKENS = 6

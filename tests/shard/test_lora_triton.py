@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tgis.shard.adapters.lora_layout import LoraPair, LoraWeights
-from tgis.shard.native.lora_rows import LoraGroup, LoraRows, lora_kernel, lora_rows
+from tgis.shard.native.linear.lora_rows import LoraGroup, LoraRows, lora_kernel, lora_rows
 
 pytest.importorskip("triton")
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 # Without a GPU, tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton.
-from tgis.shard.native.lora_triton import lora_add, prepare  # noqa: E402
+from tgis.shard.native.linear.lora_triton import lora_add, prepare  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 IN, OUT = 40, 48  # not multiples of the kernels' tiles

@@ -27,8 +27,8 @@ from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
-from tgis.shard.native.model_runner import ModelRunner
 from tgis.shard.native.models import check_config
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard_api.messages import DetailOptions
 
 NEW_TOKENS = 10

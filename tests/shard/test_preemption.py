@@ -14,7 +14,7 @@ from tgis.shard.config import ShardConfig
 from tgis.shard.errors import InvalidStepError
 from tgis.shard.fallback.runner import HfRunner
 from tgis.shard.loader import load_runner
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.step.plan import PlanLimits, resolve_plan
 from tgis.shard.step.runner import Runner
 from tgis.shard.step.sequence import Sequence

@@ -14,7 +14,7 @@ import torch
 from conftest import Router
 
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.step.plan import PlanLimits, resolve_plan
 from tgis.shard_api.messages import (
     DetailOptions,

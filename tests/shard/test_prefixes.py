@@ -21,7 +21,7 @@ from tests.prefix_oracle import prefixed_greedy
 from tgis.shard.adapters.store_paths import StoreError, StoreErrorKind
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard_api.messages import DetailOptions
 
 HIDDEN = 64

@@ -1,4 +1,4 @@
-"""The Triton kernels for 4- and 8-bit weights (``native/quant_triton.py``) against the
+"""The Triton kernels for 4- and 8-bit weights (``native/linear/quant_triton.py``) against the
 dense weight the integers stand for.
 
 Without a GPU the kernels run on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``,
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-from tgis.shard.native.quant_triton import (  # noqa: E402
+from tgis.shard.native.linear.quant_triton import (  # noqa: E402
     DEQUANTIZE_ROWS,
     TritonQuantWeight,
     triton_quant_weight,

@@ -1,5 +1,5 @@
 """The common quantized form (``checkpoints/quantized/matrix.py``) and the CPU kernels each
-layer is given (``native/quantized_linear.py``), against the dense weight the integers
+layer is given (``native/linear/quantized_linear.py``), against the dense weight the integers
 stand for: ``scales[o, g_idx[i]] * (q[o, i] - zeros[o, g_idx[i]])`` computed here, in
 float64, by indexing alone."""
 
@@ -24,10 +24,9 @@ from tgis.shard.checkpoints.weights import check_group_split
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
-from tgis.shard.native import cpu_quant
-from tgis.shard.native.cpu_quant import QuantCpuWeight
-from tgis.shard.native.parallel.layers import apply
-from tgis.shard.native.quantized_linear import (
+from tgis.shard.native.linear import cpu_quant
+from tgis.shard.native.linear.cpu_quant import QuantCpuWeight
+from tgis.shard.native.linear.quantized_linear import (
     KERNEL_VARIABLE,
     Int4CpuWeight,
     Int8CpuWeight,
@@ -35,6 +34,7 @@ from tgis.shard.native.quantized_linear import (
     kernel_mode,
     runtime_weight,
 )
+from tgis.shard.native.linear.sharded import apply
 
 
 def random_matrix(

@@ -36,10 +36,10 @@ from tests.quant_fixtures.packing import decoder_linears, save_awq_checkpoint, s
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
-from tgis.shard.native import cpu_quant
-from tgis.shard.native.compiled import CompiledForward
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.graphs.compiled import CompiledForward
+from tgis.shard.native.linear import cpu_quant
 from tgis.shard.native.models.decoder import DecoderLM
+from tgis.shard.native.runtime.model_runner import ModelRunner
 
 NEW_TOKENS = 10
 needs_tgis_kernel = pytest.mark.skipif(

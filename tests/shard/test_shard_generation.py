@@ -95,7 +95,7 @@ def test_input_token_details_match_hf_and_survive_chunking(
     make_runner, tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Logits of prompt positions are materialised 4 rows at a time: exercise the seams.
-    monkeypatch.setattr("tgis.shard.native.model_runner.INPUT_DETAIL_ROWS", 4)
+    monkeypatch.setattr("tgis.shard.native.runtime.model_runner.INPUT_DETAIL_ROWS", 4)
     prompt = PROMPTS[3]
     options = DetailOptions(logprobs=True, ranks=True, top_n=3, input_tokens=True)
     results = []

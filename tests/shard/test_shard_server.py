@@ -22,7 +22,7 @@ import torch
 from conftest import EOS, VOCAB, TinyModel
 
 from tgis.pb import shard_pb2, shard_pb2_grpc
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.serving.server import ShardServer
 from tgis.shard_api.codec import plan_from_pb
 from tgis.shard_api.messages import DetailOptions, NewSequence, ScheduledSequence, StepPlan

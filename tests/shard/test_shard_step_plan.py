@@ -6,7 +6,7 @@ import pytest
 from conftest import VOCAB, Router
 
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.serving.step_executor import StepExecutor
 from tgis.shard_api.channel import StepFailed
 from tgis.shard_api.messages import (

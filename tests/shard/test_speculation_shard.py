@@ -18,10 +18,10 @@ from tgis.shard.config import ShardConfig
 from tgis.shard.errors import InvalidStepError, StartupError
 from tgis.shard.loader import load_runner
 from tgis.shard.native.attention.selection import start_attention_backend
-from tgis.shard.native.cuda_graphs import DecodeGraphs, graph_buckets
-from tgis.shard.native.draft_loading import LoadedDraft, load_draft
-from tgis.shard.native.draft_model import DraftModel
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.graphs.cuda_graphs import DecodeGraphs, graph_buckets
+from tgis.shard.native.runtime.model_runner import ModelRunner
+from tgis.shard.native.speculation.draft_loading import LoadedDraft, load_draft
+from tgis.shard.native.speculation.draft_model import DraftModel
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 from tgis.shard.step.plan import WorkItem
 from tgis.shard.step.sequence import Sequence

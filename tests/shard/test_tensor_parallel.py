@@ -23,7 +23,7 @@ from tp_utils import (
 
 from tests.lora_oracle import save_random_lora
 from tgis.shard.cli import main
-from tgis.shard.native.lockstep import with_seeds
+from tgis.shard.native.runtime.lockstep import with_seeds
 from tgis.shard_api.messages import (
     DetailOptions,
     PrefixInfo,

@@ -43,7 +43,7 @@ import tgis.shard.device as device_module
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard_api.messages import (
     DetailOptions,
     NewSequence,
@@ -342,7 +342,7 @@ def count_reads() -> Iterator[dict[str, int]]:
 
 
 def _run_rank(spec: dict[str, Any], rank: int, world_size: int) -> RankReport:
-    from tgis.shard.native.lockstep import LockstepRunner, run_worker
+    from tgis.shard.native.runtime.lockstep import LockstepRunner, run_worker
     from tgis.shard.parallel.distributed import destroy, init_distributed
     from tgis.shard.serving.tensor_parallel import native_runner
 

@@ -9,7 +9,7 @@ so it is decided once at start-up, by rules both engines share:
   of memory (1 GiB, or a quarter of the memory available if that is less), and always at
   least one sequence of ``max_sequence_length``; on a GPU, ``TGIS_KV_CACHE_BLOCKS`` when
   set (tests, benchmarks);
-* **measured** — the native engine on a GPU otherwise (``native/cuda_capacity.py``).
+* **measured** — the native engine on a GPU otherwise (``native/loading/cuda_capacity.py``).
 
 Either way one sequence of ``max_sequence_length`` tokens must fit, else start-up fails.
 """

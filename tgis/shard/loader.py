@@ -1,5 +1,5 @@
 """Build a ready runner from a ShardConfig: find the model, choose its engine
-(``engines.py``) and let that engine's loader load it (``native/loader.py``,
+(``engines.py``) and let that engine's loader load it (``native/loading/loader.py``,
 ``fallback/loader.py``)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from tgis.shard.checkpoints.quantized.scheme import checkpoint_scheme, resolve_q
 from tgis.shard.config import ShardConfig
 from tgis.shard.engines import dummy_needs_native, select_engine
 from tgis.shard.errors import StartupError
-from tgis.shard.native.cpu_gemm import bound_primitive_caches
-from tgis.shard.native.loader import load_native_runner
+from tgis.shard.native.linear.cpu_gemm import bound_primitive_caches
+from tgis.shard.native.loading.loader import load_native_runner
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 from tgis.shard.step.guided import Grammars
 from tgis.shard.step.runner import Runner, SequenceRunner
@@ -27,7 +27,7 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
     rank reads only its slice of each tensor and every rank gets the same number of KV
     blocks (the smallest that fits on all of them).
 
-    oneDNN's primitive caches are capped first (``native/cpu_gemm.py``): they fill with one
+    oneDNN's primitive caches are capped first (``native/linear/cpu_gemm.py``): they fill with one
     entry per GEMM shape and row count and would otherwise grow for minutes under load.
 
     Raises StartupError (or ModelNotFoundError) with a one-line message on any problem.

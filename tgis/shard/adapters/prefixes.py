@@ -3,7 +3,7 @@ answered, and each new sequence given its prefix's embeddings.
 
 ``Prefixes`` takes them from the ``PrefixStore`` cache (``PREFIX_STORE_PATH``), or refuses
 when no store is set (``NO_PREFIXES``). How a step puts the embeddings in place of the
-placeholder tokens is the engine's business (``native/prefix_rows.py``, and the
+placeholder tokens is the engine's business (``native/runtime/prefix_rows.py``, and the
 transformers fallback's ``fallback/causal.py`` and ``fallback/seq2seq.py``).
 """
 

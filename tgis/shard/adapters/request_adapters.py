@@ -2,7 +2,7 @@
 and each new sequence given what its adapter contributes.
 
 A LoRA adapter gives the sequence its weights (``Sequence.lora``, applied row by row by
-the native engine, ``native/lora_rows.py``); a prompt-tuning adapter gives it virtual
+the native engine, ``native/linear/lora_rows.py``); a prompt-tuning adapter gives it virtual
 tokens exactly as a prompt prefix does (``Sequence.prefix``). Both come from this rank's
 ``AdapterCache`` (``ADAPTER_CACHE``); without one (``NO_ADAPTERS``) every adapter id is
 refused.

@@ -1,3 +1,3 @@
-"""The native paged engine: ``ModelRunner``, its paged KV cache and block tables, the
-attention backends, the model families and their tensor-parallel layers, the lock-step
-ranks, the GPU capacity measurement, the compiled step and decode CUDA graphs."""
+"""The native paged engine, in rooms that depend downward (pyproject's import contract):
+``loading`` (start-up) → ``runtime`` (each step) → ``speculation`` | ``graphs`` →
+``models`` → ``linear`` | ``attention``."""

@@ -4,7 +4,7 @@ the rank runs Steps, the step channel on ``{uds_path}-{rank}.steps``.
 Rank 0 alone serves the router: Info (which names the step channel), Health and Reset over
 gRPC, Steps over the channel (``tgis.shard_api.channel``; the gRPC Step RPC answers too),
 both through one ``StepExecutor``. With tensor parallelism its runner is a
-``native.lockstep.LockstepRunner`` that broadcasts each StepPlan to the other ranks, whose
+``native.runtime.lockstep.LockstepRunner`` that broadcasts each StepPlan to the other ranks, whose
 own servers answer only Info and Health (``tensor_parallel.py``).
 """
 

@@ -23,8 +23,8 @@ import signal
 import threading
 
 from tgis.shard.errors import InvalidStepError, StartupError
-from tgis.shard.native.lockstep import LockstepRunner, run_worker
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.lockstep import LockstepRunner, run_worker
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.parallel.distributed import destroy, first_line
 from tgis.shard.parallel.group import TensorParallel
 from tgis.shard.serving.server import ShardServer

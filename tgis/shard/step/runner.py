@@ -1,7 +1,7 @@
 """The interface the shard's servicer needs from an engine (``Runner``), and the one step
 algorithm both engines run (``SequenceRunner.step``).
 
-Two implementations: ``native.model_runner.ModelRunner`` (the native paged engine) and
+Two implementations: ``native.runtime.model_runner.ModelRunner`` (the native paged engine) and
 ``fallback.runner.HfRunner`` (the transformers fallback). ``loader.load_runner`` picks one.
 
 A step, whichever the engine:

@@ -35,7 +35,7 @@ class Sequence:
     # Encoder-decoder models only: the prefix's encoder rows (None: none). The placeholder
     # ids then stand for these rows first, then ``prefix``'s (``fallback/seq2seq.py``).
     encoder_prefix: torch.Tensor | None = None
-    # Its LoRA adapter, on the model's device (None: none; ``native/lora_rows.py``).
+    # Its LoRA adapter, on the model's device (None: none; ``native/linear/lora_rows.py``).
     lora: LoraWeights | None = None
     # Its guided-decoding matcher (None: unconstrained; ``guided.py``). It has consumed
     # every generated token, so a preempted sequence resumes with it as it was.
@@ -43,7 +43,7 @@ class Sequence:
     # Prompt-token details gathered chunk by chunk until the prompt completes.
     input_details: list[TokenDetail] = field(default_factory=list)
     # Leading positions whose keys and values are in the draft model's cache (speculative
-    # decoding with a draft model, ``native/draft_model.py``).
+    # decoding with a draft model, ``native/speculation/draft_model.py``).
     draft_computed: int = 0
     # Greedy without penalties (at most EOS masked by min_new_tokens): the sampler's fast path.
     plain_greedy: bool = field(init=False)

@@ -12,7 +12,7 @@ Per linear layer ``<m>``: ``<m>.weight`` float8 (e4m3) [out, in] and a float32 s
 scaled per tensor or per channel stays in FP8 (``fp8_matrix.py: Fp8Matrix``); one scaled
 per group of columns or per block is read dense, in float32. An ``input_scale`` (static
 activation quantization) is not used: where the layer runs in FP8, the activations get
-their own scales per token (``native/fp8_linear.py``).
+their own scales per token (``native/linear/fp8_linear.py``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ FP8 checkpoints whose scales are per tensor or per output channel (compressed-te
 ``--quantize fp8`` at load arrive in this form, a per-tensor scale repeated for every
 channel. Slicing for tensor parallelism (``rows``, ``cols``) and fusing q/k/v or gate/up
 (``concat_fp8``) keep the values in FP8, so a GPU with FP8 matrix units multiplies them as
-they are (``native/fp8_linear.py``); elsewhere they are dequantized at load.
+they are (``native/linear/fp8_linear.py``); elsewhere they are dequantized at load.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ layouts, int8 quantized at load) is unpacked at load into the same ``GroupQuanti
 and the weight it stands for is ``W[o, i] = scales[o, g] * (q[o, i] - zeros[o, g])`` with
 ``g = g_idx[i]``. The formats differ only in how they pack and offset these numbers, so
 slicing for tensor parallelism (``rows``, ``cols``), fusing q/k/v or gate/up (``concat``)
-and dequantizing are written once, here; the kernels (``native/quantized_linear.py``) start
+and dequantizing are written once, here; the kernels (``native/linear/quantized_linear.py``) start
 from this form too.
 """
 

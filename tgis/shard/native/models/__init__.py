@@ -1,4 +1,7 @@
-"""Model implementations and the registry that maps Hugging Face architectures to them."""
+"""Model implementations and the registry that maps Hugging Face architectures to them: one
+module per family (``llama``, ``gpt_bigcode``, ``gpt_neox``, ``falcon``) over the shared
+decoder (``decoder``: ``DecoderLM``), its layers (``layers``) and rotary embeddings
+(``rotary``); a new family is a module here and an entry in the registry below."""
 
 from __future__ import annotations
 
@@ -12,8 +15,8 @@ from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
-from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
-from tgis.shard.native.lora_rows import LoraRows
+from tgis.shard.native.attention.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.native.linear.lora_rows import LoraRows
 from tgis.shard.native.models.decoder import EmbeddingRows
 from tgis.shard.native.models.falcon import FalconForCausalLM
 from tgis.shard.native.models.gpt_bigcode import GPTBigCodeForCausalLM

@@ -18,12 +18,12 @@ import torch
 from tgis.shard.adapters.lora_layout import LoraSite
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.native.attention.interface import AttentionBackend
-from tgis.shard.native.cpu_gemm import pack
-from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
-from tgis.shard.native.lora_rows import LoraRows
+from tgis.shard.native.attention.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.native.linear.cpu_gemm import pack
+from tgis.shard.native.linear.lora_rows import LoraRows
+from tgis.shard.native.linear.sharded import ColumnLinear, LMHead, RowLinear, VocabEmbedding
 from tgis.shard.native.models.layers import AttendFn, Heads, StepContext
 from tgis.shard.native.models.rotary import RotaryEmbedding
-from tgis.shard.native.parallel.layers import ColumnLinear, LMHead, RowLinear, VocabEmbedding
 
 
 def paged_attend(backend: AttentionBackend, kv_cache: KVCache, metadata: Any) -> AttendFn:
@@ -183,7 +183,7 @@ class DecoderLM:
         return linears
 
     def linear_kernels(self) -> Counter[str]:
-        """How many linear layers run each kernel (``native/quantized_linear.py``)."""
+        """How many linear layers run each kernel (``native/linear/quantized_linear.py``)."""
         return Counter(linear.kernel for linear in self.linear_layers())
 
 

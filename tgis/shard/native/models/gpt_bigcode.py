@@ -17,6 +17,7 @@ from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
+from tgis.shard.native.linear.sharded import VocabEmbedding, row_linear
 from tgis.shard.native.models.decoder import DecoderLM, EmbeddingRows
 from tgis.shard.native.models.layers import (
     MLP,
@@ -33,7 +34,6 @@ from tgis.shard.native.models.layers import (
     linear_shapes,
     load_lm_head,
 )
-from tgis.shard.native.parallel.layers import VocabEmbedding, row_linear
 
 ARCHITECTURE = "GPTBigCodeForCausalLM"
 

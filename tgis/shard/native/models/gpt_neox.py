@@ -19,6 +19,7 @@ from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
+from tgis.shard.native.linear.sharded import VocabEmbedding, row_linear
 from tgis.shard.native.models.decoder import DecoderLM
 from tgis.shard.native.models.layers import (
     MLP,
@@ -35,7 +36,6 @@ from tgis.shard.native.models.layers import (
     load_lm_head,
 )
 from tgis.shard.native.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
-from tgis.shard.native.parallel.layers import VocabEmbedding, row_linear
 
 ARCHITECTURE = "GPTNeoXForCausalLM"
 LM_HEAD_NAMES = ("embed_out.weight", "lm_head.weight")

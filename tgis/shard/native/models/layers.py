@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from tgis.shard.adapters.lora_layout import LoraSite
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
-from tgis.shard.native.lora_rows import LoraRows
-from tgis.shard.native.models.rotary import apply_rotary
-from tgis.shard.native.parallel.layers import (
+from tgis.shard.native.linear.lora_rows import LoraRows
+from tgis.shard.native.linear.sharded import (
     ColumnLinear,
     LMHead,
     RowLinear,
@@ -32,6 +31,7 @@ from tgis.shard.native.parallel.layers import (
     lora_part,
     row_linear,
 )
+from tgis.shard.native.models.rotary import apply_rotary
 from tgis.shard.parallel.group import TensorParallel
 
 Activation = Callable[[torch.Tensor], torch.Tensor]

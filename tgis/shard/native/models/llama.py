@@ -23,6 +23,15 @@ from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
+from tgis.shard.native.linear.sharded import (
+    ColumnLinear,
+    VocabEmbedding,
+    column_linear,
+    head_range,
+    heads_rows,
+    lora_part,
+    row_linear,
+)
 from tgis.shard.native.models.decoder import DecoderLM, EmbeddingRows
 from tgis.shard.native.models.layers import (
     Attention,
@@ -34,15 +43,6 @@ from tgis.shard.native.models.layers import (
     load_lm_head,
 )
 from tgis.shard.native.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
-from tgis.shard.native.parallel.layers import (
-    ColumnLinear,
-    VocabEmbedding,
-    column_linear,
-    head_range,
-    heads_rows,
-    lora_part,
-    row_linear,
-)
 
 # Architectures of the Llama relatives whose config may lack ``model_type``.
 _ARCHITECTURE_TYPES = {"GraniteForCausalLM": "granite", "Qwen2ForCausalLM": "qwen2"}

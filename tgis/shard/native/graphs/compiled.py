@@ -30,7 +30,7 @@ import torch
 
 from tgis.shard.config import env_mode
 from tgis.shard.native.attention.interface import AttentionBackend
-from tgis.shard.native.kv_cache import KVCache
+from tgis.shard.native.attention.kv_cache import KVCache
 from tgis.shard.native.models.decoder import DecoderLM
 
 log = logging.getLogger(__name__)

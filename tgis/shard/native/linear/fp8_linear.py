@@ -12,7 +12,7 @@ checkpoints; the activations' rounding (3 mantissa bits) moves a layer's output 
 
 Where this kernel is not chosen (a GPU without FP8, the CPU, where ``_scaled_mm`` is a
 reference loop 35-160x slower than oneDNN's bfloat16 GEMM (BENCHMARKS.md), shapes it does
-not take), the layer is dequantized at load (``native/quantized_linear.py``).
+not take), the layer is dequantized at load (``native/linear/quantized_linear.py``).
 ``TGIS_QUANT_KERNEL=torch`` forces it on the CPU, which is how the tests run it there.
 """
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from tgis.shard.native.attention.block_tables import BlockTables, flatten
 from tgis.shard.native.attention.interface import AttentionBackend
-from tgis.shard.native.block_tables import BlockTables, flatten
-from tgis.shard.native.kv_cache import KVCache
+from tgis.shard.native.attention.kv_cache import KVCache
 from tgis.shard.native.models import CausalLM
 from tgis.shard.step.plan import WorkItem
 from tgis.shard.step.sampling import argmax_rows

@@ -20,7 +20,7 @@ the high nibble), rows in tiles of 16 and each tile's spans of 512 values contig
 (``tiled``); ``scales`` and ``szeros`` float32 [out, groups] with
 ``W[n, k] = scales[n, g] * q[n, k] - szeros[n, g]``; input columns in group order (``order``
 gathers an activation-ordered layer's inputs). Where the extension was not built or the
-processor lacks AVX-512, ``native/quantized_linear.py`` uses PyTorch's int4/int8 kernels.
+processor lacks AVX-512, ``native/linear/quantized_linear.py`` uses PyTorch's int4/int8 kernels.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def load_kernel() -> ModuleType | None:
     """The compiled extension, or None when it was not built or this processor lacks
     AVX-512."""
     try:
-        module = importlib.import_module("tgis.shard.native._cpu_quant")
+        module = importlib.import_module("tgis.shard.native.linear._cpu_quant")
     except ImportError:
         return None
     return module if module.available() else None

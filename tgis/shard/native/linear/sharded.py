@@ -6,7 +6,7 @@ results with an all-reduce. Attention splits heads (column-parallel q/k/v, row-p
 output projection); the MLP splits its intermediate size the same way. Each rank reads
 only its slice of each checkpoint tensor (`Weights.linear`).
 
-A linear layer's weight is dense or quantized (``native/quantized_linear.py`` chooses its
+A linear layer's weight is dense or quantized (``native/linear/quantized_linear.py`` chooses its
 kernel once, at load); the layers call ``apply`` and never look at the format.
 """
 
@@ -21,9 +21,9 @@ from tgis.shard.adapters.lora_layout import LoraPart, LoraSite
 from tgis.shard.checkpoints.quantized.source import LinearMatrix
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
-from tgis.shard.native.cpu_gemm import linear
-from tgis.shard.native.lora_rows import LoraRows
-from tgis.shard.native.quantized_linear import LinearWeight, runtime_weight
+from tgis.shard.native.linear.cpu_gemm import linear
+from tgis.shard.native.linear.lora_rows import LoraRows
+from tgis.shard.native.linear.quantized_linear import LinearWeight, runtime_weight
 from tgis.shard.parallel.group import TensorParallel
 
 

@@ -28,9 +28,9 @@ import torch
 from tgis.shard.capacity import blocks_for
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
-from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.attention.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.native.models import CausalLM, ForwardFn
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard_api.messages import (
     DetailOptions,
     NewSequence,

@@ -24,9 +24,9 @@ from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
-from tgis.shard.native.draft_model import DraftModel
-from tgis.shard.native.kv_cache import KVCache, KVCacheSpec
+from tgis.shard.native.attention.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.native.models import CausalLM, model_class
+from tgis.shard.native.speculation.draft_model import DraftModel
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 
 __all__ = ["LoadedDraft", "load_draft"]

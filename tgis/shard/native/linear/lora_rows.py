@@ -26,7 +26,7 @@ import torch
 from tgis.shard.adapters.lora_layout import LoraWeights
 
 if TYPE_CHECKING:
-    from tgis.shard.native.lora_triton import LoraKernelMetadata
+    from tgis.shard.native.linear.lora_triton import LoraKernelMetadata
     from tgis.shard.step.plan import WorkItem
 
 KERNELS = ("auto", "triton", "torch")
@@ -52,7 +52,7 @@ class LoraRows:
         """Add to ``y`` (the output of site ``site`` for input ``x``) each group's delta, in
         place, on that group's rows."""
         if self.kernel is not None:
-            from tgis.shard.native.lora_triton import lora_add
+            from tgis.shard.native.linear.lora_triton import lora_add
 
             if lora_add(self.kernel, site, x, y):
                 return
@@ -120,7 +120,7 @@ def lora_rows(
         groups.append(LoraGroup(weights, rows))
     metadata = None
     if lora_kernel(device, kernel) == "triton":
-        from tgis.shard.native.lora_triton import prepare
+        from tgis.shard.native.linear.lora_triton import prepare
 
         spans_of = [(w, [r for s in spans for r in s]) for w, spans in by_adapter.values()]
         metadata = prepare(spans_of, device)

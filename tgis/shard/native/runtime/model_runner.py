@@ -22,14 +22,14 @@ import torch
 from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
 from tgis.shard.cpu_threads import StepTiming, busy_host_seconds, cpu_threads
+from tgis.shard.native.attention.block_tables import BlockTables, flatten
 from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
-from tgis.shard.native.block_tables import BlockTables, flatten
-from tgis.shard.native.draft_model import DraftModel, draft_computed_after
-from tgis.shard.native.kv_cache import KVCache
-from tgis.shard.native.lora_rows import LoraRows, lora_kernel, lora_rows
+from tgis.shard.native.attention.kv_cache import KVCache
+from tgis.shard.native.linear.lora_rows import LoraRows, lora_kernel, lora_rows
 from tgis.shard.native.models import CausalLM, ForwardFn
 from tgis.shard.native.models.decoder import EmbeddingRows
-from tgis.shard.native.prefix_rows import embedding_rows
+from tgis.shard.native.runtime.prefix_rows import embedding_rows
+from tgis.shard.native.speculation.draft_model import DraftModel, draft_computed_after
 from tgis.shard.step.guided import PendingMasks
 from tgis.shard.step.plan import PlanLimits, ResolvedStep, WorkItem
 from tgis.shard.step.results import sample_tokens, start_masks
@@ -48,7 +48,7 @@ from tgis.shard_api.messages import (
 )
 
 if TYPE_CHECKING:
-    from tgis.shard.native.cuda_graphs import DecodeGraphs
+    from tgis.shard.native.graphs.cuda_graphs import DecodeGraphs
 
 # Prompt positions whose logits are materialised at once for input-token details.
 INPUT_DETAIL_ROWS = 256

@@ -33,15 +33,15 @@ from tgis.shard.cpu_threads import MIN_PARALLEL_SECONDS
 from tgis.shard.device import dtype_name, select_device, select_dtype
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
+from tgis.shard.native.attention.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.native.attention.selection import start_attention_backend
-from tgis.shard.native.compiled import CompiledForward, compile_mode, should_compile
-from tgis.shard.native.cpu_gemm import PRIMITIVE_CACHE_VARIABLES, packing_available
-from tgis.shard.native.cuda_capacity import measure_cuda_blocks
-from tgis.shard.native.draft_loading import load_draft
-from tgis.shard.native.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.graphs.compiled import CompiledForward, compile_mode, should_compile
+from tgis.shard.native.linear.cpu_gemm import PRIMITIVE_CACHE_VARIABLES, packing_available
+from tgis.shard.native.loading.cuda_capacity import measure_cuda_blocks
 from tgis.shard.native.models import CausalLM, ForwardFn, ModelFactory, model_class
 from tgis.shard.native.models.decoder import DecoderLM
+from tgis.shard.native.runtime.model_runner import ModelRunner
+from tgis.shard.native.speculation.draft_loading import load_draft
 from tgis.shard.parallel.distributed import min_over_ranks
 from tgis.shard.parallel.group import TensorParallel
 from tgis.shard_api.messages import DEFAULT_MAX_BATCH_SIZE, ModelKind, ShardInfo
@@ -214,7 +214,7 @@ def _log_quantization(model: CausalLM, quantization: QuantScheme | None) -> None
     if any(kernel.startswith("dequantized") for kernel in kernels):
         log.info(
             "Dequantized layers hold dense weights: they compute what the checkpoint's "
-            "values say, without the memory saving (native/quantized_linear.py)"
+            "values say, without the memory saving (native/linear/quantized_linear.py)"
         )
 
 
@@ -340,7 +340,7 @@ def _capture_decode_graphs(runner: ModelRunner, config: ShardConfig, tp: TensorP
     """CUDA graphs of the decode steps, and of the verify steps when the router drafts
     (``cuda_graphs.py``), where they apply: CUDA, ``triton_paged``, one rank,
     ``TGIS_CUDA_GRAPHS`` not 0."""
-    from tgis.shard.native.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
+    from tgis.shard.native.graphs.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
 
     mode = graphs_mode()
     applies = (

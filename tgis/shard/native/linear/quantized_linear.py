@@ -46,8 +46,8 @@ from tgis.shard.checkpoints.quantized.fp8_matrix import Fp8Matrix
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized, fuse_rows
 from tgis.shard.checkpoints.quantized.source import LinearMatrix
 from tgis.shard.errors import StartupError
-from tgis.shard.native.cpu_quant import quant_cpu_weight
-from tgis.shard.native.fp8_linear import fp8_supported, scaled_weight
+from tgis.shard.native.linear.cpu_quant import quant_cpu_weight
+from tgis.shard.native.linear.fp8_linear import fp8_supported, scaled_weight
 
 KERNEL_VARIABLE = "TGIS_QUANT_KERNEL"
 KERNEL_MODES = ("auto", "triton", "tgis", "torch", "dequant")
@@ -176,7 +176,7 @@ def _kernel_weight(matrix: GroupQuantized, mode: str) -> KernelWeight | str:
     if matrix.q.device.type == "cuda":
         if mode not in ("auto", "triton"):
             return f"{KERNEL_VARIABLE}={mode} names a CPU kernel"
-        from tgis.shard.native.quant_triton import triton_quant_weight  # CUDA builds only
+        from tgis.shard.native.linear.quant_triton import triton_quant_weight  # CUDA builds only
 
         return triton_quant_weight(matrix)
     if mode == "triton":

@@ -43,7 +43,7 @@ import torch
 
 from tgis.shard.config import env_mode
 from tgis.shard.native.attention.interface import BatchLayout
-from tgis.shard.native.kv_cache import KVCache
+from tgis.shard.native.attention.kv_cache import KVCache
 from tgis.shard.native.models import ForwardFn
 
 if TYPE_CHECKING:  # imports Triton: only once graphs are captured

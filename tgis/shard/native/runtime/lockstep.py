@@ -26,7 +26,7 @@ from typing import NoReturn
 import torch
 
 from tgis.shard.adapters.store_paths import invalid
-from tgis.shard.native.model_runner import ModelRunner
+from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.parallel.distributed import broadcast_object, first_line, gather_objects
 from tgis.shard.parallel.group import TensorParallel
 from tgis.shard_api.messages import (

@@ -1,0 +1,2 @@
+"""Speculative decoding's draft model: its drafting steps (``draft_model``) and its loading
+(``draft_loading``)."""
