@@ -1,3 +1,3 @@
 """The native paged engine, in rooms that depend downward (pyproject's import contract):
-``loading`` (start-up) → ``runtime`` (each step) → ``speculation`` | ``graphs`` →
+``loading`` (start-up) → ``runtime`` (each step) → ``speculation`` → ``graphs`` →
 ``models`` → ``linear`` | ``attention``."""
