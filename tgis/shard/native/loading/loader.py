@@ -1,5 +1,6 @@
 """Load the native engine's runner: this rank's weights, the KV cache sized for the device,
-the request stores, and the forward compiled and captured in CUDA graphs where that applies.
+the request stores, and the forward compiled and captured in CUDA graphs where that applies
+(``forward.py``).
 
 ``load_native_runner`` is what ``tgis.shard.loader.load_runner`` delegates to when the
 native engine serves the model.
@@ -8,7 +9,6 @@ native engine serves the model.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -35,9 +35,13 @@ from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.attention.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.native.attention.selection import start_attention_backend
-from tgis.shard.native.graphs.compiled import CompiledForward, compile_mode, should_compile
-from tgis.shard.native.linear.cpu_gemm import PRIMITIVE_CACHE_VARIABLES, packing_available
 from tgis.shard.native.loading.cuda_capacity import measure_cuda_blocks
+from tgis.shard.native.loading.forward import (
+    capture_decode_graphs,
+    choose_forward,
+    compile_step,
+    pack_cpu_weights,
+)
 from tgis.shard.native.models import CausalLM, ForwardFn, ModelFactory, model_class
 from tgis.shard.native.models.decoder import DecoderLM
 from tgis.shard.native.runtime.model_runner import ModelRunner
@@ -72,8 +76,8 @@ def load_native_runner(
     _log_quantization(model, quantization)
     spec = model.kv_cache_spec
     info = _info(config, model_config, spec, attention, device, dtype)
-    forward = _forward(model, tp, device)
-    _pack_cpu_weights(model, forward, device, dtype)
+    forward = choose_forward(model, tp, device)
+    pack_cpu_weights(model, forward, device, dtype)
     draft = load_draft(config, model_config, attention, device, dtype, tp)
     draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
     num_blocks = min_over_ranks(
@@ -92,9 +96,8 @@ def load_native_runner(
                 num_blocks, attention, device, config.prefix_caching, info.eos_token_ids
             )
         )
-    if isinstance(forward, CompiledForward):
-        _compile(runner, model)
-    _capture_decode_graphs(runner, config, tp)
+    compile_step(runner, model)
+    capture_decode_graphs(runner, config, tp)
     timing = runner.calibrate_cpu_threads()
     if timing is not None and runner.threads is not None:
         log.info(
@@ -180,27 +183,6 @@ def _stores(
     return prefixes, adapters
 
 
-def _pack_cpu_weights(
-    model: CausalLM, forward: object, device: torch.device, dtype: torch.dtype
-) -> None:
-    """On the CPU, with the eager forward, put the linear layers' weights in oneDNN's
-    layout (``cpu_gemm.py``)."""
-    if device.type != "cpu" or isinstance(forward, CompiledForward):
-        return
-    if not isinstance(model, DecoderLM) or not packing_available(dtype):
-        log.info("Linear layers: dense %s weights (no oneDNN packing for them)", dtype_name(dtype))
-        return
-    started = time.monotonic()
-    count = model.pack_linear_weights()
-    log.info(
-        "Linear layers: %d weights packed for oneDNN (%s) in %.1f s; primitive caches of %s",
-        count,
-        dtype_name(dtype),
-        time.monotonic() - started,
-        " and ".join(f"{name}={os.environ.get(name)}" for name in PRIMITIVE_CACHE_VARIABLES),
-    )
-
-
 def _log_quantization(model: CausalLM, quantization: QuantScheme | None) -> None:
     """Name the quantization and the kernel of the linear layers (how many run each)."""
     if quantization is None or not isinstance(model, DecoderLM):
@@ -216,21 +198,6 @@ def _log_quantization(model: CausalLM, quantization: QuantScheme | None) -> None
             "Dequantized layers hold dense weights: they compute what the checkpoint's "
             "values say, without the memory saving (native/linear/quantized_linear.py)"
         )
-
-
-def _compile(runner: ModelRunner, model: CausalLM) -> None:
-    """Compile the runner's step now (``ModelRunner.warm_up``); on failure run it eagerly,
-    unless ``TGIS_COMPILE=1`` made compiling a requirement."""
-    started = time.monotonic()
-    try:
-        runner.warm_up()
-    except Exception as e:
-        if compile_mode() == "on":
-            raise StartupError(f"compiling the step failed (TGIS_COMPILE=1): {e}") from e
-        log.warning("Compiling the step failed, running it eagerly: %s", e)
-        runner.forward = model.forward
-    else:
-        log.info("Compiled the step in %.1f s", time.monotonic() - started)
 
 
 def _embedding_dim(model: CausalLM) -> int:
@@ -277,19 +244,6 @@ def _build_model(
     return model
 
 
-def _forward(model: CausalLM, tp: TensorParallel, device: torch.device) -> ForwardFn:
-    """The compiled forward (``compiled.py``: on CUDA, or with ``TGIS_COMPILE=1``), else the
-    eager one; tensor parallelism always runs eagerly (its collectives are outside graphs)."""
-    try:
-        compiled = should_compile(device)
-    except ValueError as e:
-        raise StartupError(str(e)) from None
-    if compiled and isinstance(model, DecoderLM) and not tp.is_parallel:
-        return CompiledForward(model)
-    log.info("The step runs eagerly (TGIS_COMPILE=%s)", compile_mode())
-    return model.forward
-
-
 def _kv_cache_blocks(
     config: ShardConfig,
     model: CausalLM,
@@ -334,57 +288,3 @@ def _kv_cache_blocks(
         measured = min(measured, blocks_for(config.max_batch_total_tokens, block_size))
     log.info("KV cache: %d blocks of %d tokens fit after the warm-up", measured, block_size)
     return measured
-
-
-def _capture_decode_graphs(runner: ModelRunner, config: ShardConfig, tp: TensorParallel) -> None:
-    """CUDA graphs of the decode steps, and of the verify steps when the router drafts
-    (``cuda_graphs.py``), where they apply: CUDA, ``triton_paged``, one rank,
-    ``TGIS_CUDA_GRAPHS`` not 0."""
-    from tgis.shard.native.graphs.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
-
-    mode = graphs_mode()
-    applies = (
-        runner.device.type == "cuda"
-        and runner.attention.name == "triton_paged"
-        and not tp.is_parallel
-    )
-    if mode == "off" or not applies:
-        if mode == "on" and not applies:
-            log.warning("TGIS_CUDA_GRAPHS=1 ignored: graphs need CUDA, triton_paged, one rank")
-        return
-    max_batch = min(config.max_batch_size or DEFAULT_MAX_BATCH_SIZE, runner.info.num_blocks)
-    sets = [(1, max_batch)]
-    width = 1 + config.speculate
-    if config.speculate and width <= getattr(runner.attention, "prefill_tile", 0):
-        sets.append((width, min(max_batch, config.speculator_max_batch_size)))
-    elif config.speculate:
-        log.warning("No verify CUDA graphs: %d drafts exceed one query tile", config.speculate)
-    pool = torch.cuda.graph_pool_handle()
-    for rows, batch in sets:
-        what = "decode" if rows == 1 else f"verify ({rows - 1} drafts)"
-        graphs = DecodeGraphs(
-            runner.forward,
-            runner.kv_cache,
-            runner.device,
-            graph_buckets(batch),
-            config.max_sequence_length,
-            runner.info.vocab_size,
-            rows,
-        )
-        try:
-            seconds = graphs.capture(pool)
-            graphs.verify()
-        except Exception as e:
-            reason = " ".join(str(e).split())[:300]
-            if mode == "on":
-                raise StartupError(f"capturing the {what} CUDA graphs failed: {reason}") from None
-            log.warning("Capturing the %s CUDA graphs failed, running without: %s", what, reason)
-            return
-        runner.graph_sets += (graphs,)
-        log.info(
-            "Captured %s CUDA graphs for %d batch sizes (1 to %d) in %.1f s",
-            what,
-            len(graphs.buckets),
-            graphs.max_batch,
-            seconds,
-        )
