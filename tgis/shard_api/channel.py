@@ -165,10 +165,10 @@ class StepChannelServer:
             thread = threading.Thread(
                 target=self._serve, args=(conn,), name="step-channel-conn", daemon=True
             )
-            with self._lock:
+            with self._lock:  # started inside: close() joins only started threads
                 self._connections.add(conn)
                 self._threads.add(thread)
-            thread.start()
+                thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
