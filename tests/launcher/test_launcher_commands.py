@@ -25,19 +25,24 @@ def test_default_command_lines(model_dir: Path) -> None:
     cfg = resolved(model_dir)
     assert shard_argv("tgs", cfg) == [
         "tgs", "serve", str(model_dir), "hf_transformers",
+        "--shard-uds-path", "/tmp/text-generation-server",
         "--max-sequence-length", "256", "--max-new-tokens", "1024",
-        "--batch-safety-margin", "20", "--uds-path", "/tmp/text-generation-server",
-        "--cuda-process-memory-fraction", "1.0",
+        "--batch-safety-margin", "20", "--cuda-process-memory-fraction", "1.0",
     ]  # fmt: skip
     assert router_argv("tgr", cfg, model_dir / "tokenizer.json") == [
-        "tgr", "--max-concurrent-requests", "512", "--max-sequence-length", "256",
-        "--max-new-tokens", "1024", "--max-prefill-padding", "0.2",
-        "--port", "3000", "--grpc-port", "8033",
-        "--master-shard-uds-path", "/tmp/text-generation-server-0",
+        "tgr", "--served-model-name", str(model_dir), "--model-dir", str(model_dir),
         "--tokenizer-path", str(model_dir / "tokenizer.json"),
-        "--model-name", str(model_dir), "--model-dir", str(model_dir),
-        "--default-include-stop-seqs",
+        "--master-shard-uds-path", "/tmp/text-generation-server-0",
+        "--shutdown-grace-period", "25.0", "--port", "3000", "--grpc-port", "8033",
+        "--max-concurrent-requests", "512", "--max-sequence-length", "256",
+        "--max-new-tokens", "1024", "--max-prefill-padding", "0.2",
+        "--default-include-stop-seqs", "true",
     ]  # fmt: skip
+
+
+def option(argv: list[str], flag: str) -> str:
+    """The value after ``flag`` in ``argv``."""
+    return argv[argv.index(flag) + 1]
 
 
 def test_batch_size_and_joining_rule_are_passed_only_when_set(model_dir: Path) -> None:
@@ -62,26 +67,30 @@ def test_all_optional_arguments(model_dir: Path, tmp_path: Path) -> None:
         default_include_stop_seqs=False, otlp_endpoint="http://otel:4317",
         otlp_service_name="svc", max_sequence_length=128, cuda_process_memory_fraction=0.5,
     )  # fmt: skip
-    assert shard_argv("tgs", cfg)[-9:] == [
-        "--cuda-process-memory-fraction", "0.5", "--dtype", "bfloat16", "--quantize", "gptq",
-        "--sharded", "--revision", "v2",
-    ]  # fmt: skip
+    shard = shard_argv("tgs", cfg)
+    for flag, value in (
+        ("--cuda-process-memory-fraction", "0.5"), ("--dtype", "bfloat16"),
+        ("--quantize", "gptq"), ("--revision", "v2"), ("--max-sequence-length", "128"),
+        ("--shard-uds-path", f"{tmp_path}/sock"),
+    ):  # fmt: skip
+        assert option(shard, flag) == value, flag
+    assert "--sharded" in shard and "--json-output" in shard
     argv = router_argv("tgr", cfg, Path("/t/tokenizer.json"))
-    assert argv[argv.index("--max-sequence-length") + 1] == "128"
-    assert argv[argv.index("--master-shard-uds-path") + 1] == f"{tmp_path}/sock-0"
-    assert argv[argv.index("--model-name") + 1 :] == [
-        str(model_dir),
-        "--tls-cert-path", cert, "--tls-key-path", key,
-        "--tls-client-ca-cert-path", ca,
-        "--json-output", "--output-special-tokens", "--model-dir", str(model_dir),
-        "--otlp-endpoint", "http://otel:4317", "--otlp-service-name", "svc",
-    ]  # fmt: skip
+    for flag, value in (
+        ("--max-sequence-length", "128"), ("--master-shard-uds-path", f"{tmp_path}/sock-0"),
+        ("--served-model-name", str(model_dir)), ("--model-dir", str(model_dir)),
+        ("--tls-cert-path", cert), ("--tls-key-path", key), ("--tls-client-ca-cert-path", ca),
+        ("--otlp-endpoint", "http://otel:4317"), ("--otlp-service-name", "svc"),
+        ("--default-include-stop-seqs", "false"),
+    ):  # fmt: skip
+        assert option(argv, flag) == value, flag
+    assert "--json-output" in argv and "--output-special-tokens" in argv
 
 
 def test_load_format_is_passed_to_the_shard_only(model_dir: Path) -> None:
     cfg = resolved(model_dir, load_format="dummy")
     assert cfg.load_format == "dummy"
-    assert shard_argv("tgs", cfg)[-2:] == ["--load-format", "dummy"]
+    assert option(shard_argv("tgs", cfg), "--load-format") == "dummy"
     assert "--load-format" not in router_argv("tgr", cfg, model_dir / "tokenizer.json")
     assert "--load-format" not in shard_argv("tgs", resolved(model_dir, load_format="auto"))
 
@@ -91,9 +100,9 @@ def test_adapter_flags_are_passed_to_the_shard_with_an_adapter_cache(
 ) -> None:
     assert "--adapter-cache" not in shard_argv("tgs", resolved(model_dir, max_loras=3))
     cfg = resolved(model_dir, adapter_cache=str(tmp_path), max_loras=3, max_lora_rank=16)
-    assert shard_argv("tgs", cfg)[-6:] == [
-        "--adapter-cache", str(tmp_path), "--max-loras", "3", "--max-lora-rank", "16",
-    ]  # fmt: skip
+    shard = shard_argv("tgs", cfg)
+    assert option(shard, "--adapter-cache") == str(tmp_path)
+    assert (option(shard, "--max-loras"), option(shard, "--max-lora-rank")) == ("3", "16")
     assert "--adapter-cache" not in router_argv("tgr", cfg, model_dir / "tokenizer.json")
 
 
@@ -117,16 +126,19 @@ def test_bad_adapter_flags_fail_at_start(
         resolved(model_dir, **flags)
 
 
-def test_shutdown_grace_period_is_passed_only_when_set(model_dir: Path) -> None:
-    assert "--shutdown-grace-period" not in router_argv("tgr", resolved(model_dir), Path("/t"))
+def test_shutdown_grace_period_reaches_the_router(model_dir: Path) -> None:
+    assert (
+        option(router_argv("tgr", resolved(model_dir), Path("/t")), "--shutdown-grace-period")
+        == "25.0"
+    )
     argv = router_argv("tgr", resolved(model_dir, shutdown_grace_period=110.0), Path("/t"))
-    assert argv[argv.index("--shutdown-grace-period") + 1] == "110.0"
+    assert option(argv, "--shutdown-grace-period") == "110.0"
 
 
-def test_json_output_reaches_the_shards_through_the_environment(model_dir: Path) -> None:
-    """The shard has no --json-output flag; tgis.log reads JSON_OUTPUT."""
-    assert "JSON_OUTPUT" not in shard_env(resolved(model_dir), 0, {})
-    assert shard_env(resolved(model_dir, json_output=True), 0, {})["JSON_OUTPUT"] == "true"
+def test_json_output_reaches_every_child_on_its_command_line(model_dir: Path) -> None:
+    assert "--json-output" not in shard_argv("tgs", resolved(model_dir))
+    assert "--json-output" in shard_argv("tgs", resolved(model_dir, json_output=True))
+    assert "--json-output" in router_argv("tgr", resolved(model_dir, json_output=True), Path("/t"))
 
 
 def test_service_name_only_with_endpoint(model_dir: Path) -> None:
@@ -137,7 +149,7 @@ def test_service_name_only_with_endpoint(model_dir: Path) -> None:
 def test_embedded_model_name_for_the_router(model_dir: Path) -> None:
     cfg = replace(resolved(model_dir), served_model_name="tgis-tiny-llama (embedded)")
     argv = router_argv("tgr", cfg, Path("/t"))
-    assert argv[argv.index("--model-name") + 1] == "tgis-tiny-llama (embedded)"
+    assert option(argv, "--served-model-name") == "tgis-tiny-llama (embedded)"
 
 
 def test_shard_environment(model_dir: Path) -> None:
@@ -191,9 +203,9 @@ def test_dry_run_prints_commands(
     assert [line.split(":")[0] for line in lines] == ["Shard 0", "Shard 1", "Router"]
     assert f" HF_HUB_CACHE={tmp_path}/hub " in lines[0]  # exported: HF_HOME/hub
     assert " RANK=1 " in lines[1] and " WORLD_SIZE=2 " in lines[1]
-    assert lines[1].endswith(" --sharded")
-    assert lines[2].endswith(
-        f"--master-shard-uds-path {tmp_path}/s-0 --tokenizer-path {model_dir}/tokenizer.json "
-        f"--model-name {model_dir} --model-dir {model_dir} --default-include-stop-seqs"
-    )
+    assert " --sharded " in lines[1] + " "
+    assert (
+        f" --served-model-name {model_dir} --model-dir {model_dir} --tokenizer-path "
+        f"{model_dir}/tokenizer.json --master-shard-uds-path {tmp_path}/s-0 "
+    ) in lines[2]
     assert "Using model max_sequence_length: 256" in run.stderr

@@ -25,7 +25,7 @@ SHARD_PROGRAM = """#!{python}
 import os, sys
 argv = sys.argv[1:]
 rank = os.environ["RANK"]
-socket = argv[argv.index("--uds-path") + 1] + "-" + rank
+socket = argv[argv.index("--shard-uds-path") + 1] + "-" + rank
 behaviour = os.environ.get("FAKE_SHARD" + rank, "").split()
 health = [] if "never-ready" in behaviour else ["health=" + socket]
 os.execv(sys.executable, [sys.executable, {fake!r}, os.environ["FAKE_DIR"], "shard" + rank,
@@ -113,10 +113,10 @@ def test_runs_shards_and_router_then_stops_on_sigterm(
 
     shard1 = json.loads((out / "shard1.json").read_text())
     assert shard1["argv"] == [
-        "serve", str(model_dir), "hf_transformers", "--max-sequence-length", "256",
-        "--max-new-tokens", "1024", "--batch-safety-margin", "20",
-        "--uds-path", str(tmp_path / "sock"), "--cuda-process-memory-fraction", "1.0",
-        "--dtype", "float16", "--sharded",
+        "serve", str(model_dir), "hf_transformers", "--dtype", "float16",
+        "--sharded", "--shard-uds-path", str(tmp_path / "sock"),
+        "--max-sequence-length", "256", "--max-new-tokens", "1024",
+        "--batch-safety-margin", "20", "--cuda-process-memory-fraction", "1.0",
     ]  # fmt: skip
     env = shard1["env"]
     assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_SIZE"]) == (

@@ -188,9 +188,9 @@ def test_max_client_batch_size() -> None:
 
 
 def test_every_router_flag_reaches_the_configuration() -> None:
-    """A flag is a RouterConfig field of its own name (or its renamed one), or one the CLI
-    builds into another form: none is parsed and then dropped."""
+    """A flag is a RouterConfig field of its own name, or one the CLI builds into another
+    form: none is parsed and then dropped."""
     fields = {f.name for f in dataclasses.fields(RouterConfig)}
     for param in cli.main.params:
         name = param.name or ""
-        assert cli._RENAMED.get(name, name) in fields or name in cli._BUILT, name
+        assert name in fields or name in cli._BUILT, name

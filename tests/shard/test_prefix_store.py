@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -18,11 +19,11 @@ from tgis.shard.adapters.prefix_store import (
     PrefixEmbeddings,
     PrefixLoad,
     PrefixStore,
-    max_prefix_length,
-    prompt_cache_bytes,
 )
 from tgis.shard.adapters.prefixes import Prefixes, PrefixUnavailable
 from tgis.shard.adapters.store_paths import StoreError, StoreErrorKind
+from tgis.shard.cli import serve, shard_config
+from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard_api.messages import NewSequence
 
@@ -221,21 +222,41 @@ def test_encoder_decoder_rules(tmp_path: Path) -> None:
 # --- limits from the environment ------------------------------------------------------------
 
 
-def test_max_prefix_length() -> None:
-    assert max_prefix_length({}, 2048) == 1024
-    assert max_prefix_length({}, 201) == 101
-    assert max_prefix_length({"MAX_PROMPT_PREFIX_LENGTH": " "}, 100) == 50
-    assert max_prefix_length({"MAX_PROMPT_PREFIX_LENGTH": "99"}, 100) == 99
-    for bad in ("100", "0", "x"):
-        with pytest.raises(StartupError, match="MAX_PROMPT_PREFIX_LENGTH"):
-            max_prefix_length({"MAX_PROMPT_PREFIX_LENGTH": bad}, 100)
+def parsed_config(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], *args: str
+) -> ShardConfig:
+    """The ShardConfig ``text-generation-server serve`` builds with ``env`` and ``args``."""
+    for name in ("MAX_PROMPT_PREFIX_LENGTH", "PROMPT_CACHE_SIZE_MB"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    context = serve.make_context("serve", list(args))
+    return shard_config(context.params)
 
 
-def test_prompt_cache_bytes() -> None:
-    assert prompt_cache_bytes({}) == 512 * 1024 * 1024
-    assert prompt_cache_bytes({"PROMPT_CACHE_SIZE_MB": "3"}) == 3 * 1024 * 1024
-    with pytest.raises(StartupError, match="PROMPT_CACHE_SIZE_MB"):
-        prompt_cache_bytes({"PROMPT_CACHE_SIZE_MB": "-1"})
+def test_max_prefix_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    def limit(env: dict[str, str], length: int) -> int:
+        config = parsed_config(monkeypatch, env, "--max-sequence-length", str(length))
+        return config.prefix_length_limit
+
+    assert limit({}, 2048) == 1024
+    assert limit({}, 201) == 101
+    assert limit({"MAX_PROMPT_PREFIX_LENGTH": "99"}, 100) == 99
+    with pytest.raises(StartupError, match="MAX_PROMPT_PREFIX_LENGTH"):
+        limit({"MAX_PROMPT_PREFIX_LENGTH": "100"}, 100)
+    for bad in ("0", "x"):
+        with pytest.raises(click.BadParameter) as refused:
+            limit({"MAX_PROMPT_PREFIX_LENGTH": bad}, 100)
+        assert "(env var: 'MAX_PROMPT_PREFIX_LENGTH')" in refused.value.format_message()
+
+
+def test_prompt_cache_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parsed_config(monkeypatch, {}).prompt_cache_bytes == 512 * 1024 * 1024
+    three = parsed_config(monkeypatch, {"PROMPT_CACHE_SIZE_MB": "3"})
+    assert three.prompt_cache_bytes == 3 * 1024 * 1024
+    with pytest.raises(click.BadParameter) as refused:
+        parsed_config(monkeypatch, {"PROMPT_CACHE_SIZE_MB": "-1"})
+    assert "(env var: 'PROMPT_CACHE_SIZE_MB')" in refused.value.format_message()
 
 
 # --- the cache ------------------------------------------------------------------------------

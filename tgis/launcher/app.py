@@ -18,7 +18,7 @@ from tgis.launcher.commands import (
     shard_env,
     shard_socket_path,
 )
-from tgis.launcher.config import ConfigError, LauncherConfig, shutdown_grace_period
+from tgis.launcher.config import ConfigError, LauncherConfig
 from tgis.launcher.environment import log_ignored_env
 from tgis.launcher.health import shard_is_ready
 from tgis.launcher.logs import setup_logging
@@ -115,7 +115,7 @@ def launch(flags: LauncherConfig, *, dry_run: bool = False) -> int:
             log,
             OutputForwarder(flags.json_output),
             # The router drains for the grace period, then needs a moment to stop.
-            router_stop_timeout=shutdown_grace_period(flags) + ROUTER_STOP_MARGIN_S,
+            router_stop_timeout=flags.shutdown_grace_period + ROUTER_STOP_MARGIN_S,
         )
         outcome = supervisor.run(
             shards,

@@ -8,12 +8,13 @@ message is the one line shown to the user and written to the termination log.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tgis.router.config import DEFAULT_MAX_BATCH_PREFILL_TOKENS, DEFAULT_SHUTDOWN_GRACE_S
-from tgis.shard.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS
+from tgis.router.config import DEFAULT_MAX_BATCH_PREFILL_TOKENS
+from tgis.settings.catalogue import default
+from tgis.settings.declaration import Process
 
 DEPLOYMENT_FRAMEWORKS = (
     "hf_transformers",
@@ -48,69 +49,66 @@ class ConfigError(ValueError):
     """An unknown or inconsistent setting; the message is one line for the user."""
 
 
+def _d(name: str) -> Any:
+    return default(name, Process.LAUNCHER)
+
+
 @dataclass(frozen=True)
 class LauncherConfig:
-    """The launcher's flags as given (command line, else env, else these defaults)."""
+    """The launcher's flags as given (command line, else env, else the defaults of
+    ``tgis/settings``: one field per setting the launcher reads)."""
 
-    model_name: str | None = None
-    revision: str | None = None
-    deployment_framework: str = "hf_transformers"
-    dtype: str | None = None
-    dtype_str: str | None = None
-    quantize: str | None = None
-    num_shard: int | None = None
-    max_concurrent_requests: int = 512
-    max_sequence_length: int | None = None
-    max_new_tokens: int = 1024
-    max_batch_size: int | None = None  # default: by capacity (the KV cache; 256 at most)
-    max_prefill_padding: float = 0.2
-    batch_safety_margin: int = 20
-    max_waiting_tokens: int | None = None  # with the ratio unset too: join at the next step
-    waiting_served_ratio: float | None = None  # router default 1.2 when the rule applies
-    max_batch_prefill_tokens: int | None = None  # router default 4096 (or the total)
-    max_batch_total_tokens: int | None = None  # default: the shard's KV capacity
-    max_client_batch_size: int | None = None  # default: no limit
-    max_input_tokens: int | None = None  # default: max_sequence_length - 1
-    port: int = 3000
-    grpc_port: int = 8033
-    shard_uds_path: str = "/tmp/text-generation-server"
-    master_addr: str = "localhost"
-    master_port: int = 29500
-    json_output: bool = False
-    tls_cert_path: str | None = None
-    tls_key_path: str | None = None
-    tls_client_ca_cert_path: str | None = None
-    output_special_tokens: bool = False
-    disable_prefix_caching: bool = False
-    served_model_name: str | None = None  # the OpenAI routes' model id (default: model_name)
-    chat_template: str | None = None  # /v1/chat/completions' template: a file or the text
+    model_name: str | None = _d("model_name")
+    revision: str | None = _d("revision")
+    deployment_framework: str = _d("deployment_framework")
+    dtype: str | None = _d("dtype")
+    dtype_str: str | None = _d("dtype_str")
+    quantize: str | None = _d("quantize")
+    load_format: str = _d("load_format")  # "dummy": random weights from config.json
+    served_model_name: str | None = _d("served_model_name")  # default: model_name
+    chat_template: str | None = _d("chat_template")  # a file or the text
+    num_shard: int | None = _d("num_shard")
+    shard_uds_path: str = _d("shard_uds_path")
+    master_addr: str = _d("master_addr")
+    master_port: int = _d("master_port")
+    shard_startup_timeout: float = _d("shard_startup_timeout")
+    shutdown_grace_period: float = _d("shutdown_grace_period")
+    port: int = _d("port")
+    grpc_port: int = _d("grpc_port")
+    tls_cert_path: str | None = _d("tls_cert_path")
+    tls_key_path: str | None = _d("tls_key_path")
+    tls_client_ca_cert_path: str | None = _d("tls_client_ca_cert_path")
+    http_tls: bool = _d("http_tls")
     # A bearer token the /v1 routes require; passed to the router in its environment, and
     # kept out of the launcher's "Args:" log line.
-    api_key: str | None = field(default=None, repr=False)
-    http_tls: bool = False  # the HTTP port over TLS too (the gRPC port's cert and key)
-    speculate: int = 0  # tokens drafted per sequence and step (0: off, or 4 with a draft model)
-    speculator_name: str | None = None  # a draft model (TGIS's SPECULATOR_NAME)
-    speculator_max_batch_size: int = 16
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
-    cuda_process_memory_fraction: float = 1.0
-    default_include_stop_seqs: bool = True
-    otlp_endpoint: str | None = None
-    otlp_service_name: str | None = None
-    shard_startup_timeout: float = 600.0
-    load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks)
-    shutdown_grace_period: float | None = None  # router default: DEFAULT_SHUTDOWN_GRACE_S
-    adapter_cache: str | None = None  # PEFT adapters for `adapter_id` (none: refused)
-    max_loras: int = DEFAULT_MAX_LORAS  # different LoRA adapters in one step
-    max_lora_rank: int = DEFAULT_MAX_LORA_RANK  # the largest LoRA rank accepted
-
-
-def default_of(name: str) -> Any:
-    """The default value of the LauncherConfig field `name` (the single source of defaults)."""
-    for f in fields(LauncherConfig):
-        if f.name == name:
-            return f.default
-    raise KeyError(name)
+    api_key: str | None = field(default=_d("api_key"), repr=False)
+    json_output: bool = _d("json_output")
+    otlp_endpoint: str | None = _d("otlp_endpoint")
+    otlp_service_name: str = _d("otlp_service_name")
+    max_concurrent_requests: int = _d("max_concurrent_requests")
+    max_sequence_length: int | None = _d("max_sequence_length")  # default: config.json's
+    max_new_tokens: int = _d("max_new_tokens")
+    max_input_tokens: int | None = _d("max_input_tokens")  # default: max_sequence_length - 1
+    max_client_batch_size: int | None = _d("max_client_batch_size")  # default: no limit
+    max_batch_size: int | None = _d("max_batch_size")  # default: by capacity
+    max_prefill_padding: float = _d("max_prefill_padding")
+    max_waiting_tokens: int | None = _d("max_waiting_tokens")
+    waiting_served_ratio: float | None = _d("waiting_served_ratio")
+    max_batch_prefill_tokens: int | None = _d("max_batch_prefill_tokens")
+    max_batch_total_tokens: int | None = _d("max_batch_total_tokens")
+    batch_safety_margin: int = _d("batch_safety_margin")
+    cuda_process_memory_fraction: float = _d("cuda_process_memory_fraction")
+    output_special_tokens: bool = _d("output_special_tokens")
+    default_include_stop_seqs: bool = _d("default_include_stop_seqs")
+    disable_prefix_caching: bool = _d("disable_prefix_caching")
+    speculate: int = _d("speculate")  # 0: off (4 with a draft model)
+    speculator_name: str | None = _d("speculator_name")  # a draft model
+    speculator_max_batch_size: int = _d("speculator_max_batch_size")
+    prompt_lookup_min: int = _d("prompt_lookup_min")
+    prompt_lookup_max: int = _d("prompt_lookup_max")
+    adapter_cache: str | None = _d("adapter_cache")  # PEFT adapters (none: refused)
+    max_loras: int = _d("max_loras")
+    max_lora_rank: int = _d("max_lora_rank")
 
 
 @dataclass(frozen=True)
@@ -140,9 +138,3 @@ def effective_max_batch_prefill_tokens(flags: LauncherConfig) -> int | None:
     if flags.max_batch_total_tokens is not None:
         return min(DEFAULT_MAX_BATCH_PREFILL_TOKENS, flags.max_batch_total_tokens)
     return None
-
-
-def shutdown_grace_period(flags: LauncherConfig) -> float:
-    """Seconds the router lets in-flight requests run after SIGTERM."""
-    grace = flags.shutdown_grace_period
-    return DEFAULT_SHUTDOWN_GRACE_S if grace is None else grace

@@ -22,7 +22,7 @@ from tgis.launcher.config import (
 )
 from tgis.router.config import TlsConfig, check_batching
 from tgis.router.edge.tls import TlsError, load_material
-from tgis.shard.config import LOAD_FORMATS
+from tgis.settings.serving import LOAD_FORMATS
 
 # Linux limit on the path of a Unix socket (sizeof(sun_path) - 1).
 MAX_UDS_PATH_BYTES = 107

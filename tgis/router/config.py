@@ -4,8 +4,29 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
+from tgis.settings.catalogue import default
+from tgis.settings.declaration import Process
+from tgis.settings.serving import (
+    DEFAULT_OTLP_SERVICE_NAME,
+    DEFAULT_SHUTDOWN_GRACE_S,
+    DEFAULT_STEP_TIMEOUT_S,
+    DEFAULT_STREAM_STALL_TIMEOUT_S,
+)
 from tgis.shard_api.messages import DEFAULT_MAX_BATCH_SIZE
+
+__all__ = [
+    "DEFAULT_MAX_BATCH_PREFILL_TOKENS",
+    "DEFAULT_OTLP_SERVICE_NAME",
+    "DEFAULT_SHUTDOWN_GRACE_S",
+    "DEFAULT_STEP_TIMEOUT_S",
+    "DEFAULT_STREAM_STALL_TIMEOUT_S",
+    "RouterConfig",
+    "TlsConfig",
+    "TracingConfig",
+    "check_batching",
+]
 
 DEFAULT_MAX_BATCH_PREFILL_TOKENS = 4096
 DEFAULT_MAX_BATCH_PREFILL_TOKENS_CPU = 512
@@ -14,18 +35,10 @@ DEFAULT_MAX_BATCH_PREFILL_TOKENS_CPU = 512
 DEFAULT_MAX_WAITING_TOKENS = 24
 DEFAULT_WAITING_SERVED_RATIO = 1.2
 """TGIS's joining rule, applied when either of its flags is set."""
-DEFAULT_SHUTDOWN_GRACE_S = 25.0
-"""How long in-flight requests may run after SIGTERM: Kubernetes' default
-terminationGracePeriodSeconds (30) less a margin for stopping the processes."""
-DEFAULT_OTLP_SERVICE_NAME = "text-generation-inference.router"
-"""TGIS's OpenTelemetry service.name for the router."""
 
 
-DEFAULT_STREAM_STALL_TIMEOUT_S = 60.0
-"""How long one streamed message may wait for a client that does not read."""
-DEFAULT_STEP_TIMEOUT_S = 600.0
-"""How long one step may run before the shard is taken as hung: far above any real step
-(a full 4,096-token prefill of an 8B model takes about a minute even on a CPU)."""
+def _d(name: str) -> Any:
+    return default(name, Process.ROUTER)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,70 +62,70 @@ class TracingConfig:
 class RouterConfig:
     """Everything the router needs to start; see `text-generation-router --help`."""
 
-    max_concurrent_requests: int = 512
+    max_concurrent_requests: int = _d("max_concurrent_requests")
     """Inputs in flight (queued or running); more are refused with `Model is overloaded`."""
-    max_sequence_length: int = 2048
+    max_sequence_length: int = _d("max_sequence_length")
     """Limit on input + output tokens of one request."""
-    max_new_tokens: int = 1024
+    max_new_tokens: int = _d("max_new_tokens")
     """Server limit on max_new_tokens (lowered to max_sequence_length - 1 if not smaller)."""
-    max_batch_size: int | None = None
+    max_batch_size: int | None = _d("max_batch_size")
     """Most sequences in one forward pass; None: by capacity (the KV cache, at most
     DEFAULT_MAX_BATCH_SIZE)."""
-    max_prefill_padding: float = 0.2
+    max_prefill_padding: float = _d("max_prefill_padding")
     """Accepted for compatibility; the paged engine never pads."""
-    max_waiting_tokens: int | None = None
+    max_waiting_tokens: int | None = _d("max_waiting_tokens")
     """Steps after which queued requests join the running batch whatever their number. None
     with waiting_served_ratio None: no joining rule (join at the next step)."""
-    waiting_served_ratio: float | None = None
+    waiting_served_ratio: float | None = _d("waiting_served_ratio")
     """Queued requests join a running batch of n at once when floor(n × ratio) of them can."""
-    max_batch_prefill_tokens: int | None = None
+    max_batch_prefill_tokens: int | None = _d("max_batch_prefill_tokens")
     """Prompt tokens computed per step (longer prompts are chunked); None: 4096, or
     max_batch_total_tokens if that is smaller."""
-    max_batch_total_tokens: int | None = None
+    max_batch_total_tokens: int | None = _d("max_batch_total_tokens")
     """KV tokens the running batch may hold; None: the shard's capacity."""
-    max_client_batch_size: int | None = None
+    max_client_batch_size: int | None = _d("max_client_batch_size")
     """Most inputs in one Generate call; None: no limit."""
-    max_input_tokens: int | None = None
+    max_input_tokens: int | None = _d("max_input_tokens")
     """Longest input (after truncation); None: only max_sequence_length limits it."""
-    port: int = 3000
-    grpc_port: int = 8033
-    shard_uds_path: str = "/tmp/text-generation-server-0"
+    port: int = _d("port")
+    grpc_port: int = _d("grpc_port")
+    master_shard_uds_path: str = _d("master_shard_uds_path")
     tokenizer_path: str
-    model_name: str = ""
+    served_model_name: str = _d("served_model_name")
     """The served model's name: the id of the OpenAI routes' model, and in logs."""
-    model_dir: str | None = None
+    model_dir: str | None = _d("model_dir")
     """The model's directory: its chat_template.jinja and tokenizer_config.json."""
-    chat_template: str | None = None
+    chat_template: str | None = _d("chat_template")
     """The OpenAI chat route's template: a file, or the template itself (None: the model's)."""
-    api_key: str | None = None
+    api_key: str | None = _d("api_key")
     """A bearer token the /v1 routes require (None: none)."""
-    http_tls: bool = False
+    http_tls: bool = _d("http_tls")
     """Serve the HTTP port (health, metrics, /v1) over TLS with the gRPC port's cert and key."""
     tokenization_workers: int = 1
-    json_output: bool = False
+    json_output: bool = _d("json_output")
     tls: TlsConfig | None = None
-    output_special_tokens: bool = False
-    default_include_stop_seqs: bool = False
-    disable_prefix_caching: bool = False
+    output_special_tokens: bool = _d("output_special_tokens")
+    default_include_stop_seqs: bool = _d("default_include_stop_seqs")
+    disable_prefix_caching: bool = _d("disable_prefix_caching")
     """Compute every prompt in full (the prefix cache is on by default where the shard's
     engine supports it)."""
-    speculate: int = 0
+    speculate: int = _d("speculate")
     """Speculative decoding: tokens drafted per sequence and step by prompt lookup (0: off)."""
-    speculator_max_batch_size: int = 16
+    speculator_max_batch_size: int = _d("speculator_max_batch_size")
     """Speculation applies while at most this many sequences run (TGIS's variable)."""
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = _d("prompt_lookup_min")
+    prompt_lookup_max: int = _d("prompt_lookup_max")
     """The shortest and longest suffix (in tokens) prompt lookup searches for."""
-    shard_connect_timeout: float = 60.0
-    pipeline_depth: int = 2
+    shard_connect_timeout: float = _d("shard_connect_timeout")
+    pipeline_depth: int = _d("pipeline_depth")
     """Steps in flight: 2 overlaps the router's work with the shard's, 1 is the serial loop."""
-    step_timeout: float = DEFAULT_STEP_TIMEOUT_S
+    step_timeout: float = _d("step_timeout")
     """Seconds the shard may take to answer one step before it is taken as hung."""
-    stream_stall_timeout: float = DEFAULT_STREAM_STALL_TIMEOUT_S
+    stream_stall_timeout: float = _d("stream_stall_timeout")
     """Seconds a stream's message may wait for a client that does not read; then the
     stream is cancelled."""
     tracing: TracingConfig | None = None
-    shutdown_grace_period: float = DEFAULT_SHUTDOWN_GRACE_S
+    shutdown_grace_period: float = _d("shutdown_grace_period")
     """Seconds in-flight requests may run after SIGTERM (new ones are refused meanwhile)."""
 
     @property
@@ -167,6 +180,7 @@ class RouterConfig:
             )
         if self.tokenization_workers <= 0:
             raise ValueError("tokenization_workers must be > 0")
+        self._check_timeouts()
         if self.pipeline_depth not in (1, 2):
             raise ValueError(f"pipeline depth ({self.pipeline_depth}) must be 1 or 2")
         if not 0.0 <= self.max_prefill_padding <= 1.0:
@@ -176,11 +190,6 @@ class RouterConfig:
             )
         if self.max_batch_size is not None and self.max_batch_size < 1:
             raise ValueError("max_batch_size must be > 0")
-        if not 0.0 <= self.shutdown_grace_period < 86400.0:
-            raise ValueError(
-                f"shutdown_grace_period ({self.shutdown_grace_period}) must be in range "
-                "0 <= x < 86400"
-            )
         check_batching(
             max_sequence_length=self.max_sequence_length,
             max_waiting_tokens=self.max_waiting_tokens,
@@ -190,6 +199,16 @@ class RouterConfig:
             max_client_batch_size=self.max_client_batch_size,
             max_input_tokens=self.max_input_tokens,
         )
+
+    def _check_timeouts(self) -> None:
+        for name in ("step_timeout", "stream_stall_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be > 0 seconds")
+        if not 0.0 <= self.shutdown_grace_period < 86400.0:
+            raise ValueError(
+                f"shutdown_grace_period ({self.shutdown_grace_period}) must be in range "
+                "0 <= x < 86400"
+            )
 
 
 def check_batching(

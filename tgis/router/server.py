@@ -72,7 +72,7 @@ class Router:
     async def run(self) -> None:
         config = self.config
         # grpc.aio objects bind to the running event loop: create them here, not in __init__.
-        self.shard = ShardClient(config.shard_uds_path)
+        self.shard = ShardClient(config.master_shard_uds_path)
         self.tracing = setup_tracing(config.tracing)
         info = await self._connect()
         metrics = Metrics(
@@ -199,7 +199,7 @@ class Router:
         return OpenAIRoutes(
             admission=admission,
             engine=engine,
-            replies=OpenAIReplies(replies, self.tokenizer, config.model_name),
+            replies=OpenAIReplies(replies, self.tokenizer, config.served_model_name),
             gate=calls,
             chat_template=template,
             api_key=config.api_key or None,

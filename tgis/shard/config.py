@@ -4,9 +4,26 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from tgis.settings.catalogue import default
+from tgis.settings.declaration import Process
+from tgis.settings.serving import LOAD_FORMATS
 from tgis.shard.errors import StartupError
+
+__all__ = [
+    "DTYPE_NAMES",
+    "LOAD_FORMATS",
+    "EngineSettings",
+    "ShardConfig",
+    "canonical_dtype",
+    "default_max_prefix_length",
+    "env_int",
+    "env_mode",
+    "max_prefix_length",
+    "prompt_cache_bytes",
+]
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # The launcher's aliases (tgis/launcher/config.py), accepted by `serve --dtype` too.
@@ -17,16 +34,10 @@ DTYPE_ALIASES = {
     "half": "float16",
     "bf16": "bfloat16",
 }
-DEFAULT_UDS_PATH = "/tmp/text-generation-server"
-# How the weights are obtained: read from the model's safetensors files, or created at
-# random from config.json alone (vLLM's name; for benchmarks without the real weights).
-LOAD_FORMATS = ("auto", "dummy")
 
 
-DEFAULT_PROMPT_CACHE_MB = 512  # TGIS's PROMPT_CACHE_SIZE_MB default
-DEFAULT_MAX_LORAS = 8  # different LoRA adapters one step may hold (--max-loras)
-DEFAULT_MAX_LORA_RANK = 64  # the largest LoRA rank accepted (--max-lora-rank)
-DEFAULT_SPECULATOR_MAX_BATCH_SIZE = 16  # TGIS's SPECULATOR_MAX_BATCH_SIZE default
+def _d(name: str) -> Any:
+    return default(name, Process.SHARD)
 
 
 def default_max_prefix_length(max_sequence_length: int) -> int:
@@ -34,51 +45,90 @@ def default_max_prefix_length(max_sequence_length: int) -> int:
     return math.ceil(0.5 * max_sequence_length)
 
 
+def max_prefix_length(value: int | None, max_sequence_length: int) -> int:
+    """``--max-prompt-prefix-length`` (MAX_PROMPT_PREFIX_LENGTH), else half of
+    ``max_sequence_length`` rounded up; StartupError when it leaves no room for output."""
+    if value is None:
+        return default_max_prefix_length(max_sequence_length)
+    if not 0 < value <= max_sequence_length - 1:
+        raise StartupError(
+            f"MAX_PROMPT_PREFIX_LENGTH ({value}) must be between 1 and "
+            f"max_sequence_length - 1 ({max_sequence_length - 1})"
+        )
+    return value
+
+
+def prompt_cache_bytes(megabytes: int) -> int:
+    """``--prompt-cache-size-mb`` (PROMPT_CACHE_SIZE_MB) in bytes."""
+    if megabytes < 0:
+        raise StartupError(f"PROMPT_CACHE_SIZE_MB must not be negative, got {megabytes}")
+    return megabytes * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How the shard computes (``tgis/settings/engine.py``: TGIS_ENGINE,
+    TGIS_ATTENTION_BACKEND, ...), read once at start like every other setting."""
+
+    engine: str = _d("engine")
+    attention_backend: str | None = _d("attention_backend")
+    flash_attention: bool = _d("flash_attention")
+    lora_kernel: str = _d("lora_kernel")
+    quant_kernel: str = _d("quant_kernel")
+    compile: str = _d("compile")
+    cuda_graphs: str = _d("cuda_graphs")
+    trust_remote_code: bool = _d("trust_remote_code")
+    transformers_attn_impl: str | None = _d("transformers_attn_impl")
+
+
 @dataclass(frozen=True)
 class ShardConfig:
-    """Everything the shard needs to load its model and serve (one per process)."""
+    """Everything the shard needs to load its model and serve (one per process); the
+    defaults are those of ``tgis/settings``."""
 
-    model_name: str = ""
-    revision: str | None = None
-    deployment_framework: str | None = None  # accepted for TGIS compatibility; unused
-    dtype: str | None = None  # None (auto): device.select_dtype's rule
-    quantize: str | None = None  # --quantize, checked against the checkpoint's
-    max_sequence_length: int = 2048
-    max_new_tokens: int = 1024  # the router enforces it; validated only
-    max_batch_size: int | None = None  # None: by capacity (capacity.py)
-    batch_safety_margin: int = 20  # percent of free GPU memory kept back
-    sharded: bool = False
-    cuda_process_memory_fraction: float = 1.0
-    uds_path: str = DEFAULT_UDS_PATH
+    model_name: str = _d("model_name")
+    revision: str | None = _d("revision")
+    deployment_framework: str | None = _d("deployment_framework")  # for TGIS; unused
+    dtype: str | None = _d("dtype")  # None (auto): device.select_dtype's rule
+    quantize: str | None = _d("quantize")  # --quantize, checked against the checkpoint's
+    max_sequence_length: int = _d("max_sequence_length")
+    max_new_tokens: int = _d("max_new_tokens")  # the router enforces it; validated only
+    max_batch_size: int | None = _d("max_batch_size")  # None: by capacity (capacity.py)
+    batch_safety_margin: int = _d("batch_safety_margin")  # percent of free GPU memory kept
+    sharded: bool = _d("sharded")
+    cuda_process_memory_fraction: float = _d("cuda_process_memory_fraction")
+    shard_uds_path: str = _d("shard_uds_path")
+    json_output: bool = _d("json_output")
     rank: int = 0
     world_size: int = 1
-    kv_cache_blocks: int | None = None  # TGIS_KV_CACHE_BLOCKS overrides the sizing
+    kv_cache_blocks: int | None = _d("kv_cache_blocks")  # overrides the sizing
     # The largest step's prompt tokens: the GPU warm-up prefill runs this many.
-    max_batch_prefill_tokens: int = 4096
+    max_batch_prefill_tokens: int = _d("max_batch_prefill_tokens")
     # KV tokens of the whole running batch: the CPU budget, a cap on the GPU measurement.
-    max_batch_total_tokens: int | None = None
-    load_format: str = "auto"  # LOAD_FORMATS: "dummy" creates random weights
+    max_batch_total_tokens: int | None = _d("max_batch_total_tokens")
+    load_format: str = _d("load_format")  # LOAD_FORMATS: "dummy" creates random weights
     # Prompt-tuning prefixes (TGIS's PREFIX_STORE_PATH, PROMPT_CACHE_SIZE_MB,
     # MAX_PROMPT_PREFIX_LENGTH): no store disables them (every prefix id is not found);
     # no maximum means half of max_sequence_length (``prefix_length_limit``).
-    prefix_store_path: str | None = None
-    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_MB * 1024 * 1024
-    max_prefix_length: int | None = None
+    prefix_store_path: str | None = _d("prefix_store_path")
+    prompt_cache_bytes: int = prompt_cache_bytes(_d("prompt_cache_size_mb"))
+    max_prefix_length: int | None = _d("max_prompt_prefix_length")
     # PEFT adapters (vllm-tgis-adapter's ADAPTER_CACHE / --adapter-cache, `adapter_id`):
     # LoRA and prompt-tuning directories; no path refuses every adapter_id.
-    adapter_cache: str | None = None
-    max_loras: int = DEFAULT_MAX_LORAS
-    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    adapter_cache: str | None = _d("adapter_cache")
+    max_loras: int = _d("max_loras")
+    max_lora_rank: int = _d("max_lora_rank")
     # The router may reuse cached KV blocks (--disable-prefix-caching turns it off): the
     # native engine says so in Info, and commits its CPU KV cache at start, since cached
     # blocks fill all of it.
-    prefix_caching: bool = True
+    prefix_caching: bool = not _d("disable_prefix_caching")
     # Speculative decoding's draft model (--speculator-name / SPECULATOR_NAME; None: none).
-    speculator_name: str | None = None
+    speculator_name: str | None = _d("speculator_name")
     # The router's drafts per sequence and step (--speculate; 0: none) and the largest
     # batch it speculates in: the verify steps' CUDA graphs are captured for those.
-    speculate: int = 0
-    speculator_max_batch_size: int = DEFAULT_SPECULATOR_MAX_BATCH_SIZE
+    speculate: int = _d("speculate")
+    speculator_max_batch_size: int = _d("speculator_max_batch_size")
+    engine: EngineSettings = field(default_factory=EngineSettings)
 
     @property
     def prefix_length_limit(self) -> int:
@@ -90,7 +140,7 @@ class ShardConfig:
     @property
     def socket_path(self) -> str:
         """The Unix socket this rank listens on."""
-        return f"{self.uds_path}-{self.rank}"
+        return f"{self.shard_uds_path}-{self.rank}"
 
     def validate(self) -> None:
         """Raise StartupError for values no model could be served with."""

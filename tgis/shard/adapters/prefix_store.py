@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,6 @@ import torch
 from tgis.shard.adapters.single_flight import SingleFlight
 from tgis.shard.adapters.store_paths import ItemStore, StoreError, StoreErrorKind, invalid
 from tgis.shard.adapters.stored_files import read_tensors, version_of
-from tgis.shard.config import DEFAULT_PROMPT_CACHE_MB, default_max_prefix_length
-from tgis.shard.errors import StartupError
 
 SIZE_UNIT = 512  # TGIS rounds every tensor's size up to a multiple of 512 bytes
 DECODER_FILE = "decoder.pt"
@@ -229,38 +227,6 @@ class PrefixStore:
 def not_found(prefix_id: str) -> StoreError:
     """The error for a valid id with nothing stored under it (TGIS's router wording)."""
     return StoreError(StoreErrorKind.NOT_FOUND, f'prefix id "{prefix_id}" not found')
-
-
-def max_prefix_length(env: Mapping[str, str], max_sequence_length: int) -> int:
-    """``MAX_PROMPT_PREFIX_LENGTH``, else half of ``max_sequence_length`` rounded up."""
-    value = _env_int(env, "MAX_PROMPT_PREFIX_LENGTH")
-    if value is None:
-        return default_max_prefix_length(max_sequence_length)
-    if not 0 < value <= max_sequence_length - 1:
-        raise StartupError(
-            f"MAX_PROMPT_PREFIX_LENGTH ({value}) must be between 1 and "
-            f"max_sequence_length - 1 ({max_sequence_length - 1})"
-        )
-    return value
-
-
-def prompt_cache_bytes(env: Mapping[str, str]) -> int:
-    """``PROMPT_CACHE_SIZE_MB`` (default 512) in bytes."""
-    value = _env_int(env, "PROMPT_CACHE_SIZE_MB")
-    megabytes = DEFAULT_PROMPT_CACHE_MB if value is None else value
-    if megabytes < 0:
-        raise StartupError(f"PROMPT_CACHE_SIZE_MB must not be negative, got {megabytes}")
-    return megabytes * 1024 * 1024
-
-
-def _env_int(env: Mapping[str, str], name: str) -> int | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise StartupError(f"environment variable {name} must be an integer, got '{raw}'") from None
 
 
 def _is_peft(item_dir: Path) -> bool:
