@@ -243,3 +243,16 @@ def test_the_launchers_own_values_are_what_it_hands_on(child: Process, tmp_path:
         cfg = resolve(flags, {}, logging.getLogger("test"))
         given = router_values(cfg, model / "t.json") if child is R else shard_values(cfg)
         assert given[s.name] == value, s.name
+
+
+def test_the_readme_documents_every_setting_a_user_sets() -> None:
+    """Every flag of the launcher and every variable of a setting a user may set has its
+    row in README.md's tables."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    for s in SETTINGS:
+        if s.internal:
+            continue
+        names = [*s.env, *(f for f in s.flags if f.startswith("--") and s.reads(L))]
+        for name in names:
+            assert any(f"`{name}`" in row for row in rows), f"{s.name}: {name}"

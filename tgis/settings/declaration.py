@@ -72,6 +72,7 @@ class Setting:
     minimum: float | None = None  # the children check it on their command line
     via: Via = Via.ARGV
     positional: frozenset[Process] = frozenset()  # an argument there, not an option
+    internal: bool = False  # only the launcher sets it (users have no reason to)
 
     def __post_init__(self) -> None:
         if not self.flags or not all(f.startswith("-") for f in self.flags):
@@ -111,6 +112,7 @@ def setting(  # noqa: PLR0913 (a declaration: every field has its say)
     minimum: float | None = None,
     via: Via = Via.ARGV,
     positional: Iterable[Process] = (),
+    internal: bool = False,
 ) -> Setting:
     """A ``Setting``, written compactly in the tables."""
     return Setting(
@@ -127,4 +129,5 @@ def setting(  # noqa: PLR0913 (a declaration: every field has its say)
         minimum=minimum,
         via=via,
         positional=frozenset(positional),
+        internal=internal,
     )
