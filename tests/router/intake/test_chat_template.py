@@ -29,7 +29,7 @@ from tgis.router.intake.chat_template import (
     load_chat_template,
 )
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "data" / "chat_templates"
+TEMPLATES = Path(__file__).resolve().parents[2] / "data" / "chat_templates"
 TOKENIZER_JSON = MODEL_DIR / "tokenizer.json"
 
 # template file, and the special tokens of the model's tokenizer_config.json (None: null there)

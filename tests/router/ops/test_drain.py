@@ -10,8 +10,8 @@ import grpc
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from tests.router.edge.test_servicer_metrics import Aborted, FakeContext, FakeEngine
 from tests.router.servicers import make_servicer
-from tests.router.test_servicer_metrics import Aborted, FakeContext, FakeEngine
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.router.edge.http_server import build_app

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.router.test_prompt_prefixes import (
+from tests.router.intake.test_prompt_prefixes import (
     MAX_SEQUENCE_LENGTH,
     PrefixShard,
     Stack,

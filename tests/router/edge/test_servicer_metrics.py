@@ -2,7 +2,7 @@
 
 A stand-in engine answers every input with two tokens; the tokenizer is the embedded
 model's. The engine-side metrics (steps, queue, batch, KV cache) are tested in
-test_metrics_exposition.py and end to end in tests/e2e/test_prometheus.py.
+tests/router/ops/test_metrics_exposition.py and end to end in tests/e2e/test_prometheus.py.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def test_single_generate_records_request_validation_and_success(
     assert exp.value("tgi_request_duration_count") == 1
     assert exp.value("tgi_request_inference_duration_count") == 1
     assert exp.value("tgi_request_mean_time_per_token_duration_count") == 1
-    # Queue time is recorded by the engine at admission (tests/router/test_engine.py).
+    # Queue time is recorded by the engine at admission (tests/router/core/test_engine.py).
     assert sum(s.value for s in exp.of("tgi_request_failure")) == 0
 
 

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.router.core.test_engine import ScriptedShard, make_engine, request
+from tests.router.edge.test_servicer_metrics import Aborted, FakeContext, FakeEngine, params
 from tests.router.servicers import make_servicer
-from tests.router.test_engine import ScriptedShard, make_engine, request
-from tests.router.test_servicer_metrics import Aborted, FakeContext, FakeEngine, params
 from tgis.embedded_model import MODEL_DIR
 from tgis.log import (
     ContextFieldsFilter,

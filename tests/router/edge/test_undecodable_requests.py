@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.router.edge.test_servicer_metrics import FakeEngine
 from tests.router.servicers import make_servicer
-from tests.router.test_servicer_metrics import FakeEngine
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.router.edge.registration import add_generation_service
