@@ -8,7 +8,6 @@ tests/router/ops/test_metrics_exposition.py and end to end in tests/e2e/test_pro
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,75 +15,23 @@ import grpc
 import pytest
 
 from tests.prometheus_tools import Exposition, parse_exposition
+from tests.router.fakes import Aborted, FakeContext, FakeEngine, params
 from tests.router.servicers import make_servicer
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
-from tgis.router.core.detokenizer import IncrementalDetokenizer
-from tgis.router.core.request_state import RequestState, TokenEvent
+from tgis.router.core.request_state import RequestState
 from tgis.router.core.shard_client import ShardError, ShardFailure
-from tgis.router.core.stopping import StopChecker
 from tgis.router.edge.servicer import GenerationServicer
-from tgis.router.errors import GenerationError
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.prefixes import PrefixInfos
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
 from tgis.router.ops.metrics import Metrics
-from tgis.router.request_types import StopReason, ValidatedRequest
+from tgis.router.request_types import ValidatedRequest
 from tgis.shard_api.messages import PrefixInfo
 
 MAX_SEQUENCE_LENGTH = 64
 MAX_NEW_TOKENS = 40
-
-
-class Aborted(Exception):
-    pass
-
-
-class FakeContext:
-    """A servicer context that records the abort; ``metadata`` is the call's metadata."""
-
-    def __init__(self, *metadata: tuple[str, str]) -> None:
-        self.code: grpc.StatusCode | None = None
-        self.details = ""
-        self.metadata = metadata
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        self.code, self.details = code, details
-        raise Aborted(details)
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self.metadata
-
-
-class FakeEngine:
-    """Admits every input 10 ms after arrival and answers "a b" (EOS), or fails it."""
-
-    def __init__(self, tokenizer: RouterTokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.fail = False
-        self.aborted: list[RequestState] = []
-        self._ids = itertools.count(1)
-
-    def submit(self, request: ValidatedRequest, arrival: float) -> RequestState:
-        state = RequestState(
-            request_id=next(self._ids),
-            request=request,
-            arrival=arrival,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, True),
-            stop_checker=StopChecker(request.stopping, (2,)),
-        )
-        state.started_at = arrival + 0.01
-        if self.fail:
-            state.emit(GenerationError("boom"))
-            return state
-        state.emit(TokenEvent("a", 1))
-        state.emit(TokenEvent(" b", 2, (), StopReason.EOS_TOKEN))
-        state.finish_reason = StopReason.EOS_TOKEN
-        return state
-
-    def abort(self, state: RequestState) -> None:
-        self.aborted.append(state)
 
 
 @pytest.fixture
@@ -115,13 +62,6 @@ def servicer(
 
 def scrape(metrics: Metrics) -> Exposition:
     return parse_exposition(metrics.render().decode())
-
-
-def params(max_new_tokens: int = 0, truncate: int = 0) -> pb.Parameters:
-    return pb.Parameters(
-        stopping=pb.StoppingCriteria(max_new_tokens=max_new_tokens),
-        truncate_input_tokens=truncate,
-    )
 
 
 def generate(servicer: GenerationServicer, request: pb.BatchedGenerationRequest) -> Any:

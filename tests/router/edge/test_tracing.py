@@ -16,7 +16,7 @@ import pytest
 
 from tests.guided_tokenizers import embedded_tokenizer_json
 from tests.otlp_collector import ExportedSpan, OtlpCollector
-from tests.router.edge.test_servicer_metrics import Aborted, FakeContext, FakeEngine
+from tests.router.fakes import Aborted, FakeContext, FakeEngine
 from tests.router.servicers import make_servicer
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.router.edge.test_servicer_metrics import FakeEngine
+from tests.router.fakes import FakeEngine
 from tests.router.servicers import make_servicer
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb

@@ -1,7 +1,7 @@
 """Adapters (``adapter_id``, vllm-tgis-adapter's field) through the router, end to end over
 real gRPC, and the router's adapter cache on its own.
 
-The stack is test_prompt_prefixes.py's (the real router composed as ``server.py`` does, a
+The stack is tests/router/stack.py's (the real router composed as ``server.py`` does, a
 stand-in shard on Unix sockets), with a shard that has an adapter cache: it answers
 ``AdapterLookup`` with the real shard's statuses and messages, reports ``max_loras`` in
 Info, and records which LoRA adapters each step contains.
@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.router.intake.test_prompt_prefixes import (
+from tests.router.stack import (
     MAX_SEQUENCE_LENGTH,
     PrefixShard,
     Stack,

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from tests.router.edge.test_servicer_metrics import Aborted, FakeContext, FakeEngine
+from tests.router.fakes import Aborted, FakeContext, FakeEngine
 from tests.router.servicers import make_servicer
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.router.core.test_engine import ScriptedShard, make_engine, request
-from tests.router.edge.test_servicer_metrics import Aborted, FakeContext, FakeEngine, params
+from tests.router.core.scripted_shard import ScriptedShard, make_engine, request
+from tests.router.fakes import Aborted, FakeContext, FakeEngine, params
 from tests.router.servicers import make_servicer
 from tgis.embedded_model import MODEL_DIR
 from tgis.log import (
