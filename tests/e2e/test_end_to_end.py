@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from tests.e2e.probes import metric_sample
 from tests.e2e.server import BIN_DIR, LauncherProcess, start_launcher
+from tests.e2e.streams import GrpcStream, stream_request
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -274,31 +274,18 @@ def test_concurrent_streams_and_a_late_request_overtakes(
     stub: pb_grpc.GenerationServiceStub,
 ) -> None:
     lengths = [8, 16, 24, 32, 40, 48, 120, 160]
-    results: dict[int, tuple[int, int, float]] = {}
-    started = threading.Event()
-    errors: list[BaseException] = []
-
-    def stream(index: int, length: int) -> None:
-        try:
-            request = pb.SingleGenerationRequest(
-                request=pb.GenerationRequest(text=f"{PROMPT} items {index}"),
-                params=greedy(length, min_new_tokens=length),
-            )
-            count, reason = 0, pb.NOT_FINISHED
-            for message in stub.GenerateStream(request, timeout=120):
-                count = max(count, message.generated_token_count)
-                reason = message.stop_reason
-                if count >= 2 and length == max(lengths):
-                    started.set()
-            results[index] = (count, reason, time.monotonic())
-        except BaseException as err:
-            errors.append(err)
-            started.set()
-
-    threads = [threading.Thread(target=stream, args=(i, n)) for i, n in enumerate(lengths)]
-    for thread in threads:
-        thread.start()
-    assert started.wait(60)
+    streams = [
+        GrpcStream(
+            stub,
+            stream_request(f"{PROMPT} items {index}", greedy(length, min_new_tokens=length)),
+            started_after=2,
+        )
+        for index, length in enumerate(lengths)
+    ]
+    for stream in streams:
+        stream.start()
+    longest = streams[-1]  # 160 tokens
+    assert longest.started.wait(60)
     # Submitted while the long streams are generating: must not wait for them to end.
     late = stub.Generate(
         pb.BatchedGenerationRequest(
@@ -307,15 +294,17 @@ def test_concurrent_streams_and_a_late_request_overtakes(
         timeout=60,
     )
     late_done = time.monotonic()
-    for thread in threads:
-        thread.join(120)
+    for stream in streams:
+        stream.join(120)
+    errors = [stream.error for stream in streams if stream.error]
     assert not errors, errors
     assert late.responses[0].generated_token_count == 3
-    for index, length in enumerate(lengths):
-        count, reason, _ = results[index]
-        assert (count, reason) == (length, pb.MAX_TOKENS)
-    longest = results[len(lengths) - 1][2]
-    assert late_done < longest, "a request that arrived mid-generation waited for the batch"
+    for stream, length in zip(streams, lengths, strict=True):
+        assert (stream.tokens, stream.stop_reason) == (length, pb.MAX_TOKENS)
+    assert longest.ended_at is not None
+    assert late_done < longest.ended_at, (
+        "a request that arrived mid-generation waited for the batch"
+    )
 
 
 # ---- TLS and mTLS ------------------------------------------------------------------------------

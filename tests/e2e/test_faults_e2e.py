@@ -32,11 +32,11 @@ from tests.e2e.probes import (
     SERVING,
     greedy,
     health_status,
-    long_stream,
     wait_until,
 )
 from tests.e2e.server import BIN_DIR, LauncherProcess, descendants, free_port, free_ports, is_alive
 from tests.e2e.server import start_launcher as _start_launcher
+from tests.e2e.streams import long_stream
 from tgis.embedded_model import MODEL_DIR
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc

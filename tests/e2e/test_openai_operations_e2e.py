@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import signal
 import ssl
-import threading
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
@@ -19,40 +17,11 @@ import pytest
 from tests.e2e.certs import make_pki
 from tests.e2e.probes import wait_until
 from tests.e2e.server import start_launcher
+from tests.e2e.streams import OpenAIStream
 
 pytestmark = pytest.mark.slow
 
 TOKENS = 1000  # long enough to outlast the checks made while it runs
-
-
-class StreamThread(threading.Thread):
-    """A streamed completion of exactly ``TOKENS`` tokens, consumed by its own thread."""
-
-    def __init__(self, client: openai.OpenAI, model: str) -> None:
-        super().__init__(daemon=True)
-        self.client, self.model = client, model
-        self.chunks = 0
-        self.usage: Any = None
-        self.error: BaseException | None = None
-        self.started = threading.Event()
-
-    def run(self) -> None:
-        try:
-            stream = self.client.completions.create(
-                model=self.model, prompt="Once upon a time", max_tokens=TOKENS, temperature=0,
-                stream=True, stream_options={"include_usage": True},
-                extra_body={"min_tokens": TOKENS},
-                extra_headers={"x-correlation-id": "openai-stream-6"},
-            )  # fmt: skip
-            for chunk in stream:
-                self.chunks += bool(chunk.choices)
-                self.usage = chunk.usage or self.usage
-                if self.chunks >= 5:
-                    self.started.set()
-        except BaseException as err:
-            self.error = err
-        finally:
-            self.started.set()
 
 
 def test_https_correlation_ids_and_the_drain(tmp_path: Path) -> None:
@@ -85,7 +54,13 @@ def test_https_correlation_ids_and_the_drain(tmp_path: Path) -> None:
             extra_headers={"x-correlation-id": "openai-corr-5"},
         )  # fmt: skip
         assert done.usage is not None and done.usage.completion_tokens <= 3
-        stream = StreamThread(client, model)
+        # A streamed completion of exactly TOKENS tokens, consumed by its own thread.
+        stream = OpenAIStream(
+            client,
+            model=model, prompt="Once upon a time", max_tokens=TOKENS, temperature=0,
+            stream_options={"include_usage": True}, extra_body={"min_tokens": TOKENS},
+            extra_headers={"x-correlation-id": "openai-stream-6"},
+        )  # fmt: skip
         stream.start()
         assert stream.started.wait(60) and stream.error is None, stream.error
         launcher.proc.send_signal(signal.SIGTERM)

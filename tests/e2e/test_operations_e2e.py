@@ -18,8 +18,9 @@ from grpc_health.v1 import health_pb2
 
 from tests.e2e.certs import Pki, SecretMount, make_pki, server_files
 from tests.e2e.models import save_tiny_llama
-from tests.e2e.probes import greedy, health_status, long_stream, start_stream, wait_until
+from tests.e2e.probes import greedy, health_status, wait_until
 from tests.e2e.server import LauncherProcess, descendants, free_port, is_alive, start_launcher
+from tests.e2e.streams import long_stream, start_stream
 from tests.otlp_collector import OtlpCollector
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
@@ -112,20 +113,20 @@ def test_sigterm_with_64_streams_in_flight_finishes_each_as_it_would_alone(tmp_p
                 for prompt in prompts
             ]
             started = [start_stream(channel, tokens, p, started_after=1) for p in prompts]
-            for stream, _ in started:
+            for stream in started:
                 assert stream.started.wait(60)
             signalled_at = time.monotonic()
             launcher.proc.send_signal(signal.SIGTERM)
-            in_flight = sum(not stream.done.is_set() for stream, _ in started)
+            in_flight = sum(not stream.done.is_set() for stream in started)
             wait_until(lambda: health_status(channel) == health_pb2.HealthCheckResponse.NOT_SERVING)
             with pytest.raises(grpc.RpcError) as refused:
                 generate_once(channel)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-            for _, thread in started:
-                thread.join(grace)
+            for stream in started:
+                stream.join(grace)
             drained_in = time.monotonic() - signalled_at
         assert in_flight == streams_in_flight, "streams ended before the signal"
-        for (stream, _), text in zip(started, alone, strict=True):
+        for stream, text in zip(started, alone, strict=True):
             assert stream.error is None, stream.error
             assert (stream.tokens, stream.stop_reason) == (tokens, pb.MAX_TOKENS)
             assert stream.text == text

@@ -14,13 +14,14 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import pytest
 
 from tests.e2e.probes import metric_sample
 from tests.e2e.server import LauncherProcess, healthy_launcher
+from tests.e2e.streams import GrpcStream, stream_request
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -54,7 +55,9 @@ def serial(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess
 
 
 @dataclass
-class Stream:
+class Case:
+    """One stream's request, and when its client cancels it."""
+
     index: int
     text: str
     max_tokens: int
@@ -63,12 +66,6 @@ class Stream:
     stops: list[str]
     include_stop: bool
     cancel_after: int | None  # cancel once this many tokens arrived
-    received: list[str] = field(default_factory=list)
-    tokens: list[str] = field(default_factory=list)
-    count: int = 0
-    reason: int = pb.NOT_FINISHED
-    stop_sequence: str = ""
-    error: BaseException | None = None
 
     def params(self) -> pb.Parameters:
         stopping = pb.StoppingCriteria(
@@ -85,13 +82,27 @@ class Stream:
             method=pb.SAMPLE, sampling=sampling, stopping=stopping, response=response
         )
 
-    def outcome(self) -> tuple[str, list[str], int, int, str]:
-        return "".join(self.received), self.tokens, self.count, self.reason, self.stop_sequence
+    def stream(
+        self,
+        stub: pb_grpc.GenerationServiceStub,
+        *,
+        cancel: bool = True,
+        go: threading.Event | None = None,
+        timeout: float = 120,
+    ) -> GrpcStream:
+        """Its stream (cancelled or not), to start."""
+        return GrpcStream(
+            stub,
+            stream_request(self.text, self.params()),
+            cancel_after=self.cancel_after if cancel else None,
+            go=go,
+            timeout=timeout,
+        )
 
 
-def make_streams() -> list[Stream]:
+def make_cases() -> list[Case]:
     rng = random.Random(4321)
-    streams = []
+    cases = []
     for i in range(STREAMS):
         repeat = rng.choice([1, 1, 4, 12])  # short prompts and long ones
         text = " ".join([rng.choice(PROMPTS)] * repeat)
@@ -100,69 +111,39 @@ def make_streams() -> list[Stream]:
         seed = rng.randrange(1, 1 << 30) if i % 3 == 0 else None
         stops = rng.choice(STOPS) if i % 4 == 1 else []
         cancel = rng.randrange(1, max_tokens) if i % 3 == 2 else None
-        streams.append(Stream(i, text, max_tokens, min_tokens, seed, stops, i % 8 == 1, cancel))
-    return streams
-
-
-def consume(call: grpc.Call, stream: Stream) -> None:
-    for message in call:
-        stream.received.append(message.text)
-        stream.tokens += [t.text for t in message.tokens]
-        stream.count = max(stream.count, message.generated_token_count)
-        if message.stop_reason != pb.NOT_FINISHED:
-            stream.reason, stream.stop_sequence = message.stop_reason, message.stop_sequence
-        if stream.cancel_after is not None and stream.count >= stream.cancel_after:
-            call.cancel()
-            return
-
-
-def run_stream(stub: pb_grpc.GenerationServiceStub, stream: Stream, go: threading.Event) -> None:
-    go.wait()
-    request = pb.SingleGenerationRequest(
-        request=pb.GenerationRequest(text=stream.text), params=stream.params()
-    )
-    call = stub.GenerateStream(request, timeout=120)
-    try:
-        consume(call, stream)
-    except grpc.RpcError as err:
-        if err.code() != grpc.StatusCode.CANCELLED or stream.cancel_after is None:
-            stream.error = err
-    except BaseException as err:
-        stream.error = err
+        cases.append(Case(i, text, max_tokens, min_tokens, seed, stops, i % 8 == 1, cancel))
+    return cases
 
 
 def test_64_overlapped_streams_equal_their_serial_lone_runs(
     overlapped: LauncherProcess, serial: LauncherProcess
 ) -> None:
-    streams = make_streams()
+    cases = make_cases()
     with grpc.insecure_channel(overlapped.grpc_target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         go = threading.Event()
-        threads = [threading.Thread(target=run_stream, args=(stub, s, go)) for s in streams]
-        for thread in threads:
-            thread.start()
+        streams = [case.stream(stub, go=go) for case in cases]
+        for stream in streams:
+            stream.start()
         go.set()
-        for thread in threads:
-            thread.join(150)
-    assert not any(t.is_alive() for t in threads), "streams still running"
+        for stream in streams:
+            stream.join(150)
+    assert not any(s.is_alive() for s in streams), "streams still running"
     assert not [s.error for s in streams if s.error], [s.error for s in streams if s.error]
-    finished = [s for s in streams if s.cancel_after is None]
+    finished = [(c, s) for c, s in zip(cases, streams, strict=True) if c.cancel_after is None]
     assert STREAMS - len(finished) >= STREAMS // 3
-    reasons = {s.reason for s in finished}
+    reasons = {s.stop_reason for _, s in finished}
     assert {pb.MAX_TOKENS, pb.STOP_SEQUENCE} <= reasons, reasons
-    assert all(s.count == len(s.tokens) for s in finished)
+    assert all(s.tokens == len(s.token_texts) for _, s in finished)
 
     with grpc.insecure_channel(serial.grpc_target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
-        for s in finished:  # one at a time, serial loop
-            alone = Stream(
-                s.index, s.text, s.max_tokens, s.min_tokens, s.seed, s.stops, s.include_stop, None
-            )
-            request = pb.SingleGenerationRequest(
-                request=pb.GenerationRequest(text=s.text), params=s.params()
-            )
-            consume(stub.GenerateStream(request, timeout=60), alone)
-            assert s.outcome() == alone.outcome(), f"stream {s.index}"
+        for case, s in finished:  # one at a time, serial loop
+            alone = case.stream(stub, cancel=False, timeout=60)
+            alone.start()
+            alone.join(90)
+            assert not alone.is_alive() and alone.error is None, alone.error
+            assert s.outcome() == alone.outcome(), f"stream {case.index}"
 
     deadline = time.monotonic() + 10
     gauges = ("tgi_batch_current_size", "tgi_queue_size", "tgi_kv_cache_used_blocks")

@@ -12,13 +12,13 @@ import random
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import grpc
 import pytest
 
 from tests.e2e.probes import metric_sample
 from tests.e2e.server import LauncherProcess, healthy_launcher
+from tests.e2e.streams import GrpcStream, stream_request
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
@@ -56,16 +56,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess
 
 
 @dataclass
-class Stream:
+class Case:
+    """One stream's request, and when its client cancels it."""
+
     index: int
     text: str
     tokens: int
     seed: int | None  # None: greedy
     cancel_after: int | None  # cancel once this many tokens arrived
-    received: list[str] = field(default_factory=list)
-    count: int = 0
-    reason: int = pb.NOT_FINISHED
-    error: BaseException | None = None
 
     def params(self) -> pb.Parameters:
         stopping = pb.StoppingCriteria(max_new_tokens=self.tokens, min_new_tokens=self.tokens)
@@ -75,91 +73,66 @@ class Stream:
         return pb.Parameters(method=pb.SAMPLE, sampling=sampling, stopping=stopping)
 
 
-def make_streams() -> list[Stream]:
+def make_cases() -> list[Case]:
     rng = random.Random(1234)
-    streams = []
+    cases = []
     for i in range(STREAMS):
         words = rng.choice([3, 8, 30, 70])  # short and long prompts (chunked at 96 tokens)
         text = " ".join(rng.choice(WORDS) for _ in range(words)) + f" {i}"
         tokens = rng.choice([4, 16, 40, 70])
         seed = None if i % 4 else rng.randrange(1, 1 << 30)
         cancel = rng.randrange(1, tokens) if i % 3 == 1 and tokens > 4 else None
-        streams.append(Stream(i, text, tokens, seed, cancel))
-    return streams
-
-
-def run_stream(stub: pb_grpc.GenerationServiceStub, stream: Stream, go: threading.Event) -> None:
-    go.wait()
-    request = pb.SingleGenerationRequest(
-        request=pb.GenerationRequest(text=stream.text), params=stream.params()
-    )
-    call = stub.GenerateStream(request, timeout=120)
-    try:
-        for message in call:
-            stream.received.append(message.text)
-            stream.count = max(stream.count, message.generated_token_count)
-            stream.reason = message.stop_reason
-            if stream.cancel_after is not None and stream.count >= stream.cancel_after:
-                call.cancel()
-                return
-    except grpc.RpcError as err:
-        if err.code() != grpc.StatusCode.CANCELLED or stream.cancel_after is None:
-            stream.error = err
-    except BaseException as err:
-        stream.error = err
+        cases.append(Case(i, text, tokens, seed, cancel))
+    return cases
 
 
 def test_64_streams_under_kv_pressure_with_cancellations(
     server: LauncherProcess, stub: pb_grpc.GenerationServiceStub
 ) -> None:
-    streams = make_streams()
+    cases = make_cases()
     go = threading.Event()
-    threads = [threading.Thread(target=run_stream, args=(stub, s, go)) for s in streams]
-    for thread in threads:
-        thread.start()
+    streams = [
+        GrpcStream(stub, stream_request(c.text, c.params()), cancel_after=c.cancel_after, go=go)
+        for c in cases
+    ]
+    for stream in streams:
+        stream.start()
     started = time.monotonic()
     go.set()
-    for thread in threads:
-        thread.join(150)
+    for stream in streams:
+        stream.join(150)
     elapsed = time.monotonic() - started
-    assert not any(t.is_alive() for t in threads), "streams still running"
+    assert not any(s.is_alive() for s in streams), "streams still running"
     assert not [s.error for s in streams if s.error], [s.error for s in streams if s.error]
 
-    cancelled = [s for s in streams if s.cancel_after is not None]
-    finished = [s for s in streams if s.cancel_after is None]
+    cancelled = [c for c in cases if c.cancel_after is not None]
+    finished = [(c, s) for c, s in zip(cases, streams, strict=True) if c.cancel_after is None]
     assert len(cancelled) >= STREAMS // 4
-    for s in finished:
-        assert (s.count, s.reason) == (s.tokens, pb.MAX_TOKENS), s
+    for c, s in finished:
+        assert (s.tokens, s.stop_reason) == (c.tokens, pb.MAX_TOKENS), (c, s.outcome())
     preemptions = metric_sample(server, "tgi_request_preemption_count_total")
     assert preemptions is not None and preemptions > 0, "the cache was never short"
 
     # Each greedy request alone (batch of one, no pressure) gives the same text.
-    alone = [s for s in finished if s.seed is None]
-    responses = stub.Generate(
-        pb.BatchedGenerationRequest(
-            requests=[pb.GenerationRequest(text=s.text) for s in alone[:1]],
-            params=alone[0].params(),
-        ),
-        timeout=60,
-    )
-    assert responses.responses[0].text == "".join(alone[0].received)
-    for s in alone[1:]:
+    alone = [(c, s) for c, s in finished if c.seed is None]
+    assert alone, "no greedy stream finished"
+    for c, s in alone:
         response = stub.Generate(
             pb.BatchedGenerationRequest(
-                requests=[pb.GenerationRequest(text=s.text)], params=s.params()
+                requests=[pb.GenerationRequest(text=c.text)], params=c.params()
             ),
             timeout=60,
         ).responses[0]
-        assert response.text == "".join(s.received), f"stream {s.index}"
+        assert response.text == s.text, f"stream {c.index}"
     # Seeded sampling resumes with its generator too: same text alone.
-    for s in [s for s in finished if s.seed is not None][:4]:
+    for c, s in [(c, s) for c, s in finished if c.seed is not None][:4]:
         response = stub.Generate(
             pb.BatchedGenerationRequest(
-                requests=[pb.GenerationRequest(text=s.text)], params=s.params()
+                requests=[pb.GenerationRequest(text=c.text)], params=c.params()
             ),
             timeout=60,
         ).responses[0]
-        assert response.text == "".join(s.received), f"seeded stream {s.index}"
+        assert response.text == s.text, f"seeded stream {c.index}"
 
     # Everything left the batch and gave its blocks back.
     deadline = time.monotonic() + 10

@@ -10,28 +10,25 @@ the grace period: test_operations_e2e.py and test_openai_operations_e2e.py.)
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
-from tests.e2e.probes import (
+from tests.e2e.probes import wait_until
+from tests.e2e.server import LauncherProcess, descendants, is_alive, start_launcher
+from tests.e2e.streams import (
+    CallThread,
     EventStream,
-    Stream,
+    GrpcStream,
+    UnaryCompletion,
     start_event_stream,
     start_stream,
-    wait_until,
 )
-from tests.e2e.server import LauncherProcess, descendants, is_alive, start_launcher
 
 pytestmark = pytest.mark.slow
 
@@ -40,66 +37,32 @@ SHUTTING_DOWN = "Server is shutting down: the request was ended after "
 
 
 @dataclass
-class UnaryCompletion:
-    """A non-streamed /v1/completions in a thread: its HTTP status and body."""
-
-    status: int = 0
-    body: dict[str, Any] = field(default_factory=dict)
-    error: BaseException | None = None
-
-
-def start_unary_completion(
-    launcher: LauncherProcess, tokens: int
-) -> tuple[UnaryCompletion, threading.Thread]:
-    result = UnaryCompletion()
-    body = {"prompt": "Hello", "max_tokens": tokens, "min_tokens": tokens, "temperature": 0}
-
-    def call() -> None:
-        request = urllib.request.Request(
-            launcher.http_base + "/v1/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=120) as response:
-                result.status, result.body = response.status, json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            result.status, result.body = err.code, json.loads(err.read())
-        except BaseException as err:
-            result.error = err
-
-    thread = threading.Thread(target=call, daemon=True)
-    thread.start()
-    return result, thread
-
-
-@dataclass
 class InFlight:
     """Calls of both APIs running on one server."""
 
-    grpc_streams: list[Stream]
+    grpc_streams: list[GrpcStream]
     event_streams: list[EventStream]
     unary: UnaryCompletion
-    threads: list[threading.Thread]
 
     def join(self, timeout: float) -> None:
+        calls: list[CallThread] = [*self.grpc_streams, *self.event_streams, self.unary]
         deadline = time.monotonic() + timeout
-        for thread in self.threads:
-            thread.join(max(deadline - time.monotonic(), 0.0))
-        assert not any(thread.is_alive() for thread in self.threads), "a call did not end"
+        for call in calls:
+            call.join(max(deadline - time.monotonic(), 0.0))
+        assert not any(call.is_alive() for call in calls), "a call did not end"
 
 
 def start_calls(launcher: LauncherProcess, channel: grpc.Channel) -> InFlight:
     """Two gRPC streams, two OpenAI streams and one unary OpenAI call, all running."""
-    grpc_started = [start_stream(channel, TOKENS) for _ in range(2)]
-    sse_started = [start_event_stream(launcher, TOKENS) for _ in range(2)]
-    unary, unary_thread = start_unary_completion(launcher, TOKENS)
-    for stream, _ in grpc_started:
+    grpc_streams = [start_stream(channel, TOKENS) for _ in range(2)]
+    event_streams = [start_event_stream(launcher, TOKENS) for _ in range(2)]
+    unary = UnaryCompletion(launcher, TOKENS)
+    unary.start()
+    for stream in grpc_streams:
         assert stream.started.wait(60) and stream.error is None, stream.error
-    for event_stream, _ in sse_started:
+    for event_stream in event_streams:
         assert event_stream.started.wait(60) and event_stream.error is None, event_stream.error
-    threads = [t for _, t in grpc_started] + [t for _, t in sse_started] + [unary_thread]
-    return InFlight([s for s, _ in grpc_started], [s for s, _ in sse_started], unary, threads)
+    return InFlight(grpc_streams, event_streams, unary)
 
 
 def assert_ended_because(calls: InFlight, why: str) -> None:

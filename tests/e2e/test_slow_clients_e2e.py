@@ -18,8 +18,9 @@ from contextlib import ExitStack, closing
 import grpc
 import pytest
 
-from tests.e2e.probes import greedy, metric_sample, start_stream, wait_until
+from tests.e2e.probes import greedy, metric_sample, wait_until
 from tests.e2e.server import LauncherProcess, healthy_launcher
+from tests.e2e.streams import start_stream
 from tgis.pb import generation_pb2 as pb
 from tgis.pb import generation_pb2_grpc as pb_grpc
 from tgis.procinfo import resident_kib
@@ -131,7 +132,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_holds_nothing(
         assert metric(launcher, "tgi_kv_cache_used_blocks") == 0
         # Every permit is back: the limit's worth of streams at once, and no more.
         started = [start_stream(channel, 50, started_after=1) for _ in range(MAX_CONCURRENT)]
-        for stream, _ in started:
+        for stream in started:
             assert stream.started.wait(60)
         with pytest.raises(grpc.RpcError) as refused:
             stub.Generate(
@@ -141,8 +142,8 @@ def test_a_client_that_stops_reading_is_cut_off_and_holds_nothing(
                 timeout=30,
             )
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        for stream, thread in started:
-            thread.join(60)
+        for stream in started:
+            stream.join(60)
             assert stream.error is None and stream.tokens == 50, stream.error
     assert rss_before is not None and rss_peak is not None
     growth_mib = (rss_peak - rss_before) / 1024
