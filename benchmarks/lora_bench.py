@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from step_bench import Plans, parse_ints  # noqa: E402
 
+from tgis.shard.cli import engine_from_environment  # noqa: E402
 from tgis.shard.config import ShardConfig  # noqa: E402
 from tgis.shard.loader import load_runner  # noqa: E402
 from tgis.shard.native.runtime.model_runner import ModelRunner  # noqa: E402
@@ -162,6 +163,7 @@ def main() -> None:
             max_loras=max(1, args.adapters),
             kv_cache_blocks=blocks,
             max_sequence_length=args.context + args.warmup + args.steps + 8,
+            engine=engine_from_environment(),  # TGIS_LORA_KERNEL, ...
         )
         runner = load_runner(shard_config)
         assert isinstance(runner, ModelRunner)

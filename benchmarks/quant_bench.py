@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from step_bench import parse_ints, run_case  # noqa: E402
 
+from tgis.shard.cli import engine_from_environment  # noqa: E402
 from tgis.shard.config import ShardConfig  # noqa: E402
 from tgis.shard.loader import load_runner  # noqa: E402
 from tgis.shard.native.models.decoder import DecoderLM  # noqa: E402
@@ -91,10 +92,7 @@ def load(args: argparse.Namespace, variant: str) -> ModelRunner:
     """``variant``: a name of VARIANTS, optionally ``:kernel`` (TGIS_QUANT_KERNEL's value
     while loading, e.g. ``gptq:torch``)."""
     name, _, kernel = variant.partition(":")
-    if kernel:
-        os.environ["TGIS_QUANT_KERNEL"] = kernel
-    else:
-        os.environ.pop("TGIS_QUANT_KERNEL", None)
+    engine = replace(engine_from_environment(), quant_kernel=kernel or "auto")
     largest = max(args.batches) * (max(args.contexts) + args.warmup + args.steps + 2)
     config = ShardConfig(
         model_name=str(args.model),
@@ -103,6 +101,7 @@ def load(args: argparse.Namespace, variant: str) -> ModelRunner:
         quantize=VARIANTS[name],
         max_sequence_length=max(args.contexts) + args.warmup + args.steps + 16,
         kv_cache_blocks=-(-largest // 16) + max(args.batches),
+        engine=engine,
     )
     return load_runner(config)
 

@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tgis.shard.checkpoints.model_config import ModelConfig  # noqa: E402
+from tgis.shard.cli import engine_from_environment  # noqa: E402
 from tgis.shard.config import ShardConfig  # noqa: E402
 from tgis.shard.loader import load_runner  # noqa: E402
 from tgis.shard.native.models import model_class  # noqa: E402
@@ -259,6 +260,7 @@ def main() -> None:
         max_sequence_length=max_seq,
         max_batch_prefill_tokens=args.prefill_chunk,
         kv_cache_blocks=max(args.batches) * per_seq,
+        engine=engine_from_environment(),  # TGIS_COMPILE, TGIS_ATTENTION_BACKEND, ...
     )
     started = time.perf_counter()
     runner = load_runner(config)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import Router, TinyModel
 
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
 from tgis.shard.native.attention.cpu_paged import CpuPagedAttention, load_kernel, openmp_runtimes
@@ -306,30 +306,24 @@ def test_cpu_kernel_refuses_out_of_range_blocks_and_contexts(threads: int) -> No
             )
 
 
-def test_selection_on_cpu_and_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_selection_on_cpu_and_forced() -> None:
     cpu = torch.device("cpu")
-    for var in ("TGIS_ATTENTION_BACKEND", "FLASH_ATTENTION", "PAGED_ATTENTION"):
-        monkeypatch.delenv(var, raising=False)
     default = "cpu_paged" if KERNEL is not None else "torch_paged"
     assert select_attention_backend(cpu, BLOCK).name == default
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "torch_paged")
-    assert select_attention_backend(cpu, BLOCK).name == "torch_paged"
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "sdpa_varlen")
-    assert select_attention_backend(cpu, BLOCK).name == "sdpa_varlen"
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "nonsense")
+    assert select_attention_backend(cpu, BLOCK, "torch_paged").name == "torch_paged"
+    assert select_attention_backend(cpu, BLOCK, "sdpa_varlen").name == "sdpa_varlen"
     with pytest.raises(ValueError, match="TGIS_ATTENTION_BACKEND"):
-        select_attention_backend(cpu, BLOCK)
-    monkeypatch.delenv("TGIS_ATTENTION_BACKEND")
-    monkeypatch.setenv("FLASH_ATTENTION", "true")  # TGIS's switch: no flash on CPU
-    assert select_attention_backend(cpu, BLOCK).name == default
+        select_attention_backend(cpu, BLOCK, "nonsense")
+    # TGIS's FLASH_ATTENTION switch: no flash on the CPU
+    assert select_attention_backend(cpu, BLOCK, flash=True).name == default
 
 
 @pytest.mark.parametrize("backend", ["sdpa_varlen", pytest.param("cpu_paged", marks=needs_kernel)])
-def test_model_runner_on_other_backends_matches_hf(
-    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch, backend: str
-) -> None:
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", backend)
-    runner = load_runner(ShardConfig(model_name=str(tiny_model.path), kv_cache_blocks=32))
+def test_model_runner_on_other_backends_matches_hf(tiny_model: TinyModel, backend: str) -> None:
+    engine = EngineSettings(attention_backend=backend)
+    runner = load_runner(
+        ShardConfig(model_name=str(tiny_model.path), kv_cache_blocks=32, engine=engine)
+    )
     assert runner.info.attention_backend == backend
     prompts = {1: [5, 6, 7], 2: list(range(10, 39)), 3: [40, 41, 42, 43, 44, 45, 46, 47, 48]}
     router = Router(runner)
@@ -343,26 +337,21 @@ def test_model_runner_on_other_backends_matches_hf(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the probe must fail: no CUDA here")
-def test_a_backend_failing_its_start_up_probe(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_backend_failing_its_start_up_probe(caplog: pytest.LogCaptureFixture) -> None:
     """The probe makes a real call: on a host without CUDA the CUDA backends fail it. The
     default falls back to the reference with a warning; a forced one is a StartupError."""
     cuda = torch.device("cuda")
-    monkeypatch.delenv("TGIS_ATTENTION_BACKEND", raising=False)
     with caplog.at_level("WARNING"):
         backend = start_attention_backend(cuda, BLOCK, torch.bfloat16)
     assert backend.name == "torch_paged"
     assert "failed its start-up probe" in caplog.text
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "triton_paged")
     with pytest.raises(StartupError, match="triton_paged failed its start-up probe") as info:
-        start_attention_backend(cuda, BLOCK, torch.bfloat16)
+        start_attention_backend(cuda, BLOCK, torch.bfloat16, "triton_paged")
     assert "\n" not in str(info.value)
     # Backends without kernels of their own, and the CPU, need no probe.
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "sdpa_varlen")
-    assert start_attention_backend(cuda, BLOCK, torch.bfloat16).name == "sdpa_varlen"
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "torch_paged")
-    assert start_attention_backend(torch.device("cpu"), BLOCK, torch.float32).name == "torch_paged"
+    assert start_attention_backend(cuda, BLOCK, torch.bfloat16, "sdpa_varlen").name == "sdpa_varlen"
+    cpu_forced = start_attention_backend(torch.device("cpu"), BLOCK, torch.float32, "torch_paged")
+    assert cpu_forced.name == "torch_paged"
 
 
 @needs_kernel

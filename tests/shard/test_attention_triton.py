@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import Router, TinyModel
 
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
 from tgis.shard.native.attention.selection import select_attention_backend
@@ -206,38 +206,34 @@ def test_probe_passes() -> None:
 def test_cuda_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA default when Triton imports, unless flash-attn is asked for and installed
     (nothing touches the device while choosing)."""
-    for var in ("TGIS_ATTENTION_BACKEND", "FLASH_ATTENTION"):
-        monkeypatch.delenv(var, raising=False)
     cuda = torch.device("cuda")
     assert select_attention_backend(cuda, 16).name == "triton_paged"
-    monkeypatch.setenv("FLASH_ATTENTION", "true")  # missing: a warning only
     has_flash = ON_GPU and importlib.util.find_spec("flash_attn") is not None
-    expected = "flash_varlen" if has_flash else "triton_paged"
-    assert select_attention_backend(cuda, 16).name == expected
-    monkeypatch.delenv("FLASH_ATTENTION")
+    expected = "flash_varlen" if has_flash else "triton_paged"  # missing: a warning only
+    assert select_attention_backend(cuda, 16, flash=True).name == expected
     monkeypatch.setattr("tgis.shard.native.attention.selection._has_triton", lambda: False)
     assert select_attention_backend(cuda, 16).name in ("flash_varlen", "torch_paged")
 
 
 def test_cpu_only_when_asked_and_interpreted(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("TGIS_ATTENTION_BACKEND", "FLASH_ATTENTION", "TRITON_INTERPRET"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cpu = torch.device("cpu")
     assert select_attention_backend(cpu, 16).name in ("cpu_paged", "torch_paged")
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "triton_paged")
     with pytest.raises(ValueError, match="CUDA"):
-        select_attention_backend(cpu, 16)
+        select_attention_backend(cpu, 16, "triton_paged")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert select_attention_backend(cpu, 16).name == "triton_paged"
+    assert select_attention_backend(cpu, 16, "triton_paged").name == "triton_paged"
 
 
 def test_model_runner_matches_hf(tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny Llama greedy-decodes like Hugging Face: prompts, a prompt in two chunks
     (the second in a step with decodes), then decodes."""
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "triton_paged")
     if not ON_GPU:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    runner = load_runner(ShardConfig(model_name=str(tiny_model.path), kv_cache_blocks=32))
+    engine = EngineSettings(attention_backend="triton_paged")
+    runner = load_runner(
+        ShardConfig(model_name=str(tiny_model.path), kv_cache_blocks=32, engine=engine)
+    )
     assert runner.info.attention_backend == "triton_paged"
     prompts = {1: [5, 6, 7], 2: list(range(10, 39)), 3: [40, 41, 42, 43, 44, 45, 46, 47, 48]}
     router = Router(runner)

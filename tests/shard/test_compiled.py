@@ -12,7 +12,7 @@ from conftest import Router, TinyModel
 from test_model_families import FAMILIES
 from test_preemption import PROMPTS, Preemption, drive
 
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard.native.graphs.compiled import CompiledForward
 from tgis.shard.native.runtime.model_runner import ModelRunner
@@ -22,9 +22,13 @@ DETAILS = DetailOptions(logprobs=True, generated_tokens=True)
 SEEDED = {3: SamplingParams(temperature=0.8, top_k=20, seed=99)}
 
 
-def runner_for(path: Path, compiled: bool, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
-    monkeypatch.setenv("TGIS_COMPILE", "1" if compiled else "0")
-    config = ShardConfig(model_name=str(path), kv_cache_blocks=64, max_sequence_length=256)
+def runner_for(path: Path, compiled: bool) -> ModelRunner:
+    config = ShardConfig(
+        model_name=str(path),
+        kv_cache_blocks=64,
+        max_sequence_length=256,
+        engine=EngineSettings(compile="1" if compiled else "0"),
+    )
     runner = load_runner(config)
     assert isinstance(runner, ModelRunner)
     assert isinstance(runner.forward, CompiledForward) == compiled
@@ -62,25 +66,21 @@ VARIANTS = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_compiled_equals_eager(
-    variant: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_compiled_equals_eager(variant: str, tmp_path: Path) -> None:
     FAMILIES[variant].build(tmp_path)
     preemption = Preemption(2, after_tokens=4, pause_steps=1, chunk=7)
-    eager = drive(runner_for(tmp_path, False, monkeypatch), SEEDED, preemption, DETAILS)
-    compiled = drive(runner_for(tmp_path, True, monkeypatch), SEEDED, preemption, DETAILS)
+    eager = drive(runner_for(tmp_path, False), SEEDED, preemption, DETAILS)
+    compiled = drive(runner_for(tmp_path, True), SEEDED, preemption, DETAILS)
     assert_same(compiled, eager)
 
 
 @pytest.mark.slow
 @pytest.mark.gpu
-def test_compiled_llama_equals_eager_and_transformers(
-    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_compiled_llama_equals_eager_and_transformers(tiny_model: TinyModel) -> None:
     """The plain Llama, also against transformers' own greedy generation."""
-    runner = runner_for(tiny_model.path, True, monkeypatch)
+    runner = runner_for(tiny_model.path, True)
     compiled = drive(runner, SEEDED, None, DETAILS)
-    eager = drive(runner_for(tiny_model.path, False, monkeypatch), SEEDED, None, DETAILS)
+    eager = drive(runner_for(tiny_model.path, False), SEEDED, None, DETAILS)
     assert_same(compiled, eager)
     for rid in (1, 2):
         expected = tiny_model.greedy(PROMPTS[rid], len(compiled.generated[rid]))[0]

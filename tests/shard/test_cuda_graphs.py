@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from tgis.shard.config import EngineSettings
 from tgis.shard.native.attention.interface import BatchLayout
 from tgis.shard.native.attention.kv_cache import KVCache, KVCacheSpec
-from tgis.shard.native.graphs.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
+from tgis.shard.native.graphs.cuda_graphs import DecodeGraphs, graph_buckets
 
 
 def test_buckets() -> None:
@@ -23,13 +24,11 @@ def test_buckets() -> None:
     assert len(graph_buckets(256)) == 4 + 16
 
 
-def test_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mode() -> None:
     for value, mode in (("", "auto"), ("auto", "auto"), ("1", "on"), ("0", "off")):
-        monkeypatch.setenv("TGIS_CUDA_GRAPHS", value)
-        assert graphs_mode() == mode
-    monkeypatch.setenv("TGIS_CUDA_GRAPHS", "maybe")
+        assert EngineSettings(cuda_graphs=value).graphs_switch == mode
     with pytest.raises(ValueError, match="TGIS_CUDA_GRAPHS"):
-        graphs_mode()
+        _ = EngineSettings(cuda_graphs="maybe").graphs_switch
 
 
 def graphs(max_batch: int = 16, max_context: int = 64, width: int = 1) -> DecodeGraphs:

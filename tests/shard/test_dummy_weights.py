@@ -23,7 +23,7 @@ from tp_utils import Request, make_plans, run_plans
 from tgis.shard.checkpoints.dummy_weights import DummyWeights, parameter_count
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
 from tgis.shard.native.attention.kv_cache import BLOCK_SIZE
@@ -249,13 +249,10 @@ def test_fallback_only_models_fail_in_one_line(tmp_path: Path) -> None:
     )
 
 
-def test_native_model_forced_to_the_fallback_fails(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_native_model_forced_to_the_fallback_fails(tmp_path: Path) -> None:
     transformers.LlamaConfig(**_COMMON, **_LLAMA).save_pretrained(tmp_path)
-    monkeypatch.setenv("TGIS_ENGINE", "hf")
     with pytest.raises(StartupError, match=r"transformers fallback: TGIS_ENGINE=hf$"):
-        make_runner(tmp_path, load_format="dummy")
+        make_runner(tmp_path, load_format="dummy", engine=EngineSettings(engine="hf"))
 
 
 def test_unknown_load_format_is_refused() -> None:

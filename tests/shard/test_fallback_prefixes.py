@@ -20,7 +20,7 @@ from hf_models import HIDDEN, prompt_of, random_causal, random_seq2seq
 
 from tests.prefix_oracle import prefixed_greedy
 from tgis.shard.adapters.store_paths import StoreError, StoreErrorKind
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.fallback.runner import HfRunner
 from tgis.shard.loader import load_runner
 from tgis.shard_api.messages import DetailOptions, ModelKind
@@ -74,11 +74,9 @@ def gpt2(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 
 
 @pytest.fixture(params=["llama", "gpt2"])
-def causal(
-    request: pytest.FixtureRequest, tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
-) -> TinyModel:
-    """A decoder-only model on the fallback: the tiny Llama forced onto it, and GPT-2."""
-    monkeypatch.setenv("TGIS_ENGINE", "hf")
+def causal(request: pytest.FixtureRequest, tiny_model: TinyModel) -> TinyModel:
+    """A decoder-only model on the fallback: the tiny Llama forced onto it (``make_runner``
+    asks for the fallback), and GPT-2."""
     if request.param == "llama":
         return tiny_model
     model: TinyModel = request.getfixturevalue("gpt2")
@@ -97,6 +95,7 @@ def make_runner(model: TinyModel, store: Path | None) -> HfRunner:
             model_name=str(model.path),
             prefix_store_path=None if store is None else str(store),
             kv_cache_blocks=64,
+            engine=EngineSettings(engine="hf"),  # TGIS_ENGINE=hf: every model here
         )
     )
     assert isinstance(runner, HfRunner)

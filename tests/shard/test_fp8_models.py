@@ -30,6 +30,7 @@ from test_quantized_models import (
 from tp_utils import Request, make_plans, run_plans
 
 from tests.quant_fixtures.packing import decoder_linears
+from tgis.shard.config import EngineSettings
 from tgis.shard.native.graphs.compiled import CompiledForward
 from tgis.shard.native.linear.fp8_linear import Fp8ScaledWeight
 
@@ -66,21 +67,18 @@ def fp8_model(case: str, root: Path) -> TinyModel:
     return TinyModel(root / "quantized", round_activations_to_fp8(reference))
 
 
-@pytest.fixture
-def scaled_mm(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TGIS_QUANT_KERNEL", "torch")
+SCALED_MM = EngineSettings(quant_kernel="torch")
+"""``TGIS_QUANT_KERNEL=torch``: FP8 layers run ``torch._scaled_mm`` on the CPU too."""
 
 
-@pytest.mark.usefixtures("scaled_mm")
 @pytest.mark.parametrize("case", ["ct-fp8-channel-llama", "ct-fp8-tensor-gpt-bigcode-mha"])
 def test_float32_greedy_equals_transformers_with_fp8_activations(case: str, tmp_path: Path) -> None:
     model = fp8_model(case, tmp_path)
-    runner = make_runner(model.path, dtype="float32")
+    runner = make_runner(model.path, dtype="float32", engine=SCALED_MM)
     assert set(kernels(runner)) == {SCALED}, kernels(runner)
     assert_matches_hf(generate(runner, PROMPTS), model, PROMPTS)
 
 
-@pytest.mark.usefixtures("scaled_mm")
 def test_fp8_at_load_runs_scaled_mm_like_a_checkpoint(tmp_path: Path) -> None:
     """``--quantize fp8`` on a dense checkpoint: every layer in FP8 per output channel."""
     family, _ = CASES["ct-fp8-channel-llama"]
@@ -92,40 +90,35 @@ def test_fp8_at_load_runs_scaled_mm_like_a_checkpoint(tmp_path: Path) -> None:
             reference.get_submodule(name).weight.copy_((w / s).to(torch.float8_e4m3fn).float() * s)
     reference.generation_config.eos_token_id = None
     model = TinyModel(tmp_path / "dense", round_activations_to_fp8(reference))
-    runner = make_runner(model.path, dtype="float32", quantize="fp8")
+    runner = make_runner(model.path, dtype="float32", quantize="fp8", engine=SCALED_MM)
     assert set(kernels(runner)) == {SCALED}, kernels(runner)
     assert_matches_hf(generate(runner, PROMPTS), model, PROMPTS)
 
 
-@pytest.mark.usefixtures("scaled_mm")
 def test_bfloat16_scaled_mm_within_tolerance(tmp_path: Path) -> None:
     model = fp8_model("ct-fp8-channel-llama", tmp_path)
-    runner = make_runner(model.path, dtype="bfloat16")
+    runner = make_runner(model.path, dtype="bfloat16", engine=SCALED_MM)
     assert set(kernels(runner)) == {SCALED}, kernels(runner)
     assert_near_the_oracle(generate(runner, PROMPTS), model)
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("scaled_mm")
-def test_the_compiled_step_holds_the_fp8_operator(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_compiled_step_holds_the_fp8_operator(tmp_path: Path) -> None:
     """``TGIS_COMPILE=1``: the FP8 product is one operator (``tgis::fp8_scaled_linear``)
     inside the compiled step, which compiles (``_scaled_mm`` itself cannot be traced over
     the step's symbolic token count) and gives the oracle's tokens."""
-    monkeypatch.setenv("TGIS_COMPILE", "1")
     model = fp8_model("ct-fp8-channel-llama", tmp_path)
-    runner = make_runner(model.path, dtype="float32")
+    engine = EngineSettings(quant_kernel="torch", compile="1")
+    runner = make_runner(model.path, dtype="float32", engine=engine)
     assert isinstance(runner.forward, CompiledForward)
     assert set(kernels(runner)) == {SCALED}, kernels(runner)
     assert_matches_hf(generate(runner, PROMPTS), model, PROMPTS)
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("scaled_mm")
 def test_two_ranks_scale_their_own_columns(tmp_path: Path) -> None:
     """Column- and row-parallel slices of FP8 layers (q/k/v and gate/up fused) on two ranks
-    (which inherit ``TGIS_QUANT_KERNEL=torch``). A row-parallel layer's activations are
+    (each with ``TGIS_QUANT_KERNEL=torch``). A row-parallel layer's activations are
     scaled per rank, over the columns that rank holds (as in vLLM), so the oracle scales
     o_proj's and down_proj's inputs per half; the tokens are its greedy ones."""
     family, write = CASES["ct-fp8-channel-llama"]
@@ -134,7 +127,10 @@ def test_two_ranks_scale_their_own_columns(tmp_path: Path) -> None:
     oracle = TinyModel(tmp_path / "quantized", round_activations_to_fp8(reference, ranks=2))
     prompt = tuple(PROMPTS[3])
     requests = [Request(1, prompt, 6, chunk=8), Request(2, prompt[:9], 5, arrives=1)]
-    outputs = run_plans(tmp_path / "quantized", make_plans(requests), 2, dtype="float32")[0].outputs
+    plans = make_plans(requests)
+    outputs = run_plans(tmp_path / "quantized", plans, 2, dtype="float32", engine=SCALED_MM)[
+        0
+    ].outputs
     for request in requests:
         tokens = [
             t.token.token_id

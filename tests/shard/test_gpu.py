@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import Router, TinyModel, build_tiny_llama
 
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard.native.attention.interface import BatchLayout
 from tgis.shard.native.graphs.compiled import CompiledForward
@@ -40,21 +40,23 @@ def cuda_backends() -> list[str]:
 
 def cuda_runner(
     path: Path,
-    monkeypatch: pytest.MonkeyPatch,
     *,
     backend: str = "",
     compiled: bool = False,
+    graphs: str = "auto",
     dtype: str = "float32",
     speculate: int = 0,
 ) -> ModelRunner:
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", backend)
-    monkeypatch.setenv("TGIS_COMPILE", "1" if compiled else "0")
+    engine = EngineSettings(
+        attention_backend=backend or None, compile="1" if compiled else "0", cuda_graphs=graphs
+    )
     config = ShardConfig(
         model_name=str(path),
         dtype=dtype,
         kv_cache_blocks=96,
         max_sequence_length=256,
         speculate=speculate,
+        engine=engine,
     )
     runner = load_runner(config)
     assert isinstance(runner, ModelRunner)
@@ -90,11 +92,11 @@ def no_tf32() -> None:
 
 @pytest.mark.parametrize("backend", cuda_backends())
 def test_each_backend_serves_transformers_greedy_tokens(
-    backend: str, tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
+    backend: str, tiny_model: TinyModel
 ) -> None:
     if backend == "flash_varlen":
         pytest.skip("flash-attn takes fp16/bf16 only; its kernel is compared in its own test")
-    router = generate(cuda_runner(tiny_model.path, monkeypatch, backend=backend))
+    router = generate(cuda_runner(tiny_model.path, backend=backend))
     assert router.runner.attention.name == backend
     for rid, prompt in PROMPTS.items():
         expected, logits = tiny_model.greedy(prompt, NEW_TOKENS)
@@ -106,25 +108,23 @@ def test_each_backend_serves_transformers_greedy_tokens(
 
 @pytest.mark.parametrize("backend", cuda_backends())
 def test_each_backend_agrees_with_the_reference_in_bfloat16(
-    backend: str, tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
+    backend: str, tiny_model: TinyModel
 ) -> None:
     """The served dtype on GPUs: first-token logprobs of every backend within bf16 noise of
     the reference backend's on the same bf16 model."""
     path = tiny_model.path
     bf16 = "bfloat16"
-    expected = generate(cuda_runner(path, monkeypatch, backend="torch_paged", dtype=bf16))
-    got = generate(cuda_runner(path, monkeypatch, backend=backend, dtype=bf16))
+    expected = generate(cuda_runner(path, backend="torch_paged", dtype=bf16))
+    got = generate(cuda_runner(path, backend=backend, dtype=bf16))
     for rid in PROMPTS:
         first_expected, first_got = logprobs(expected, rid)[0], logprobs(got, rid)[0]
         assert abs(first_got - first_expected) < 5e-2, (backend, rid)
         assert got.generated[rid][0] == expected.generated[rid][0], (backend, rid)
 
 
-def test_compiled_step_equals_eager_on_cuda(
-    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    eager = generate(cuda_runner(tiny_model.path, monkeypatch))
-    runner = cuda_runner(tiny_model.path, monkeypatch, compiled=True)
+def test_compiled_step_equals_eager_on_cuda(tiny_model: TinyModel) -> None:
+    eager = generate(cuda_runner(tiny_model.path))
+    runner = cuda_runner(tiny_model.path, compiled=True)
     assert isinstance(runner.forward, CompiledForward)
     compiled = generate(runner)
     assert compiled.generated == eager.generated
@@ -139,12 +139,10 @@ def test_decode_graphs_equal_eager(
 ) -> None:
     """Decode steps replayed from CUDA graphs give the tokens and logprobs of the same
     forward run directly, over the eager and the compiled forward."""
-    monkeypatch.setenv("TGIS_CUDA_GRAPHS", "0")
-    direct = cuda_runner(tiny_model.path, monkeypatch, backend="triton_paged", compiled=compiled)
+    direct = cuda_runner(tiny_model.path, backend="triton_paged", compiled=compiled, graphs="0")
     assert direct.graph_sets == ()
     expected = generate(direct)
-    monkeypatch.setenv("TGIS_CUDA_GRAPHS", "1")
-    runner = cuda_runner(tiny_model.path, monkeypatch, backend="triton_paged", compiled=compiled)
+    runner = cuda_runner(tiny_model.path, backend="triton_paged", compiled=compiled, graphs="1")
     (graphs,) = runner.graph_sets
     graphs.verify(seed=3)  # graph == direct forward on random inputs
     replays: list[int] = []
@@ -167,11 +165,9 @@ def test_decode_graphs_equal_eager(
 def test_verify_graphs_equal_eager(tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """With --speculate 4 the loader also captures verify graphs (1 + 4 rows a sequence):
     drafted steps replayed from them give the eager step's tokens and logprobs."""
-    monkeypatch.setenv("TGIS_CUDA_GRAPHS", "0")
-    direct = cuda_runner(tiny_model.path, monkeypatch, backend="triton_paged", speculate=4)
+    direct = cuda_runner(tiny_model.path, backend="triton_paged", speculate=4, graphs="0")
     expected = drafted_generate(direct)
-    monkeypatch.setenv("TGIS_CUDA_GRAPHS", "1")
-    runner = cuda_runner(tiny_model.path, monkeypatch, backend="triton_paged", speculate=4)
+    runner = cuda_runner(tiny_model.path, backend="triton_paged", speculate=4, graphs="1")
     assert [g.width for g in runner.graph_sets] == [1, 5]
     runner.graph_sets[1].verify(seed=3)
     widths: list[int] = []
@@ -205,13 +201,9 @@ def drafted_generate(runner: ModelRunner) -> Router:
     return router
 
 
-def test_kv_warm_up_measures_device_memory(
-    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_kv_warm_up_measures_device_memory(tiny_model: TinyModel) -> None:
     """No TGIS_KV_CACHE_BLOCKS: the warm-up runs and sizes the cache from free memory,
     capped by --max-batch-total-tokens."""
-    monkeypatch.delenv("TGIS_KV_CACHE_BLOCKS", raising=False)
-    monkeypatch.setenv("TGIS_COMPILE", "0")
     runner = load_runner(
         ShardConfig(
             model_name=str(tiny_model.path),
@@ -219,6 +211,7 @@ def test_kv_warm_up_measures_device_memory(
             max_batch_prefill_tokens=1024,
             max_batch_size=32,
             max_batch_total_tokens=1 << 20,
+            engine=EngineSettings(compile="0"),
         )
     )
     assert isinstance(runner, ModelRunner)
@@ -229,12 +222,9 @@ def test_kv_warm_up_measures_device_memory(
     assert router.generated[1] == tiny_model.greedy(PROMPTS[1], 1)[0]
 
 
-def test_dummy_weights_are_created_on_the_device(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_dummy_weights_are_created_on_the_device(tmp_path: Path) -> None:
     build_tiny_llama(tmp_path, seed=1)
     (tmp_path / "model.safetensors").unlink()  # nothing to read but config.json
-    monkeypatch.setenv("TGIS_COMPILE", "0")
     runner = load_runner(
         ShardConfig(
             model_name=str(tmp_path),
@@ -242,6 +232,7 @@ def test_dummy_weights_are_created_on_the_device(
             load_format="dummy",
             kv_cache_blocks=32,
             max_sequence_length=128,
+            engine=EngineSettings(compile="0"),
         )
     )
     assert isinstance(runner, ModelRunner)

@@ -27,7 +27,7 @@ from tests.guided_tokenizers import embedded_tokenizer_json, llama_style_tokeniz
 from tgis.embedded_model import MODEL_DIR
 from tgis.router.intake.guided import grammar_source
 from tgis.router.request_types import GuidedKind, GuidedRequest
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.step.guided import Grammars, Guide
@@ -287,9 +287,7 @@ def test_masks_are_bits_of_the_vocabulary() -> None:
 
 
 @pytest.mark.slow
-def test_the_compiled_step_stays_in_use_and_agrees(
-    model_dir: Path, runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_compiled_step_stays_in_use_and_agrees(model_dir: Path, runner: ModelRunner) -> None:
     """With the compiled forward (``TGIS_COMPILE=1``), a guided sequence beside unguided
     ones gets the eager step's tokens: the mask is applied outside the compiled graph."""
     from tgis.shard.native.graphs.compiled import CompiledForward
@@ -300,8 +298,10 @@ def test_the_compiled_step_stays_in_use_and_agrees(
         3: SamplingParams(temperature=0.8, seed=3, grammar=grammar_source(CASES["regex"])),
     }
     eager = run(runner, sampling, steps=60)
-    monkeypatch.setenv("TGIS_COMPILE", "1")
-    compiled_runner = load_runner(ShardConfig(model_name=str(model_dir), kv_cache_blocks=64))
+    config = ShardConfig(
+        model_name=str(model_dir), kv_cache_blocks=64, engine=EngineSettings(compile="1")
+    )
+    compiled_runner = load_runner(config)
     assert isinstance(compiled_runner, ModelRunner)
     assert isinstance(compiled_runner.forward, CompiledForward)
     compiled = run(compiled_runner, sampling, steps=60)

@@ -20,7 +20,7 @@ from conftest import Router, TinyModel
 from hf_models import VOCAB, prompt_of, random_causal, random_seq2seq
 
 from tgis.shard.checkpoints.model_config import ModelConfig
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.engines import select_engine
 from tgis.shard.errors import InvalidStepError, StartupError
 from tgis.shard.fallback.kv import KVBatch, concat, select
@@ -329,12 +329,12 @@ def test_t5_repetition_penalty_sees_decoder_ids_only(t5: HfModel) -> None:
 # ---- both engines, engine selection ---------------------------------------------------------
 
 
-def test_hf_engine_on_llama_equals_native(
-    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_hf_engine_on_llama_equals_native(tiny_model: TinyModel) -> None:
     def run(engine: str) -> dict[int, list[int]]:
-        monkeypatch.setenv("TGIS_ENGINE", engine)
-        runner = load_runner(ShardConfig(model_name=str(tiny_model.path), kv_cache_blocks=64))
+        config = ShardConfig(
+            model_name=str(tiny_model.path), kv_cache_blocks=64, engine=EngineSettings(engine)
+        )
+        runner = load_runner(config)
         assert isinstance(runner, HfRunner if engine == "hf" else ModelRunner)
         router = Router(runner)
         run_batch_with_late_joiner(router, PROMPTS)
@@ -370,7 +370,7 @@ def test_engine_selection(
     config = _model_config(
         tmp_path / "m", {"architectures": [arch], "model_type": "x", **LLAMA_SHAPE}
     )
-    assert select_engine(framework, config, env={"TGIS_ENGINE": env}) == expected
+    assert select_engine(framework, config, requested=env) == expected
 
 
 LLAMA_SHAPE = {
@@ -405,17 +405,17 @@ def test_auto_falls_back_for_variants_the_native_engine_cannot_run(
     tmp_path: Path, config: dict[str, Any], expected: str
 ) -> None:
     model_config = _model_config(tmp_path / "m", config)
-    assert select_engine("hf_transformers", model_config, env={}) == expected
+    assert select_engine("hf_transformers", model_config) == expected
 
 
 def test_engine_selection_errors(tmp_path: Path) -> None:
     gpt2 = _model_config(tmp_path / "g", {"architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(StartupError, match="unsupported model architecture 'GPT2LMHeadModel'"):
-        select_engine("hf_transformers", gpt2, env={"TGIS_ENGINE": "native"})
+        select_engine("hf_transformers", gpt2, requested="native")
     with pytest.raises(StartupError, match="TGIS_ENGINE=hf for the transformers fallback"):
-        select_engine("tgis_native", gpt2, env={})  # native asked for by the deployment framework
+        select_engine("tgis_native", gpt2)  # native asked for by the deployment framework
     with pytest.raises(StartupError, match="TGIS_ENGINE=fast is not one of auto, native, hf"):
-        select_engine(None, gpt2, env={"TGIS_ENGINE": "fast"})
+        select_engine(None, gpt2, requested="fast")
 
 
 @pytest.mark.parametrize(

@@ -183,19 +183,14 @@ def test_mixed_dtypes_take_the_torch_path() -> None:
     assert not lora_add(metadata, 0, x, torch.zeros(2, OUT, device=DEVICE))
 
 
-def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_switch() -> None:
     cpu = torch.device("cpu")
-    monkeypatch.delenv("TGIS_LORA_KERNEL", raising=False)
-    assert lora_kernel(cpu) == "torch"
-    assert lora_kernel(torch.device("cuda")) == "triton"
-    monkeypatch.setenv("TGIS_LORA_KERNEL", "torch")
-    assert lora_kernel(torch.device("cuda")) == "torch"
-    monkeypatch.setenv("TGIS_LORA_KERNEL", "triton")
-    assert lora_kernel(cpu) == "triton"
-    monkeypatch.setenv("TGIS_LORA_KERNEL", "cuda")
+    assert lora_kernel(cpu, "auto") == "torch"
+    assert lora_kernel(torch.device("cuda"), "auto") == "triton"
+    assert lora_kernel(torch.device("cuda"), "torch") == "torch"
+    assert lora_kernel(cpu, "triton") == "triton"
     with pytest.raises(ValueError, match="TGIS_LORA_KERNEL"):
-        lora_kernel(cpu)
+        lora_kernel(cpu, "cuda")
     work, starts = step([(adapter("a", 1, torch.Generator()), 2)])
-    monkeypatch.setenv("TGIS_LORA_KERNEL", "auto")
-    built = lora_rows(work, starts, cpu)
+    built = lora_rows(work, starts, cpu, "auto")
     assert built is not None and built.kernel is None

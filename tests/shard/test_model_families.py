@@ -24,7 +24,7 @@ from conftest import EOS, VOCAB, Router, TinyModel
 
 from tests.prefix_oracle import prefixed_greedy
 from tgis.shard.checkpoints.model_config import ModelConfig
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
 from tgis.shard.native.models import check_config
@@ -349,7 +349,6 @@ def test_older_config_names_match_hf(
 )
 def test_unsupported_configs_are_refused_at_start_up(
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
     name: str,
     edit: Callable[[dict[str, Any]], None],
     kwargs: dict[str, Any],
@@ -357,11 +356,10 @@ def test_unsupported_configs_are_refused_at_start_up(
 ) -> None:
     # The native engine refuses these; under the default TGIS_ENGINE=auto they would be
     # served by the transformers fallback instead (tests/shard/test_hf_fallback.py).
-    monkeypatch.setenv("TGIS_ENGINE", "native")
     FAMILIES[name].build(tmp_path / "model")
     path = _rewrite_config(tmp_path / "model", tmp_path / "edited", edit)
     with pytest.raises(StartupError, match=message):
-        make_runner(path, **kwargs)
+        make_runner(path, engine=EngineSettings(engine="native"), **kwargs)
     (path / "model.safetensors").unlink()  # the check alone reads no weights
     max_sequence_length = kwargs.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
     with pytest.raises(StartupError, match=message):

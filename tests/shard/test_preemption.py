@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import Router, TinyModel
 
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.errors import InvalidStepError
 from tgis.shard.fallback.runner import HfRunner
 from tgis.shard.loader import load_runner
@@ -48,9 +48,11 @@ class Preemption:
     chunk: int  # recompute chunk size
 
 
-def make(engine: str, model: TinyModel, monkeypatch: pytest.MonkeyPatch) -> Runner:
-    monkeypatch.setenv("TGIS_ENGINE", engine)
-    runner = load_runner(ShardConfig(model_name=str(model.path), kv_cache_blocks=64))
+def make(engine: str, model: TinyModel) -> Runner:
+    config = ShardConfig(
+        model_name=str(model.path), kv_cache_blocks=64, engine=EngineSettings(engine)
+    )
+    runner = load_runner(config)
     assert isinstance(runner, HfRunner if engine == "hf" else ModelRunner)
     return runner
 
@@ -124,17 +126,17 @@ def drive(
     ],
 )
 def test_preempted_greedy_and_seeded_sequences_resume_identically(
-    engine: str, preemption: Preemption, tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
+    engine: str, preemption: Preemption, tiny_model: TinyModel
 ) -> None:
     sampling = {2: SEEDED}  # 1 and 3 are greedy
-    reference = drive(make(engine, tiny_model, monkeypatch), sampling).generated
+    reference = drive(make(engine, tiny_model), sampling).generated
     assert reference[1] == tiny_model.greedy(PROMPTS[1], NEW_TOKENS)[0]
     assert reference[3] == tiny_model.greedy(PROMPTS[3], NEW_TOKENS)[0]
     for seeded in (SEEDED, SamplingParams(temperature=0.9, seed=77)):
         if seeded is not SEEDED:  # the greedy one preempted, a plain seeded neighbour
             sampling = {1: seeded}
-            reference = drive(make(engine, tiny_model, monkeypatch), sampling).generated
-        preempted = drive(make(engine, tiny_model, monkeypatch), sampling, preemption)
+            reference = drive(make(engine, tiny_model), sampling).generated
+        preempted = drive(make(engine, tiny_model), sampling, preemption)
         assert preempted.generated == reference
         assert preempted.runner.sequences.keys() == set(PROMPTS)
 
@@ -143,8 +145,8 @@ def test_seeded_output_depends_on_the_kept_seed(
     tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The check above can fail: a resumed sequence with another seed diverges."""
-    runner = make("native", tiny_model, monkeypatch)
-    reference = drive(make("native", tiny_model, monkeypatch), {2: SEEDED}).generated
+    runner = make("native", tiny_model)
+    reference = drive(make("native", tiny_model), {2: SEEDED}).generated
     original = Sequence.preempt
 
     def preempt_and_reseed(self: Sequence) -> None:
@@ -159,13 +161,11 @@ def test_seeded_output_depends_on_the_kept_seed(
 
 
 @pytest.mark.parametrize("after_tokens", [0, 3])
-def test_input_token_details_are_sent_once(
-    after_tokens: int, tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_input_token_details_are_sent_once(after_tokens: int, tiny_model: TinyModel) -> None:
     details = DetailOptions(input_tokens=True, logprobs=True, ranks=True, top_n=2)
-    reference = drive(make("native", tiny_model, monkeypatch), {}, details=details)
+    reference = drive(make("native", tiny_model), {}, details=details)
     preemption = Preemption(2, after_tokens=after_tokens, pause_steps=1, chunk=6)
-    preempted = drive(make("native", tiny_model, monkeypatch), {}, preemption, details)
+    preempted = drive(make("native", tiny_model), {}, preemption, details)
 
     def input_details(router: Router) -> dict[int, list[TokenDetail]]:
         found: dict[int, list[TokenDetail]] = {}
@@ -187,8 +187,8 @@ def test_input_token_details_are_sent_once(
     assert preempted.generated == reference.generated
 
 
-def test_preempt_rules(tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = make("native", tiny_model, monkeypatch)
+def test_preempt_rules(tiny_model: TinyModel) -> None:
+    runner = make("native", tiny_model)
     router = Router(runner)  # type: ignore[arg-type]
     router.add(1, PROMPTS[1])
     router.step({1: len(PROMPTS[1])})
@@ -231,18 +231,16 @@ def test_engines_that_cannot_recompute_refuse_to_preempt_generated_sequences() -
     assert (resolved.work[0].start, resolved.work[0].block_table) == (0, (3,))
 
 
-def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_32(
-    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_32(tiny_model: TinyModel) -> None:
     """The counter-based draws depend only on the seed and the position: 31 neighbours
     (greedy and sampled with other seeds, different prompt lengths) change nothing."""
     prompt = PROMPTS[2]
-    alone = Router(make("native", tiny_model, monkeypatch))  # type: ignore[arg-type]
+    alone = Router(make("native", tiny_model))  # type: ignore[arg-type]
     alone.add(1, prompt, sampling=SEEDED)
     alone.step({1: len(prompt)})
     for _ in range(NEW_TOKENS - 1):
         alone.decode([1])
-    batch = Router(make("native", tiny_model, monkeypatch))  # type: ignore[arg-type]
+    batch = Router(make("native", tiny_model))  # type: ignore[arg-type]
     others = {rid: prompt_of(3 + rid % 17, rid) for rid in range(2, 33)}
     for rid, other in others.items():
         sampling = None if rid % 2 else SamplingParams(temperature=1.1, seed=rid * 31)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import Router
 
+from tgis.shard.config import EngineSettings
 from tgis.shard.errors import InvalidStepError
 from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.step.plan import PlanLimits, resolve_plan
@@ -83,10 +84,9 @@ def test_every_attention_backend_reads_cached_blocks(
 ) -> None:
     """The same hit on each attention backend (Triton's kernels interpreted on the CPU):
     starting after two cached blocks computes what computing them does."""
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", backend)
     if backend == "triton_paged" and not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    runner = make_runner()
+    runner = make_runner(engine=EngineSettings(attention_backend=backend))
     assert runner.info.attention_backend == backend
     cold, cold_details = run(runner, 0, 4, SamplingParams())
     runner.reset()

@@ -222,9 +222,7 @@ def test_encoder_decoder_rules(tmp_path: Path) -> None:
 # --- limits from the environment ------------------------------------------------------------
 
 
-def parsed_config(
-    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], *args: str
-) -> ShardConfig:
+def parsed_config(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], *args: str) -> ShardConfig:
     """The ShardConfig ``text-generation-server serve`` builds with ``env`` and ``args``."""
     for name in ("MAX_PROMPT_PREFIX_LENGTH", "PROMPT_CACHE_SIZE_MB"):
         monkeypatch.delenv(name, raising=False)

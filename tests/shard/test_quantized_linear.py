@@ -31,7 +31,8 @@ from tgis.shard.native.linear.quantized_linear import (
     Int4CpuWeight,
     Int8CpuWeight,
     StackedWeight,
-    kernel_mode,
+    checked_mode,
+    quant_kernel,
     runtime_weight,
 )
 from tgis.shard.native.linear.sharded import apply
@@ -243,18 +244,19 @@ def test_auto_prefers_tgis_kernel_for_bfloat16_and_pytorchs_for_float16() -> Non
     assert isinstance(fp16, Int4CpuWeight), kernel
 
 
-def test_the_kernel_variable_forces_a_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_kernel_variable_forces_a_path() -> None:
+    """The layers built inside ``quant_kernel(mode)`` (the loader's TGIS_QUANT_KERNEL) run
+    that mode's kernel."""
     m = random_matrix(32, 64, 4, 32, dtype=torch.float32)
-    monkeypatch.setenv(KERNEL_VARIABLE, "torch")
-    weight, _ = runtime_weight(m)
+    with quant_kernel("torch"):
+        weight, _ = runtime_weight(m)
     assert isinstance(weight, Int4CpuWeight)  # float32 activations through the int4 kernel
     assert relative_error(weight, m, torch.randn(3, 64)) < 1e-5
-    monkeypatch.setenv(KERNEL_VARIABLE, "dequant")
-    weight, kernel = runtime_weight(random_matrix(32, 64, 4, 32))
+    with quant_kernel("dequant"):
+        weight, kernel = runtime_weight(random_matrix(32, 64, 4, 32))
     assert isinstance(weight, torch.Tensor) and kernel == f"dequantized ({KERNEL_VARIABLE}=dequant)"
-    monkeypatch.setenv(KERNEL_VARIABLE, "marlin")
     with pytest.raises(StartupError, match="TGIS_QUANT_KERNEL=marlin: expected one of auto"):
-        kernel_mode()
+        checked_mode("marlin")
 
 
 def test_int8_and_fp8_at_load_are_per_output_channel() -> None:

@@ -33,7 +33,7 @@ from tests.lora_oracle import lora_greedy, save_random_lora
 from tests.prefix_oracle import prefixed_greedy
 from tests.quant_fixtures.compressed_tensors import load_reference, save_compressed
 from tests.quant_fixtures.packing import decoder_linears, save_awq_checkpoint, save_gptq_checkpoint
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
 from tgis.shard.native.graphs.compiled import CompiledForward
@@ -298,20 +298,20 @@ def test_dummy_weights_of_a_quantized_config_use_the_kernels(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     "kernel", ["dequant", "torch", pytest.param("tgis", marks=needs_tgis_kernel)]
 )
-def test_lora_adapters_on_a_quantized_base_match_peft(
-    kernel: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_lora_adapters_on_a_quantized_base_match_peft(kernel: str, tmp_path: Path) -> None:
     """A LoRA adapter's delta is added to the quantized layer's output: PEFT on the
     dequantized model is the oracle, with the base dequantized and with each int4 kernel
     itself (``TGIS_QUANT_KERNEL=torch`` or ``tgis`` runs it on float32 activations, exact
     to float32 rounding), the adapter and a plain request in one batch."""
-    monkeypatch.setenv("TGIS_QUANT_KERNEL", kernel)
     family, write = CASES["gptq-4bit-g32-actorder-llama"]
     reference = write(dense_model(family, tmp_path / "dense"), tmp_path / "quantized")
     reference.save_pretrained(tmp_path / "reference")
     save_random_lora(tmp_path / "reference", tmp_path / "adapters" / "all", seed=1)
     runner = make_runner(
-        tmp_path / "quantized", dtype="float32", adapter_cache=str(tmp_path / "adapters")
+        tmp_path / "quantized",
+        dtype="float32",
+        adapter_cache=str(tmp_path / "adapters"),
+        engine=EngineSettings(quant_kernel=kernel),
     )
     expected = "dequantized" if kernel == "dequant" else "int4"
     assert any(k.startswith(expected) for k in kernels(runner)), kernels(runner)
@@ -333,9 +333,7 @@ def test_lora_adapters_on_a_quantized_base_match_peft(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prefixes_and_preemption_on_a_quantized_model(
-    dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_prefixes_and_preemption_on_a_quantized_model(dtype: str, tmp_path: Path) -> None:
     """A prompt-tuning prefix (its embeddings in place of the first positions) and a
     sequence preempted and recomputed, on a 4-bit AWQ model: in float32 the prefix equals
     transformers' ``inputs_embeds`` oracle; in both dtypes the preempted sequence equals the
@@ -368,18 +366,15 @@ def test_prefixes_and_preemption_on_a_quantized_model(
 
 @pytest.mark.slow
 @needs_tgis_kernel
-def test_the_compiled_step_holds_tgis_kernel(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_compiled_step_holds_tgis_kernel(tmp_path: Path) -> None:
     """``TGIS_COMPILE=1``: the kernel is one operator (``tgis::cpu_quant_linear``) inside
     the compiled step, which compiles (no fallback to eager) and, on float32 activations
     (the kernel forced: exact to float32 rounding), gives transformers' tokens."""
-    monkeypatch.setenv("TGIS_COMPILE", "1")
-    monkeypatch.setenv("TGIS_QUANT_KERNEL", "tgis")
     family, write = CASES["awq-g32-llama"]
     reference = write(dense_model(family, tmp_path / "dense"), tmp_path / "quantized")
     reference.generation_config.eos_token_id = None
-    runner = make_runner(tmp_path / "quantized", dtype="float32")
+    engine = EngineSettings(compile="1", quant_kernel="tgis")
+    runner = make_runner(tmp_path / "quantized", dtype="float32", engine=engine)
     assert isinstance(runner.forward, CompiledForward)
     assert set(kernels(runner)) == {"int4 (tgis cpu_quant)"}
     model = TinyModel(tmp_path / "quantized", reference)

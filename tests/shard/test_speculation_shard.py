@@ -14,7 +14,7 @@ import torch
 from conftest import NUM_BLOCKS, Router, TinyModel, build_tiny_llama
 
 from tgis.shard.checkpoints.model_config import ModelConfig
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.errors import InvalidStepError, StartupError
 from tgis.shard.loader import load_runner
 from tgis.shard.native.attention.selection import start_attention_backend
@@ -184,10 +184,9 @@ def test_verify_steps_staged_for_graphs_give_the_plain_tokens(
     """Decode and verify steps staged into the graphs' static buffers (each sequence's rows
     padded to 1 + 4, Triton's kernels interpreted on the CPU) give the tokens and details
     of the plain, eager decoding."""
-    monkeypatch.setenv("TGIS_ATTENTION_BACKEND", "triton_paged")
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    runner = make_runner()
+    runner = make_runner(engine=EngineSettings(attention_backend="triton_paged"))
     assert runner.info.attention_backend == "triton_paged"
     want = plain(runner, MODES[mode])
     replays: list[tuple[int, int]] = []

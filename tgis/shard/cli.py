@@ -105,6 +105,13 @@ _BLANK_IS_NONE = frozenset({"quantize", "adapter_cache", "speculator_name", "pre
 """Options where an empty value means unset."""
 
 
+def engine_from_environment() -> EngineSettings:
+    """The engine's settings as ``serve`` reads them from this process's environment alone
+    (TGIS_ATTENTION_BACKEND, TGIS_COMPILE, ...): for scripts that build a ShardConfig of
+    their own, such as the benchmarks."""
+    return shard_config(serve.make_context("serve", []).params).engine
+
+
 @main.command("download-weights")
 @click.argument("model_name")
 @click.option("--revision", default=None, help="Branch, tag or commit of a Hub model.")

@@ -20,9 +20,9 @@ __all__ = [
     "canonical_dtype",
     "default_max_prefix_length",
     "env_int",
-    "env_mode",
     "max_prefix_length",
     "prompt_cache_bytes",
+    "switch",
 ]
 
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
@@ -79,6 +79,16 @@ class EngineSettings:
     cuda_graphs: str = _d("cuda_graphs")
     trust_remote_code: bool = _d("trust_remote_code")
     transformers_attn_impl: str | None = _d("transformers_attn_impl")
+
+    @property
+    def compile_switch(self) -> str:
+        """``compile`` as ``auto``, ``on`` or ``off`` (ValueError for other words)."""
+        return switch(self.compile, "TGIS_COMPILE")
+
+    @property
+    def graphs_switch(self) -> str:
+        """``cuda_graphs`` as ``auto``, ``on`` or ``off`` (ValueError for other words)."""
+        return switch(self.cuda_graphs, "TGIS_CUDA_GRAPHS")
 
 
 @dataclass(frozen=True)
@@ -208,17 +218,18 @@ def canonical_dtype(value: str | None) -> str | None:
     return DTYPE_ALIASES.get(name, name if name in DTYPE_NAMES else value)
 
 
-def env_mode(name: str) -> str:
-    """A three-way switch from the environment: ``auto`` (unset, empty or "auto"), ``on``
-    (1/true/yes/on) or ``off`` (0/false/no/off); ValueError for other values."""
-    value = os.environ.get(name, "auto").strip().lower()
-    if value in ("", "auto"):
+def switch(value: str, name: str) -> str:
+    """A three-way switch (``TGIS_COMPILE``, ``TGIS_CUDA_GRAPHS``): ``auto`` (empty or
+    "auto"), ``on`` (1/true/yes/on) or ``off`` (0/false/no/off); ValueError naming the
+    variable for other values."""
+    word = value.strip().lower()
+    if word in ("", "auto"):
         return "auto"
-    if value in ("1", "true", "yes", "on"):
+    if word in ("1", "true", "yes", "on"):
         return "on"
-    if value in ("0", "false", "no", "off"):
+    if word in ("0", "false", "no", "off"):
         return "off"
-    raise ValueError(f"{name}={value!r} is not one of auto, 1, 0")
+    raise ValueError(f"{name}={word!r} is not one of auto, 1, 0")
 
 
 def env_int(name: str, default: int) -> int:

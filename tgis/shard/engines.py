@@ -14,8 +14,6 @@
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping
 from typing import Literal
 
 from tgis.shard.checkpoints.model_config import ModelConfig
@@ -35,12 +33,12 @@ def select_engine(
     deployment_framework: str | None,
     model_config: ModelConfig,
     world_size: int = 1,
-    env: Mapping[str, str] | None = None,
+    requested: str = "auto",
     max_sequence_length: int = 2048,
 ) -> Engine:
-    """The engine to load ``model_config`` with; StartupError for an impossible choice."""
-    environ = os.environ if env is None else env
-    requested = environ.get(ENGINE_ENV, "").strip().lower() or "auto"
+    """The engine to load ``model_config`` with, ``requested`` by ``TGIS_ENGINE``;
+    StartupError for an impossible choice."""
+    requested = requested.strip().lower() or "auto"
     if requested not in ENGINE_CHOICES:
         raise StartupError(f"{ENGINE_ENV}={requested} is not one of {', '.join(ENGINE_CHOICES)}")
     if requested == "auto" and (deployment_framework in NATIVE_FRAMEWORKS or world_size > 1):

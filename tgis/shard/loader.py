@@ -46,6 +46,7 @@ def load_runner(config: ShardConfig, tp: TensorParallel = SINGLE) -> Runner:
         config.deployment_framework,
         model_config,
         config.world_size,
+        requested=config.engine.engine,
         max_sequence_length=config.max_sequence_length,
     )
     if engine == "native":

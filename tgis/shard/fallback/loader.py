@@ -16,7 +16,6 @@ batch the engine has to hold.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from tgis.shard.adapters.startup import (
 )
 from tgis.shard.capacity import configured_blocks
 from tgis.shard.checkpoints.model_config import ModelConfig
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.device import dtype_name, select_device, select_dtype
 from tgis.shard.errors import StartupError
 from tgis.shard.fallback.causal import HfCausalEngine
@@ -57,10 +56,11 @@ def load_hf_runner(config: ShardConfig, model_dir: Path, model_config: ModelConf
     hf_logging.disable_progress_bar()  # no progress bars in the shard's log
     if config.world_size > 1:
         raise StartupError("the transformers fallback engine runs on a single shard only")
-    kind, hf_config = model_kind(model_dir)
+    kind, hf_config = model_kind(model_dir, config.engine.trust_remote_code)
     device = select_device(config.rank, config.world_size, config.cuda_process_memory_fraction)
     dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
-    model = _from_pretrained(model_dir, kind, dtype, model_config).to(device).eval()
+    model = _from_pretrained(model_dir, kind, dtype, model_config, config.engine)
+    model = model.to(device).eval()
     engine: HfEngine
     with torch.inference_mode():
         if kind is ModelKind.SEQ2SEQ_LM:
@@ -130,8 +130,9 @@ def _with_stores(runner: HfRunner, config: ShardConfig, model_config: ModelConfi
     return runner
 
 
-def model_kind(model_dir: Path) -> tuple[ModelKind, Any]:
-    """Whether transformers loads ``model_dir`` as a seq2seq or a causal LM, and its config."""
+def model_kind(model_dir: Path, trust_remote_code: bool = False) -> tuple[ModelKind, Any]:
+    """Whether transformers loads ``model_dir`` as a seq2seq or a causal LM, and its config
+    (``trust_remote_code``: TRUST_REMOTE_CODE, may run the repository's own code)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING,
@@ -140,7 +141,7 @@ def model_kind(model_dir: Path) -> tuple[ModelKind, Any]:
 
     try:
         hf_config = AutoConfig.from_pretrained(
-            model_dir, local_files_only=True, trust_remote_code=_trust_remote_code()
+            model_dir, local_files_only=True, trust_remote_code=trust_remote_code
         )
     except Exception as e:
         raise StartupError(
@@ -165,12 +166,12 @@ def model_kind(model_dir: Path) -> tuple[ModelKind, Any]:
     )
 
 
-def _trust_remote_code() -> bool:
-    return os.environ.get("TRUST_REMOTE_CODE", "").strip().lower() == "true"
-
-
 def _from_pretrained(
-    model_dir: Path, kind: ModelKind, dtype: torch.dtype, model_config: ModelConfig
+    model_dir: Path,
+    kind: ModelKind,
+    dtype: torch.dtype,
+    model_config: ModelConfig,
+    engine: EngineSettings,
 ) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
@@ -178,11 +179,10 @@ def _from_pretrained(
     kwargs: dict[str, Any] = {
         "dtype": dtype,
         "local_files_only": True,
-        "trust_remote_code": _trust_remote_code(),
+        "trust_remote_code": engine.trust_remote_code,
     }
-    attn = os.environ.get("TRANSFORMERS_ATTN_IMPL", "").strip()
-    if attn:
-        kwargs["attn_implementation"] = attn
+    if engine.transformers_attn_impl:
+        kwargs["attn_implementation"] = engine.transformers_attn_impl
     try:
         return auto.from_pretrained(model_dir, **kwargs)
     except Exception as e:

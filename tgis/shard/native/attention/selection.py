@@ -25,10 +25,6 @@ log = logging.getLogger(__name__)
 BACKENDS = ("torch_paged", "cpu_paged", "sdpa_varlen", "flash_varlen", "triton_paged")
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _has_triton() -> bool:
     """Whether Triton imports (checked only when a CUDA backend is chosen)."""
     try:
@@ -38,10 +34,13 @@ def _has_triton() -> bool:
     return True
 
 
-def select_attention_backend(device: torch.device, block_size: int) -> AttentionBackend:
+def select_attention_backend(
+    device: torch.device, block_size: int, forced: str | None = None, flash: bool = False
+) -> AttentionBackend:
     """The attention implementation for this device, chosen once at start-up.
 
-    ``TGIS_ATTENTION_BACKEND`` (one of ``BACKENDS``) forces a choice. Otherwise: on CUDA,
+    ``forced`` (``TGIS_ATTENTION_BACKEND``, one of ``BACKENDS``) forces a choice; ``flash``
+    is TGIS's ``FLASH_ATTENTION``. Otherwise: on CUDA,
     ``triton_paged`` (``triton_paged.py``: Triton kernels reading the paged cache in
     place) when Triton imports, unless TGIS's ``FLASH_ATTENTION=true`` asks for flash-attn
     and it is installed; without Triton, flash-attn's varlen kernel when installed, else the
@@ -52,23 +51,22 @@ def select_attention_backend(device: torch.device, block_size: int) -> Attention
     needs nothing: the KV cache is always paged. Triton is imported only here, when
     chosen, never by importing this module.
     """
-    choice = os.environ.get("TGIS_ATTENTION_BACKEND", "").strip().lower()
+    choice = (forced or "").strip().lower()
     if choice and choice not in BACKENDS:
         raise ValueError(f"TGIS_ATTENTION_BACKEND={choice!r} is not one of {', '.join(BACKENDS)}")
     if not choice and device.type == "cuda":
-        choice = _cuda_default()
+        choice = _cuda_default(flash)
     kernel = load_kernel() if device.type == "cpu" else None
     if not choice:
         choice = "cpu_paged" if kernel is not None else "torch_paged"
     return _backend(choice, device, block_size, kernel)
 
 
-def _cuda_default() -> str:
+def _cuda_default(wants_flash: bool) -> str:
     """The CUDA backend nobody forced: ``flash_varlen`` when flash-attn is installed and
     ``FLASH_ATTENTION=true`` asks for it (or Triton is missing), else ``triton_paged`` when
     Triton imports, else the reference."""
     has_flash = importlib.util.find_spec("flash_attn") is not None
-    wants_flash = _env_true("FLASH_ATTENTION")
     if wants_flash and not has_flash:
         log.warning("FLASH_ATTENTION=true but flash-attn is not installed")
     if has_flash and (wants_flash or not _has_triton()):
@@ -97,7 +95,11 @@ def _backend(
 
 
 def start_attention_backend(
-    device: torch.device, block_size: int, dtype: torch.dtype
+    device: torch.device,
+    block_size: int,
+    dtype: torch.dtype,
+    forced: str | None = None,
+    flash: bool = False,
 ) -> AttentionBackend:
     """``select_attention_backend``, then on CUDA one real call of the chosen kernels in the
     model's dtype (``probe``): an install that cannot run them (a flash-attn wheel built for
@@ -105,7 +107,7 @@ def start_attention_backend(
     fails here, not in the first request's step. A backend forced by
     ``TGIS_ATTENTION_BACKEND`` that fails is a StartupError; a default one falls back to
     the reference with a warning."""
-    backend = select_attention_backend(device, block_size)
+    backend = select_attention_backend(device, block_size, forced, flash)
     probe = getattr(backend, "probe", None)
     if device.type != "cuda" or probe is None:
         return backend
@@ -113,7 +115,7 @@ def start_attention_backend(
         probe(device, dtype)
     except Exception as e:
         reason = " ".join(str(e).split())[:300] or type(e).__name__
-        if os.environ.get("TGIS_ATTENTION_BACKEND", "").strip():
+        if forced:
             raise StartupError(
                 f"attention backend {backend.name} failed its start-up probe: {reason}"
             ) from None

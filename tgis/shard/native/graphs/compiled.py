@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from tgis.shard.config import env_mode
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.attention.kv_cache import KVCache
 from tgis.shard.native.models.decoder import DecoderLM
@@ -73,14 +72,9 @@ def _active_step(backend: AttentionBackend, kv_cache: KVCache, metadata: Any) ->
         _ACTIVE[0] = None
 
 
-def compile_mode() -> str:
-    """``TGIS_COMPILE`` as ``auto``, ``on`` or ``off`` (ValueError for other values)."""
-    return env_mode("TGIS_COMPILE")
-
-
-def should_compile(device: torch.device) -> bool:
-    """Whether the step is compiled on ``device`` (see the module docstring)."""
-    mode = compile_mode()
+def should_compile(device: torch.device, mode: str) -> bool:
+    """Whether the step is compiled on ``device`` with ``TGIS_COMPILE``'s ``mode``
+    (``EngineSettings.compile_switch``: auto, on, off; see the module docstring)."""
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 

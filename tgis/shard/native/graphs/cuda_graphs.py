@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tgis.shard.config import env_mode
 from tgis.shard.native.attention.interface import BatchLayout
 from tgis.shard.native.attention.kv_cache import KVCache
 from tgis.shard.native.models import ForwardFn
@@ -50,13 +49,6 @@ if TYPE_CHECKING:  # imports Triton: only once graphs are captured
     from tgis.shard.native.attention.triton_paged import TritonPagedMetadata
 
 log = logging.getLogger(__name__)
-
-GRAPHS_ENV = "TGIS_CUDA_GRAPHS"
-
-
-def graphs_mode() -> str:
-    """``TGIS_CUDA_GRAPHS`` as ``auto``, ``on`` or ``off`` (ValueError for other values)."""
-    return env_mode(GRAPHS_ENV)
 
 
 def graph_buckets(max_batch: int) -> tuple[int, ...]:

@@ -16,7 +16,6 @@ default: Triton on CUDA when it imports, torch elsewhere), ``triton`` or ``torch
 from __future__ import annotations
 
 import importlib.util
-import os
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -67,11 +66,10 @@ class LoraRows:
                 y.index_add_(0, group.rows, delta)
 
 
-def lora_kernel(device: torch.device, choice: str | None = None) -> str:
-    """``triton`` or ``torch``: which computes the deltas on ``device``, by ``choice`` or
-    else ``TGIS_LORA_KERNEL`` (``auto``: Triton on CUDA when it is installed)."""
-    if choice is None:
-        choice = os.environ.get("TGIS_LORA_KERNEL", "").strip().lower() or "auto"
+def lora_kernel(device: torch.device, choice: str) -> str:
+    """``triton`` or ``torch``: which computes the deltas on ``device``, by ``choice``
+    (``TGIS_LORA_KERNEL``; ``auto``: Triton on CUDA when it is installed)."""
+    choice = choice.strip().lower() or "auto"
     if choice not in KERNELS:
         raise ValueError(f"TGIS_LORA_KERNEL={choice!r} is not one of {', '.join(KERNELS)}")
     if choice == "auto":
@@ -94,12 +92,12 @@ def lora_rows(
     work: SequenceOf[WorkItem],
     query_starts: list[int],
     device: torch.device,
-    kernel: str | None = None,
+    kernel: str = "auto",
 ) -> LoraRows | None:
     """The step's LoRA groups, or None when no scheduled sequence has a LoRA adapter.
 
     ``query_starts[i]`` is the first row of ``work[i]`` in the flattened batch; ``kernel``
-    overrides ``TGIS_LORA_KERNEL`` (see ``lora_kernel``).
+    is ``TGIS_LORA_KERNEL``'s choice (see ``lora_kernel``).
     """
     by_adapter: dict[str, tuple[LoraWeights, list[range]]] = {}
     for item, row in zip(work, query_starts, strict=True):

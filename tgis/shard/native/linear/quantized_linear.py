@@ -34,8 +34,9 @@ other device's kernel, is dequantized.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,12 +58,32 @@ INT4_INNER_K_TILES = 2
 DENSE = "dense"
 
 
+_MODE: ContextVar[str] = ContextVar("quant_kernel", default="auto")
+"""The kernel mode of the layers being built (set by ``quant_kernel`` around the build)."""
+
+
+def checked_mode(mode: str) -> str:
+    """``TGIS_QUANT_KERNEL``'s word (empty: ``auto``); StartupError for another value."""
+    word = mode.strip().lower() or "auto"
+    if word not in KERNEL_MODES:
+        raise StartupError(f"{KERNEL_VARIABLE}={word}: expected one of {', '.join(KERNEL_MODES)}")
+    return word
+
+
+@contextmanager
+def quant_kernel(mode: str) -> Iterator[None]:
+    """Layers built inside the block run ``mode``'s kernels (``TGIS_QUANT_KERNEL`` from the
+    shard's configuration: the loader builds the models inside it)."""
+    token = _MODE.set(checked_mode(mode))
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
 def kernel_mode() -> str:
-    """``TGIS_QUANT_KERNEL`` (default ``auto``); StartupError for another value."""
-    mode = os.environ.get(KERNEL_VARIABLE, "").strip().lower() or "auto"
-    if mode not in KERNEL_MODES:
-        raise StartupError(f"{KERNEL_VARIABLE}={mode}: expected one of {', '.join(KERNEL_MODES)}")
-    return mode
+    """The kernel mode of the layers being built (``auto`` outside ``quant_kernel``)."""
+    return _MODE.get()
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ import time
 
 import torch
 
-from tgis.shard.config import ShardConfig
+from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.device import dtype_name
 from tgis.shard.errors import StartupError
-from tgis.shard.native.graphs.compiled import CompiledForward, compile_mode, should_compile
+from tgis.shard.native.graphs.compiled import CompiledForward, should_compile
 from tgis.shard.native.linear.cpu_gemm import PRIMITIVE_CACHE_VARIABLES, packing_available
 from tgis.shard.native.models import CausalLM, ForwardFn
 from tgis.shard.native.models.decoder import DecoderLM
@@ -26,16 +26,18 @@ from tgis.shard_api.messages import DEFAULT_MAX_BATCH_SIZE
 log = logging.getLogger(__name__)
 
 
-def choose_forward(model: CausalLM, tp: TensorParallel, device: torch.device) -> ForwardFn:
+def choose_forward(
+    model: CausalLM, tp: TensorParallel, device: torch.device, engine: EngineSettings
+) -> ForwardFn:
     """The compiled forward (``compiled.py``: on CUDA, or with ``TGIS_COMPILE=1``), else the
     eager one; tensor parallelism always runs eagerly (its collectives are outside graphs)."""
     try:
-        compiled = should_compile(device)
+        mode = engine.compile_switch
     except ValueError as e:
         raise StartupError(str(e)) from None
-    if compiled and isinstance(model, DecoderLM) and not tp.is_parallel:
+    if should_compile(device, mode) and isinstance(model, DecoderLM) and not tp.is_parallel:
         return CompiledForward(model)
-    log.info("The step runs eagerly (TGIS_COMPILE=%s)", compile_mode())
+    log.info("The step runs eagerly (TGIS_COMPILE=%s)", mode)
     return model.forward
 
 
@@ -60,7 +62,7 @@ def pack_cpu_weights(
     )
 
 
-def compile_step(runner: ModelRunner, model: CausalLM) -> None:
+def compile_step(runner: ModelRunner, model: CausalLM, engine: EngineSettings) -> None:
     """Where the runner's forward is compiled, compile its step now (``ModelRunner.warm_up``);
     on failure run it eagerly, unless ``TGIS_COMPILE=1`` made compiling a requirement."""
     if not isinstance(runner.forward, CompiledForward):
@@ -69,7 +71,7 @@ def compile_step(runner: ModelRunner, model: CausalLM) -> None:
     try:
         runner.warm_up()
     except Exception as e:
-        if compile_mode() == "on":
+        if engine.compile_switch == "on":
             raise StartupError(f"compiling the step failed (TGIS_COMPILE=1): {e}") from e
         log.warning("Compiling the step failed, running it eagerly: %s", e)
         runner.forward = model.forward
@@ -81,9 +83,12 @@ def capture_decode_graphs(runner: ModelRunner, config: ShardConfig, tp: TensorPa
     """CUDA graphs of the decode steps, and of the verify steps when the router drafts
     (``cuda_graphs.py``), where they apply: CUDA, ``triton_paged``, one rank,
     ``TGIS_CUDA_GRAPHS`` not 0."""
-    from tgis.shard.native.graphs.cuda_graphs import DecodeGraphs, graph_buckets, graphs_mode
+    from tgis.shard.native.graphs.cuda_graphs import DecodeGraphs, graph_buckets
 
-    mode = graphs_mode()
+    try:
+        mode = config.engine.graphs_switch
+    except ValueError as e:
+        raise StartupError(str(e)) from None
     applies = (
         runner.device.type == "cuda"
         and runner.attention.name == "triton_paged"

@@ -35,6 +35,7 @@ from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.attention.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.native.attention.selection import start_attention_backend
+from tgis.shard.native.linear.quantized_linear import quant_kernel
 from tgis.shard.native.loading.cuda_capacity import measure_cuda_blocks
 from tgis.shard.native.loading.forward import (
     capture_decode_graphs,
@@ -66,17 +67,30 @@ def load_native_runner(
     gets the same number of KV blocks (the smallest that fits on all of them).
     ``quantization``: the checkpoint's quantization or the one applied at load.
     """
+    with quant_kernel(config.engine.quant_kernel):  # the kernels of the layers built here
+        return _load(config, model_dir, model_config, tp, quantization)
+
+
+def _load(
+    config: ShardConfig,
+    model_dir: Path,
+    model_config: ModelConfig,
+    tp: TensorParallel,
+    quantization: QuantScheme | None,
+) -> ModelRunner:
     factory = model_class(model_config)  # fail on the architecture before touching devices
     device = select_device(config.rank, config.world_size, config.cuda_process_memory_fraction)
     dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
-    attention = start_attention_backend(device, BLOCK_SIZE, dtype)
+    attention = start_attention_backend(
+        device, BLOCK_SIZE, dtype, config.engine.attention_backend, config.engine.flash_attention
+    )
     if tp.world_size != config.world_size:
         raise StartupError(f"{tp.world_size} ranks joined but WORLD_SIZE={config.world_size}")
     model = _build_model(config, factory, model_config, attention, device, dtype, tp, quantization)
     _log_quantization(model, quantization)
     spec = model.kv_cache_spec
     info = _info(config, model_config, spec, attention, device, dtype)
-    forward = choose_forward(model, tp, device)
+    forward = choose_forward(model, tp, device, config.engine)
     pack_cpu_weights(model, forward, device, dtype)
     draft = load_draft(config, model_config, attention, device, dtype, tp)
     draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
@@ -90,13 +104,14 @@ def load_native_runner(
     if config.adapter_cache:
         info = with_adapters(info, adapters)
     runner = ModelRunner(model, kv_cache, attention, info, device, forward, prefixes, adapters)
+    runner.use_lora_kernel(config.engine.lora_kernel)
     if draft is not None:
         runner.attach_draft(
             draft.with_cache(
                 num_blocks, attention, device, config.prefix_caching, info.eos_token_ids
             )
         )
-    compile_step(runner, model)
+    compile_step(runner, model, config.engine)
     capture_decode_graphs(runner, config, tp)
     timing = runner.calibrate_cpu_threads()
     if timing is not None and runner.threads is not None:

@@ -25,7 +25,8 @@ from tgis.shard.cpu_threads import StepTiming, busy_host_seconds, cpu_threads
 from tgis.shard.native.attention.block_tables import BlockTables, flatten
 from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
 from tgis.shard.native.attention.kv_cache import KVCache
-from tgis.shard.native.linear.lora_rows import LoraRows, lora_kernel, lora_rows
+from tgis.shard.native.linear.lora_rows import LoraRows, lora_rows
+from tgis.shard.native.linear.lora_rows import lora_kernel as choose_lora_kernel
 from tgis.shard.native.models import CausalLM, ForwardFn
 from tgis.shard.native.models.decoder import EmbeddingRows
 from tgis.shard.native.runtime.prefix_rows import embedding_rows
@@ -89,8 +90,9 @@ class ModelRunner(SequenceRunner):
         self.model = model
         self.prefixes = prefixes or NO_PREFIXES
         self.adapters = adapters or NO_ADAPTERS
-        # Which computes LoRA deltas (TGIS_LORA_KERNEL, read once; lora_rows.lora_kernel).
-        self.lora_kernel = lora_kernel(device) if self.adapters.enabled else "torch"
+        # Which computes LoRA deltas (TGIS_LORA_KERNEL; lora_rows.lora_kernel): auto's
+        # choice until the loader sets the configured one (use_lora_kernel).
+        self.lora_kernel = "torch"
         # The model's forward: eager (the reference), or compiled.CompiledForward.
         self.forward: ForwardFn = forward or model.forward
         # Steps replayed from CUDA graphs (cuda_graphs.py; set by the loader): the decode
@@ -102,6 +104,7 @@ class ModelRunner(SequenceRunner):
         self.attention = attention
         self.info = info
         self.device = device
+        self.use_lora_kernel("auto")
         self.sequences: dict[int, Sequence] = {}
         self.dropped: set[int] = set()
         self.block_tables = BlockTables()
@@ -118,6 +121,12 @@ class ModelRunner(SequenceRunner):
     def reset(self) -> None:
         super().reset()
         self.block_tables.clear()
+
+    def use_lora_kernel(self, choice: str) -> None:
+        """Compute LoRA deltas with ``choice``'s kernel (``TGIS_LORA_KERNEL``; ValueError for
+        an unknown one); without adapters there is nothing to compute."""
+        if self.adapters.enabled:
+            self.lora_kernel = choose_lora_kernel(self.device, choice)
 
     def warm_up(self) -> None:
         """Run a prompt and a decode step through the forward (compiling it, if it is
