@@ -8,8 +8,9 @@ import os
 import pytest
 
 # The compiled step costs tens of seconds per model on a CPU; tests run the eager reference
-# (the CPU default anyway) unless they ask for the compiled one (tests/shard/test_compiled.py),
-# and so do the servers they launch (the variable is inherited).
+# (the CPU default anyway) unless they ask for the compiled one
+# (tests/shard/native/graphs/test_compiled.py), and so do the servers they launch (the
+# variable is inherited).
 os.environ.setdefault("TGIS_COMPILE", "0")
 
 # float32 is the exact-oracle path (token for token against transformers in float32). On a
@@ -33,8 +34,8 @@ def _has_cuda() -> bool:
 
 # Without a GPU, Triton kernels run on CPU tensors only in Triton's interpreter, which must be
 # chosen before triton is first imported (transformers imports it while tests are collected):
-# tests/shard/test_attention_triton.py runs the `triton_paged` kernels that way. Nothing
-# else uses Triton on a CPU, and with a GPU the variable is left alone.
+# tests/shard/native/attention/test_triton_paged.py runs the `triton_paged` kernels that way.
+# Nothing else uses Triton on a CPU, and with a GPU the variable is left alone.
 if importlib.util.find_spec("triton") is not None and not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -46,13 +47,13 @@ if importlib.util.find_spec("triton") is not None and not _has_cuda():
 # took 272 s instead of 227 s on the 2-core host. Seconds from `--durations=0`, fresh clone.
 LONGEST_FIRST = (
     "tests/e2e/test_soak_e2e.py",  # 122 s: a fixed two-minute load
-    "tests/shard/test_compiled.py",  # 74-90 s: torch.compile of every family
+    "tests/shard/native/graphs/test_compiled.py",  # 74-90 s: torch.compile of every family
     "tests/e2e/test_fuzz_e2e.py",  # 19-27 s
     "tests/e2e/test_faults_e2e.py",  # 21-25 s
     "tests/e2e/test_operations_e2e.py",  # 18-23 s
-    "tests/shard/test_model_families.py",  # 11-18 s
-    "tests/shard/test_tensor_parallel.py",  # 14-17 s
-    "tests/shard/test_weights_cli.py",  # 12-15 s
+    "tests/shard/native/models/test_families.py",  # 11-18 s
+    "tests/shard/parallel/test_tensor_parallel.py",  # 14-17 s
+    "tests/shard/checkpoints/test_weights_cli.py",  # 12-15 s
     "tests/e2e/test_slow_clients_e2e.py",  # 11-12 s
     "tests/launcher/test_launcher_validation.py",  # 9-12 s
     "tests/e2e/test_prometheus.py",  # 10-11 s

@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-from conftest import Router
 
+from tests.shard.conftest import Router
 from tgis.shard.cpu_threads import (
     MIN_PARALLEL_SECONDS,
     ROUTER_SECONDS_PER_ROW,

@@ -2,7 +2,7 @@
 
 For model-family tests::
 
-    from tp_utils import Request, assert_tensor_parallel_matches, make_plans
+    from tests.shard.tp_utils import Request, assert_tensor_parallel_matches, make_plans
 
     plans = make_plans([Request(1, prompt, max_new_tokens=6)], block_size=16)
     reports = assert_tensor_parallel_matches(model_dir, plans, world_size=2)
@@ -13,7 +13,8 @@ or, step by step::
     double = run_plans(model_dir, plans, world_size=2)
     assert_same_outputs(single[0].outputs, double[0].outputs, atol=1e-4)
 
-`run_plans` with N > 1 starts N Python processes (this file as a script), each joining a gloo
+`run_plans` with N > 1 starts N Python processes (this module, ``python -m
+tests.shard.tp_utils`` from the repository root), each joining a gloo
 group through `init_distributed` and loading the model with its `TensorParallel`; rank 0
 drives the plans through the real `LockstepRunner` and the others run the real `run_worker`
 loop, exactly as `text-generation-server serve --sharded` does. With N = 1 the plans run in
@@ -53,6 +54,7 @@ from tgis.shard_api.messages import (
     StepPlan,
 )
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository root: `tests` is importable there
 RANK_TIMEOUT_S = 90.0
 LOGPROB_ATOL = 1e-4
 
@@ -195,7 +197,8 @@ def run_plans(
         }
         procs = [
             subprocess.Popen(
-                [sys.executable, __file__, str(spec_path), str(rank)],
+                [sys.executable, "-m", "tests.shard.tp_utils", str(spec_path), str(rank)],
+                cwd=ROOT,
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -419,6 +422,7 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-    import tp_utils  # this file as a module, so the reports unpickle as tp_utils.RankReport
+    # This file as a module, so the reports unpickle as tests.shard.tp_utils.RankReport.
+    from tests.shard import tp_utils
 
     tp_utils._main()

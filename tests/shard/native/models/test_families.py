@@ -1,0 +1,422 @@
+"""Every supported model family against its transformers implementation.
+
+For each family (and the config variants that change its code path) a tiny random model is
+built from its transformers config class and saved; the shard's loader and runner then
+generate greedily for a batch of prompts of different lengths (prefilled together, decoded
+together, and with chunked prefill joining a running decode) and must match
+``generate(do_sample=False)`` token for token, with logprobs within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from tests.prefix_oracle import prefixed_greedy
+from tests.shard.conftest import EOS, VOCAB, Router, TinyModel
+from tgis.shard.checkpoints.model_config import ModelConfig
+from tgis.shard.config import EngineSettings, ShardConfig
+from tgis.shard.errors import StartupError
+from tgis.shard.loader import load_runner
+from tgis.shard.native.models import check_config
+from tgis.shard.native.runtime.model_runner import ModelRunner
+from tgis.shard_api.messages import DetailOptions
+
+NEW_TOKENS = 10
+MAX_SEQUENCE_LENGTH = 256
+LOGPROBS = DetailOptions(logprobs=True, ranks=True, generated_tokens=True)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    """A random prompt of token ids (avoiding the special ids 0-2)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+PROMPTS = {1: prompt_of(3, 11), 2: prompt_of(12, 12), 3: prompt_of(29, 13)}
+
+_COMMON: dict[str, Any] = dict(vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=1)
+_LLAMA_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One config variant: its transformers config and model classes and parameters."""
+
+    config_class: str
+    model_class: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, path: Path, seed: int = 0) -> Any:
+        """Build, randomise and save the model to ``path``; return the HF reference."""
+        config = getattr(transformers, self.config_class)(**_COMMON, **self.params)
+        torch.manual_seed(seed)
+        model = getattr(transformers, self.model_class)(config).eval()
+        _randomise(model)
+        model.save_pretrained(path)
+        model.generation_config.eos_token_id = None  # the reference never stops early
+        return model
+
+
+def _randomise(model: torch.nn.Module) -> None:
+    """Weights far from the default init, so that logits have no near-ties, and non-zero
+    biases and norm parameters, so that a dropped or misplaced one shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            else:  # norm weights
+                p.normal_(1.0, 0.1)
+
+
+FAMILIES: dict[str, Family] = {
+    "granite": Family(
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            _LLAMA_SHAPE,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.4,
+            logits_scaling=2.5,
+        ),
+    ),
+    "qwen2-biases": Family(
+        "Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA_SHAPE, tie_word_embeddings=False)
+    ),
+    "qwen2-tied": Family(
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(_LLAMA_SHAPE, tie_word_embeddings=True, num_key_value_heads=1),
+    ),
+    "gpt-bigcode-mqa": Family(
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, multi_query=True),
+    ),
+    "gpt-bigcode-mha": Family(
+        "GPTBigCodeConfig",
+        "GPTBigCodeForCausalLM",
+        dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, multi_query=False, n_inner=96),
+    ),
+    "gpt-neox-parallel": Family(
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            use_parallel_residual=True,
+            rotary_pct=0.25,
+            rotary_emb_base=5000,
+        ),
+    ),
+    "gpt-neox-sequential": Family(
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=512,
+            use_parallel_residual=False,
+            rotary_pct=0.5,
+        ),
+    ),
+    "falcon-new-gqa": Family(
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "falcon-old-mqa": Family(
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            new_decoder_architecture=False,
+            multi_query=True,
+            parallel_attn=True,
+        ),
+    ),
+    "falcon-old-sequential-bias": Family(
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            new_decoder_architecture=False,
+            multi_query=False,
+            parallel_attn=False,
+            bias=True,
+        ),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """One saved tiny model per family variant, with its HF reference."""
+    path = tmp_path_factory.mktemp(request.param)
+    return TinyModel(path, FAMILIES[request.param].build(path))
+
+
+def make_runner(path: Path, **kwargs: Any) -> ModelRunner:
+    """A fresh ModelRunner for the model directory ``path``."""
+    kwargs.setdefault("kv_cache_blocks", 64)
+    kwargs.setdefault("max_sequence_length", MAX_SEQUENCE_LENGTH)
+    return load_runner(ShardConfig(model_name=str(path), **kwargs))
+
+
+def generate_batch(path: Path, prompts: dict[int, list[int]]) -> Router:
+    """Prefill ``prompts`` in one step, then decode them together (with logprobs)."""
+    router = Router(make_runner(path))
+    for rid, prompt in prompts.items():
+        router.add(rid, prompt, details=LOGPROBS)
+    router.step({rid: len(p) for rid, p in prompts.items()})
+    for _ in range(NEW_TOKENS - 1):
+        router.decode(prompts)
+    return router
+
+
+def assert_matches_hf(router: Router, model: TinyModel, prompts: dict[int, list[int]]) -> None:
+    """The router's greedy tokens are HF's, their logprobs within 1e-4 of HF's."""
+    for rid, prompt in prompts.items():
+        expected, logits = model.greedy(prompt, NEW_TOKENS)
+        assert router.generated[rid] == expected, f"request {rid}"
+        details = [t.token for o in router.outputs for t in o.tokens if t.request_id == rid]
+        for detail, step_logits in zip(details, logits, strict=True):
+            ref = torch.log_softmax(step_logits, dim=-1)[detail.token_id].item()
+            assert abs(detail.logprob - ref) < 1e-4, f"request {rid}"
+
+
+def test_batched_greedy_matches_hf(family_model: TinyModel) -> None:
+    router = generate_batch(family_model.path, PROMPTS)
+    assert_matches_hf(router, family_model, PROMPTS)
+
+
+def test_chunked_prefill_joining_a_decode_matches_hf(family_model: TinyModel) -> None:
+    router = Router(make_runner(family_model.path), seed=1)
+    router.add(2, PROMPTS[2])
+    router.step({2: len(PROMPTS[2])})
+    router.add(3, PROMPTS[3])
+    for chunk in (10, 10, 9):  # prompt 3 in chunks while 2 decodes
+        router.step({2: 1, 3: chunk})
+    for _ in range(NEW_TOKENS - 1):
+        router.decode([2, 3])
+    assert router.generated[3] == family_model.greedy(PROMPTS[3], NEW_TOKENS)[0]
+    assert router.generated[2] == family_model.greedy(PROMPTS[2], NEW_TOKENS + 3)[0]
+
+
+def test_prompt_prefix_matches_hf_inputs_embeds(family_model: TinyModel, tmp_path: Path) -> None:
+    """A prompt-tuning prefix replaces the word embeddings of its positions; each family's
+    own scaling (Granite's multiplier) and position embeddings (GPTBigCode's) apply on top,
+    as transformers applies them to ``inputs_embeds``."""
+    hf: Any = family_model.hf
+    width = hf.get_input_embeddings().weight.shape[1]
+    prefix = torch.randn(4, width, generator=torch.Generator().manual_seed(5)) * 0.5
+    (tmp_path / "store" / "p").mkdir(parents=True)
+    torch.save(prefix, tmp_path / "store" / "p" / "decoder.pt")
+    runner = make_runner(family_model.path, prefix_store_path=str(tmp_path / "store"))
+    router = Router(runner)
+    prompt = PROMPTS[2]
+    router.add(1, prompt, prefix_id="p", prefix_length=runner.lookup_prefix("p").length)
+    router.step({1: 4 + len(prompt)})
+    for _ in range(NEW_TOKENS - 1):
+        router.decode([1])
+    assert router.generated[1] == prefixed_greedy(hf, prefix, prompt, NEW_TOKENS)[0]
+
+
+def test_kv_cache_spec_reports_kv_heads(tmp_path: Path) -> None:
+    expected = {"gpt-bigcode-mqa": 1, "falcon-new-gqa": 2, "falcon-old-mqa": 1, "qwen2-tied": 1}
+    for name, kv_heads in expected.items():
+        FAMILIES[name].build(tmp_path / name)
+        spec = make_runner(tmp_path / name).model.kv_cache_spec  # type: ignore[attr-defined]
+        assert (spec.num_layers, spec.num_kv_heads) == (2, kv_heads), name
+
+
+def _rewrite_config(src: Path, dst: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    edit(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _refinedweb(model_type: str) -> Callable[[dict[str, Any]], None]:
+    """Falcon's original remote-code config.json names for the same weights."""
+
+    def edit(config: dict[str, Any]) -> None:
+        config.update(architectures=["RWForCausalLM"], model_type=model_type)
+        config["n_head"] = config.pop("num_attention_heads")
+        config["n_layer"] = config.pop("num_hidden_layers")
+        kv_heads = config.pop("num_kv_heads")
+        if config.pop("new_decoder_architecture"):
+            config["n_head_kv"] = kv_heads
+
+    return edit
+
+
+def _neox_v4(config: dict[str, Any]) -> None:
+    """transformers v4's GPT-NeoX rotary settings (Pythia's config.json)."""
+    rope = config.pop("rope_parameters")
+    config.update(rotary_pct=rope["partial_rotary_factor"], rotary_emb_base=rope["rope_theta"])
+    del config["attention_bias"]
+
+
+@pytest.mark.parametrize(
+    ("name", "edit"),
+    [
+        ("falcon-new-gqa", _refinedweb("RefinedWeb")),
+        ("falcon-old-mqa", _refinedweb("RefinedWebModel")),
+        ("gpt-neox-parallel", _neox_v4),
+        ("gpt-neox-sequential", _neox_v4),
+    ],
+    ids=["refinedweb-40b", "refinedwebmodel-7b", "gpt-neox-v4-base", "gpt-neox-v4-pct"],
+)
+def test_older_config_names_match_hf(
+    name: str, edit: Callable[[dict[str, Any]], None], tmp_path: Path
+) -> None:
+    hf = FAMILIES[name].build(tmp_path / "model")
+    path = _rewrite_config(tmp_path / "model", tmp_path / "older", edit)
+    prompts = {3: PROMPTS[3]}
+    assert_matches_hf(generate_batch(path, prompts), TinyModel(path, hf), prompts)
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "kwargs", "message"),
+    [
+        (
+            "falcon-old-mqa",
+            lambda c: c.update(alibi=True),
+            {},
+            "FalconForCausalLM: ALiBi position biases",
+        ),
+        (
+            "gpt-bigcode-mqa",
+            lambda c: None,
+            {"max_sequence_length": 1024},
+            "--max-sequence-length 1024 exceeds the model's 512 learned positions",
+        ),
+        (
+            "qwen2-biases",
+            lambda c: c.update(
+                use_sliding_window=True,
+                sliding_window=64,
+                layer_types=["full_attention", "sliding_attention"],
+            ),
+            {},
+            r"sliding-window attention \(64\) is not implemented",
+        ),
+        (
+            "gpt-neox-parallel",
+            lambda c: c.update(hidden_act="gelu_python_bogus"),
+            {},
+            "GPTNeoXForCausalLM: unsupported activation 'gelu_python_bogus'",
+        ),
+    ],
+    ids=["falcon-alibi", "bigcode-positions", "qwen2-sliding-window", "neox-activation"],
+)
+def test_unsupported_configs_are_refused_at_start_up(
+    tmp_path: Path,
+    name: str,
+    edit: Callable[[dict[str, Any]], None],
+    kwargs: dict[str, Any],
+    message: str,
+) -> None:
+    # The native engine refuses these; under the default TGIS_ENGINE=auto they would be
+    # served by the transformers fallback instead (tests/shard/fallback/test_runner.py).
+    FAMILIES[name].build(tmp_path / "model")
+    path = _rewrite_config(tmp_path / "model", tmp_path / "edited", edit)
+    with pytest.raises(StartupError, match=message):
+        make_runner(path, engine=EngineSettings(engine="native"), **kwargs)
+    (path / "model.safetensors").unlink()  # the check alone reads no weights
+    max_sequence_length = kwargs.get("max_sequence_length", MAX_SEQUENCE_LENGTH)
+    with pytest.raises(StartupError, match=message):
+        check_config(ModelConfig.from_dir(path), max_sequence_length)
+
+
+def test_supported_configs_pass_the_check(family_model: TinyModel) -> None:
+    check_config(ModelConfig.from_dir(family_model.path), MAX_SEQUENCE_LENGTH)
+
+
+# ---- tensor parallelism: 2 ranks (gloo, CPU) against 1 ----------------------------------
+
+# Variant → KV heads each of 2 ranks caches (a single KV head is replicated).
+TP_VARIANTS = {
+    "granite": 1,
+    "qwen2-biases": 1,
+    "gpt-bigcode-mqa": 1,
+    "gpt-neox-parallel": 2,
+    "falcon-new-gqa": 1,
+    "falcon-old-mqa": 1,
+}
+TP_DETAILS = DetailOptions(logprobs=True, ranks=True, top_n=2, generated_tokens=True)
+
+
+@pytest.mark.slow  # starts tensor-parallel rank processes
+@pytest.mark.parametrize("name", sorted(TP_VARIANTS))
+def test_two_ranks_match_one(name: str, tmp_path: Path) -> None:
+    from tests.shard.tp_utils import Request, assert_same_outputs, make_plans, run_plans
+
+    FAMILIES[name].build(tmp_path)
+    plans = make_plans(
+        [
+            Request(1, tuple(PROMPTS[3]), 5, details=TP_DETAILS, chunk=12),
+            Request(2, tuple(PROMPTS[2]), 4, details=TP_DETAILS, arrives=1),
+        ]
+    )
+    config = {"max_sequence_length": MAX_SEQUENCE_LENGTH}
+    single = run_plans(tmp_path, plans, world_size=1, **config)[0]
+    reports = run_plans(tmp_path, plans, world_size=2, **config)
+    assert not any(isinstance(o, str) for o in single.outputs), single.outputs
+    assert sum(len(o.tokens) for o in reports[0].outputs if not isinstance(o, str)) == 9
+    assert_same_outputs(single.outputs, reports[0].outputs)
+    assert reports[1].worker_error is None
+    for report in reports:
+        assert report.kv_shape[2] == TP_VARIANTS[name], f"rank {report.rank} KV heads"
+    _check_matrices_are_split(tmp_path, reports)
+
+
+def _check_matrices_are_split(path: Path, reports: list[Any]) -> None:
+    """Each rank reads only part of every matrix, and the ranks together all of it."""
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118
+    for name, shape in shapes.items():
+        if len(shape) == 2:
+            per_rank = [report.reads.get(name, 0) for report in reports]
+            numel = shape[0] * shape[1]
+            assert all(0 < n < numel for n in per_rank), f"{name}: {per_rank} of {numel}"
+            assert sum(per_rank) >= numel, f"{name}: {per_rank} of {numel}"
