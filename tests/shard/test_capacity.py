@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.shard.conftest import TinyModel
+from tests.shard.models import TinyModel
 from tgis.shard.capacity import CPU_KV_CACHE_BYTES, available_memory, configured_blocks
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tests.shard.conftest import Router
+from tests.shard.driving import Router
 from tgis.shard.cpu_threads import (
     MIN_PARALLEL_SECONDS,
     ROUTER_SECONDS_PER_ROW,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.shard.conftest import Router, TinyModel
+from tests.shard.driving import Router
+from tests.shard.models import TinyModel
 from tgis.shard.config import ShardConfig, canonical_dtype
 from tgis.shard.device import cpu_bf16_flags, select_dtype
 from tgis.shard.loader import load_runner

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.shard.conftest import Router, TinyModel, build_tiny_llama
+from tests.shard.driving import Router
+from tests.shard.models import TinyModel, build_tiny_llama
 from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard.native.attention.interface import BatchLayout

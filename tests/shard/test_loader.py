@@ -11,7 +11,8 @@ import torch
 from click.testing import CliRunner
 from transformers import MistralConfig, MistralForCausalLM
 
-from tests.shard.conftest import Router, TinyModel, build_tiny_llama
+from tests.shard.driving import Router
+from tests.shard.models import TinyModel, build_tiny_llama
 from tgis.shard.cli import main
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tests.lora_oracle import lora_greedy, save_random_lora
-from tests.shard.conftest import Router, TinyModel
+from tests.shard.driving import Router
+from tests.shard.models import TinyModel
 from tgis.shard.adapters.store_paths import StoreError
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner

@@ -18,7 +18,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from tests.shard.conftest import Router
+from tests.shard.driving import Router
 from tests.shard.tp_utils import Request, make_plans, run_plans
 from tgis.shard.checkpoints.dummy_weights import DummyWeights, parameter_count
 from tgis.shard.checkpoints.model_config import ModelConfig

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.shard.conftest import Router, TinyModel, build_tiny_llama
+from tests.shard.driving import Router
+from tests.shard.models import TinyModel, build_tiny_llama
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner

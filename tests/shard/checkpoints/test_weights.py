@@ -9,7 +9,8 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.shard.conftest import Router, TinyModel
+from tests.shard.driving import Router
+from tests.shard.models import TinyModel
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard_api.messages import DetailOptions

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from tests.prefix_oracle import prefixed_greedy
-from tests.shard.conftest import Router, TinyModel
+from tests.shard.driving import Router
 from tests.shard.fallback.hf_models import HIDDEN, prompt_of, random_causal, random_seq2seq
+from tests.shard.models import TinyModel
 from tgis.shard.adapters.store_paths import StoreError, StoreErrorKind
 from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.fallback.runner import HfRunner

@@ -2,8 +2,8 @@
 
 Tiny random models of families the native engine does not implement (GPT-2, OPT, BLOOM,
 T5) are built from configs at test time and driven by Step plans through the router
-stand-in of ``conftest``: batches of different lengths, sequences joining mid-decode,
-chunked prompts, finished and unscheduled sequences.
+stand-in (``tests/shard/driving.py``): batches of different lengths, sequences joining
+mid-decode, chunked prompts, finished and unscheduled sequences.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.shard.conftest import Router, TinyModel
+from tests.shard.driving import Router
 from tests.shard.fallback.hf_models import VOCAB, prompt_of, random_causal, random_seq2seq
+from tests.shard.models import TinyModel
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.engines import select_engine

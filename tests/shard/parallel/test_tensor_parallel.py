@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.lora_oracle import save_random_lora
-from tests.shard.conftest import build_tiny_llama
+from tests.shard.models import build_tiny_llama
 from tests.shard.tp_utils import (
     RankReport,
     Request,

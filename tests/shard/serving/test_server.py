@@ -20,7 +20,7 @@ import grpc
 import pytest
 import torch
 
-from tests.shard.conftest import EOS, VOCAB, TinyModel
+from tests.shard.models import EOS, VOCAB, TinyModel
 from tgis.pb import shard_pb2, shard_pb2_grpc
 from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.serving.server import ShardServer

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.shard.conftest import TinyModel
+from tests.shard.models import TinyModel
 from tests.shard.tp_utils import free_port
 from tgis.pb import shard_pb2, shard_pb2_grpc
 

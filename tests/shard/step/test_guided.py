@@ -23,7 +23,8 @@ import torch
 from tokenizers import Tokenizer
 
 from tests.guided_tokenizers import embedded_tokenizer_json, llama_style_tokenizer_json
-from tests.shard.conftest import Router, build_tiny_llama
+from tests.shard.driving import Router
+from tests.shard.models import build_tiny_llama
 from tgis.embedded_model import MODEL_DIR
 from tgis.router.intake.guided import grammar_source
 from tgis.router.request_types import GuidedKind, GuidedRequest

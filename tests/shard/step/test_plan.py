@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.shard.conftest import VOCAB, Router
+from tests.shard.driving import Router
+from tests.shard.models import VOCAB
 from tgis.shard.errors import InvalidStepError
 from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.serving.step_executor import StepExecutor

@@ -3,13 +3,11 @@ recompute of every known token resumes it with exactly the output of an uninterr
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-
 import pytest
 import torch
 
-from tests.shard.conftest import Router, TinyModel
+from tests.shard.driving import NEW_TOKENS, PROMPTS, Preemption, Router, drive, prompt_of
+from tests.shard.models import TinyModel
 from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.errors import InvalidStepError
 from tgis.shard.fallback.runner import HfRunner
@@ -26,26 +24,9 @@ from tgis.shard_api.messages import (
     TokenDetail,
 )
 
-NEW_TOKENS = 14
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 256) for _ in range(length)]
-
-
-PROMPTS = {1: prompt_of(5, 11), 2: prompt_of(23, 12), 3: prompt_of(9, 13)}
 SEEDED = SamplingParams(
     temperature=0.9, top_k=40, top_p=0.95, seed=1234, repetition_penalty=1.3, min_new_tokens=3
 )
-
-
-@dataclass(frozen=True)
-class Preemption:
-    request_id: int
-    after_tokens: int  # preempt once it has generated this many (0: mid-prompt, see below)
-    pause_steps: int  # steps the others run while it waits (0: resumed in the same step)
-    chunk: int  # recompute chunk size
 
 
 def make(engine: str, model: TinyModel) -> Runner:
@@ -55,65 +36,6 @@ def make(engine: str, model: TinyModel) -> Runner:
     runner = load_runner(config)
     assert isinstance(runner, HfRunner if engine == "hf" else ModelRunner)
     return runner
-
-
-def drive(
-    runner: Runner,
-    sampling: dict[int, SamplingParams],
-    preemption: Preemption | None = None,
-    details: DetailOptions | None = None,
-) -> Router:
-    """Generate NEW_TOKENS for each prompt (prompts prefilled in chunks of 8); with
-    ``preemption``, that sequence is preempted once and resumed by a chunked recompute."""
-    router = Router(runner)  # type: ignore[arg-type]
-    for rid, prompt in PROMPTS.items():
-        router.add(rid, prompt, sampling=sampling.get(rid), details=details)
-    prefilled = dict.fromkeys(PROMPTS, 0)
-    phase, waited, left = "run", 0, 0
-    target = preemption.request_id if preemption else None
-    while any(len(router.generated[r]) < NEW_TOKENS for r in PROMPTS):
-        schedule: dict[int, int] = {}
-        for rid, prompt in PROMPTS.items():
-            if len(router.generated[rid]) >= NEW_TOKENS:
-                continue
-            if rid == target and preemption is not None:
-                if (
-                    phase == "run"
-                    and len(router.generated[rid]) == preemption.after_tokens
-                    and (preemption.after_tokens > 0 or prefilled[rid] >= 8)
-                ):
-                    router.preempt(rid)
-                    phase, waited = "paused", 0
-                if phase == "paused":
-                    if waited < preemption.pause_steps:
-                        waited += 1
-                        continue
-                    phase = "recompute"
-                    left = len(prompt) + len(router.generated[rid])
-                    prefilled[rid] = len(prompt)
-                if phase == "recompute":
-                    schedule[rid] = min(preemption.chunk, left)
-                    left -= schedule[rid]
-                    if left == 0:
-                        phase, target = "done", None
-                    continue
-            if prefilled[rid] < len(prompt):
-                schedule[rid] = min(8, len(prompt) - prefilled[rid])
-                prefilled[rid] += schedule[rid]
-            else:
-                schedule[rid] = 1
-        before = {rid: len(router.generated[rid]) for rid in PROMPTS}
-        out = router.step(schedule)
-        sampled = {t.request_id for t in out.tokens}
-        if preemption is not None and preemption.request_id in schedule:
-            rid = preemption.request_id
-            # While catching up nothing is sampled; the last recompute chunk samples.
-            catching_up = phase == "recompute"
-            assert (rid in sampled) == (
-                not catching_up and before[rid] + len(PROMPTS[rid]) <= router.computed[rid]
-            )
-        assert not out.errors
-    return router
 
 
 @pytest.mark.parametrize("engine", ["native", "hf"])

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.shard.conftest import Router
+from tests.shard.driving import Router
 from tgis.shard.config import EngineSettings
 from tgis.shard.errors import InvalidStepError
 from tgis.shard.native.runtime.model_runner import ModelRunner

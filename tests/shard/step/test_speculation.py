@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.shard.conftest import NUM_BLOCKS, Router, TinyModel, build_tiny_llama
+from tests.shard.driving import Router
+from tests.shard.models import NUM_BLOCKS, TinyModel, build_tiny_llama
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.errors import InvalidStepError, StartupError

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.quant_fixtures.packing import decoder_linears
-from tests.shard.checkpoints.quantized.test_models import (
+from tests.shard.checkpoints.quantized.cases import (
     CASES,
     assert_near_the_oracle,
     dense_model,
@@ -27,8 +27,8 @@ from tests.shard.checkpoints.quantized.test_models import (
     kernels,
     make_runner,
 )
-from tests.shard.conftest import TinyModel
-from tests.shard.native.models.test_families import PROMPTS, assert_matches_hf
+from tests.shard.families import PROMPTS, assert_matches_hf
+from tests.shard.models import TinyModel
 from tests.shard.tp_utils import Request, make_plans, run_plans
 from tgis.shard.config import EngineSettings
 from tgis.shard.native.graphs.compiled import CompiledForward

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.shard.conftest import TinyModel
+from tests.shard.models import TinyModel
 from tgis.shard.checkpoints.quantized.readers import layout_reader
 from tgis.shard.checkpoints.quantized.scheme import (
     QuantScheme,

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.shard.conftest import Router, TinyModel
+from tests.shard.driving import Router
+from tests.shard.models import TinyModel
 from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner

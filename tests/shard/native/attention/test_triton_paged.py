@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tests.shard.conftest import Router, TinyModel
+from tests.shard.driving import Router
+from tests.shard.models import TinyModel
 from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.shard.conftest import Router, TinyModel
-from tests.shard.native.models.test_families import FAMILIES
-from tests.shard.step.test_preemption import PROMPTS, Preemption, drive
+from tests.shard.driving import PROMPTS, Preemption, Router, drive
+from tests.shard.families import FAMILIES
+from tests.shard.models import TinyModel
 from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard.native.graphs.compiled import CompiledForward

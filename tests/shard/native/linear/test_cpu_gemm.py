@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.shard.conftest import NUM_BLOCKS, TinyModel
+from tests.shard.models import NUM_BLOCKS, TinyModel
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard.native.linear.cpu_gemm import (

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from tests.shard.native.linear.test_quantized_linear import random_matrix, reference
+from tests.shard.native.linear.matrices import random_matrix, reference
 from tgis.shard.checkpoints.quantized.matrix import GroupQuantized
 
 pytest.importorskip("triton")

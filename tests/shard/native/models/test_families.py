@@ -10,19 +10,18 @@ together, and with chunked prefill joining a running decode) and must match
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import transformers
 
 from tests.prefix_oracle import prefixed_greedy
-from tests.shard.conftest import EOS, VOCAB, Router, TinyModel
+from tests.shard.driving import Router
+from tests.shard.families import FAMILIES, LOGPROBS, NEW_TOKENS, PROMPTS, assert_matches_hf
+from tests.shard.models import TinyModel
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.errors import StartupError
@@ -31,157 +30,7 @@ from tgis.shard.native.models import check_config
 from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard_api.messages import DetailOptions
 
-NEW_TOKENS = 10
 MAX_SEQUENCE_LENGTH = 256
-LOGPROBS = DetailOptions(logprobs=True, ranks=True, generated_tokens=True)
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    """A random prompt of token ids (avoiding the special ids 0-2)."""
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB) for _ in range(length)]
-
-
-PROMPTS = {1: prompt_of(3, 11), 2: prompt_of(12, 12), 3: prompt_of(29, 13)}
-
-_COMMON: dict[str, Any] = dict(vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=1)
-_LLAMA_SHAPE: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
-
-
-@dataclass(frozen=True)
-class Family:
-    """One config variant: its transformers config and model classes and parameters."""
-
-    config_class: str
-    model_class: str
-    params: dict[str, Any] = field(default_factory=dict)
-
-    def build(self, path: Path, seed: int = 0) -> Any:
-        """Build, randomise and save the model to ``path``; return the HF reference."""
-        config = getattr(transformers, self.config_class)(**_COMMON, **self.params)
-        torch.manual_seed(seed)
-        model = getattr(transformers, self.model_class)(config).eval()
-        _randomise(model)
-        model.save_pretrained(path)
-        model.generation_config.eos_token_id = None  # the reference never stops early
-        return model
-
-
-def _randomise(model: torch.nn.Module) -> None:
-    """Weights far from the default init, so that logits have no near-ties, and non-zero
-    biases and norm parameters, so that a dropped or misplaced one shows."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-            else:  # norm weights
-                p.normal_(1.0, 0.1)
-
-
-FAMILIES: dict[str, Family] = {
-    "granite": Family(
-        "GraniteConfig",
-        "GraniteForCausalLM",
-        dict(
-            _LLAMA_SHAPE,
-            embedding_multiplier=3.0,
-            residual_multiplier=0.5,
-            attention_multiplier=0.4,
-            logits_scaling=2.5,
-        ),
-    ),
-    "qwen2-biases": Family(
-        "Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA_SHAPE, tie_word_embeddings=False)
-    ),
-    "qwen2-tied": Family(
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        dict(_LLAMA_SHAPE, tie_word_embeddings=True, num_key_value_heads=1),
-    ),
-    "gpt-bigcode-mqa": Family(
-        "GPTBigCodeConfig",
-        "GPTBigCodeForCausalLM",
-        dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, multi_query=True),
-    ),
-    "gpt-bigcode-mha": Family(
-        "GPTBigCodeConfig",
-        "GPTBigCodeForCausalLM",
-        dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, multi_query=False, n_inner=96),
-    ),
-    "gpt-neox-parallel": Family(
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=512,
-            use_parallel_residual=True,
-            rotary_pct=0.25,
-            rotary_emb_base=5000,
-        ),
-    ),
-    "gpt-neox-sequential": Family(
-        "GPTNeoXConfig",
-        "GPTNeoXForCausalLM",
-        dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=512,
-            use_parallel_residual=False,
-            rotary_pct=0.5,
-        ),
-    ),
-    "falcon-new-gqa": Family(
-        "FalconConfig",
-        "FalconForCausalLM",
-        dict(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=8,
-            num_kv_heads=2,
-            new_decoder_architecture=True,
-            tie_word_embeddings=False,
-        ),
-    ),
-    "falcon-old-mqa": Family(
-        "FalconConfig",
-        "FalconForCausalLM",
-        dict(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            new_decoder_architecture=False,
-            multi_query=True,
-            parallel_attn=True,
-        ),
-    ),
-    "falcon-old-sequential-bias": Family(
-        "FalconConfig",
-        "FalconForCausalLM",
-        dict(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            new_decoder_architecture=False,
-            multi_query=False,
-            parallel_attn=False,
-            bias=True,
-        ),
-    ),
-}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -207,17 +56,6 @@ def generate_batch(path: Path, prompts: dict[int, list[int]]) -> Router:
     for _ in range(NEW_TOKENS - 1):
         router.decode(prompts)
     return router
-
-
-def assert_matches_hf(router: Router, model: TinyModel, prompts: dict[int, list[int]]) -> None:
-    """The router's greedy tokens are HF's, their logprobs within 1e-4 of HF's."""
-    for rid, prompt in prompts.items():
-        expected, logits = model.greedy(prompt, NEW_TOKENS)
-        assert router.generated[rid] == expected, f"request {rid}"
-        details = [t.token for o in router.outputs for t in o.tokens if t.request_id == rid]
-        for detail, step_logits in zip(details, logits, strict=True):
-            ref = torch.log_softmax(step_logits, dim=-1)[detail.token_id].item()
-            assert abs(detail.logprob - ref) < 1e-4, f"request {rid}"
 
 
 def test_batched_greedy_matches_hf(family_model: TinyModel) -> None:

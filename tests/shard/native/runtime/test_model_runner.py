@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from tests.shard.conftest import EOS, Router, TinyModel
+from tests.shard.driving import Router
+from tests.shard.models import EOS, TinyModel
 from tgis.shard_api.messages import DetailOptions, SamplingParams
 
 NEW_TOKENS = 12

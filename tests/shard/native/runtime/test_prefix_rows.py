@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import save_file
 
 from tests.prefix_oracle import prefixed_greedy
-from tests.shard.conftest import EOS, Router, TinyModel
+from tests.shard.driving import Router
+from tests.shard.models import EOS, TinyModel
 from tgis.shard.adapters.store_paths import StoreError, StoreErrorKind
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
