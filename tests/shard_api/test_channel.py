@@ -96,8 +96,13 @@ def test_steps_in_flight_fail_when_the_shard_goes_away(socket_path: str) -> None
         handler.release.clear()
         pending = client.send(plan(1))
         await asyncio.sleep(0.05)
-        server.close()
+        # As the shard stops: close on a thread, which drops the connection at once and
+        # then waits for the step still running, which ends after it.
+        closing = asyncio.ensure_future(asyncio.to_thread(server.close))
+        await asyncio.sleep(0.05)
+        assert not closing.done(), "close() did not wait for the running step"
         handler.release.set()
+        await asyncio.wait_for(closing, 5)
         with pytest.raises(ConnectionError):
             await asyncio.wait_for(pending, 5)
         with pytest.raises(ConnectionError):

@@ -83,7 +83,7 @@ class LauncherProcess:
                     return
             except OSError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         raise TimeoutError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
 
     def process_pids(self) -> dict[str, list[int]]:
