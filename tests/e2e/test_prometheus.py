@@ -103,12 +103,32 @@ def send_traffic(server: LauncherProcess) -> None:
     raise AssertionError("the cancelled stream was never counted")
 
 
+def wait_until_settled(server: LauncherProcess, timeout: float = 30.0) -> None:
+    """Until every step the engine started has been answered: after a cancellation the
+    step planned on top of it may still be running (more so on a busy machine), and the
+    step counters are read at one moment."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, exp = scrape(server)
+        started = sum(s.value for s in exp.of("tgi_batch_inference_count_total"))
+        answered = sum(
+            s.value
+            for name in ("tgi_batch_inference_success_total", "tgi_batch_inference_failure_total")
+            for s in exp.of(name)
+        )
+        if started == answered:
+            return
+        assert time.monotonic() < deadline, f"{started} steps started, {answered} answered"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
     launcher = start_launcher(tmp_path_factory.mktemp("prometheus-e2e"))
     try:
         launcher.wait_healthy()
         send_traffic(launcher)
+        wait_until_settled(launcher)
         yield launcher
     finally:
         launcher.stop()
