@@ -7,6 +7,15 @@ import os
 
 import pytest
 
+# Two workers on two cores (`make test`): each worker, and each server its tests launch,
+# computes on one thread. Left alone, every process's OpenMP pool takes every core and the
+# pools' idle threads spin against each other's work: on the 2-core host a full run took
+# 8:09-9:15 and 13.9-16.5 CPU-minutes, against 6:47 and 11.5 with one thread each. Set
+# before torch is first imported (below); the shard's own choice of threads per step is
+# tested with explicit thread counts (tests/shard/test_cpu_threads.py).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The compiled step costs tens of seconds per model on a CPU; tests run the eager reference
 # (the CPU default anyway) unless they ask for the compiled one
 # (tests/shard/native/graphs/test_compiled.py), and so do the servers they launch (the
