@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,69 +95,64 @@ def assert_stopped_cleanly(launcher: LauncherProcess, children: set[int]) -> Non
         assert bad not in log, log
 
 
-def test_the_grace_period_ends_every_call_on_both_apis(tmp_path: Path) -> None:
-    launcher = start_launcher(tmp_path, ["--shutdown-grace-period", "1"])
+@contextmanager
+def calls_in_flight(
+    tmp_path: Path, args: Sequence[str] = ()
+) -> Iterator[tuple[LauncherProcess, InFlight]]:
+    """A launched server with calls of both APIs running on it (``start_calls``); the
+    server is stopped when the block ends, whatever is left of it."""
+    launcher = start_launcher(tmp_path, list(args))
     try:
         launcher.wait_healthy()
-        children = descendants(launcher.proc.pid)
         with grpc.insecure_channel(launcher.grpc_target) as channel:
-            calls = start_calls(launcher, channel)
-            signalled = time.monotonic()
-            launcher.proc.send_signal(signal.SIGTERM)
-            calls.join(60)
-            ended_in = time.monotonic() - signalled
+            yield launcher, start_calls(launcher, channel)
+    finally:
+        launcher.stop()
+
+
+def test_the_grace_period_ends_every_call_on_both_apis(tmp_path: Path) -> None:
+    with calls_in_flight(tmp_path, ["--shutdown-grace-period", "1"]) as (launcher, calls):
+        children = descendants(launcher.proc.pid)
+        signalled = time.monotonic()
+        launcher.proc.send_signal(signal.SIGTERM)
+        calls.join(60)
+        ended_in = time.monotonic() - signalled
         assert_ended_because(calls, "the 1 s grace period")
         assert launcher.proc.wait(30) == 0, launcher.log_tail()
         stopped_in = time.monotonic() - signalled
         assert ended_in >= 1.0, ended_in
-        print(
-            f"calls ended {ended_in:.2f} s after SIGTERM, launcher exited after {stopped_in:.2f} s"
-        )
+        print(f"calls ended after {ended_in:.2f} s, the launcher exited after {stopped_in:.2f} s")
         assert stopped_in < 1 + 10, launcher.log_tail()
         assert_stopped_cleanly(launcher, children)
-    finally:
-        launcher.stop()
 
 
 def test_a_second_sigterm_ends_the_drain_at_once(tmp_path: Path) -> None:
-    launcher = start_launcher(tmp_path, ["--shutdown-grace-period", "300"])
-    try:
-        launcher.wait_healthy()
+    with calls_in_flight(tmp_path, ["--shutdown-grace-period", "300"]) as (launcher, calls):
         children = descendants(launcher.proc.pid)
-        with grpc.insecure_channel(launcher.grpc_target) as channel:
-            calls = start_calls(launcher, channel)
-            launcher.proc.send_signal(signal.SIGTERM)
-            wait_until(lambda: launcher.http_get("/health", timeout=5)[0] == 503)
-            assert not any(stream.done.is_set() for stream in calls.grpc_streams)
-            again = time.monotonic()
-            launcher.proc.send_signal(signal.SIGTERM)
-            calls.join(60)
+        launcher.proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: launcher.http_get("/health", timeout=5)[0] == 503)
+        assert not any(stream.done.is_set() for stream in calls.grpc_streams)
+        again = time.monotonic()
+        launcher.proc.send_signal(signal.SIGTERM)
+        calls.join(60)
         assert_ended_because(calls, "a second signal")
         assert launcher.proc.wait(30) == 0, launcher.log_tail()
         assert time.monotonic() - again < 10, launcher.log_tail()
         assert_stopped_cleanly(launcher, children)
-    finally:
-        launcher.stop()
 
 
 def test_the_router_and_shard_stop_by_themselves_when_the_launcher_is_killed(
     tmp_path: Path,
 ) -> None:
-    launcher = start_launcher(tmp_path)
-    try:
-        launcher.wait_healthy()
+    with calls_in_flight(tmp_path) as (launcher, calls):
         roles = launcher.process_pids()
         children = set(roles["router"] + roles["shard"])
         assert roles["router"] and roles["shard"]
-        with grpc.insecure_channel(launcher.grpc_target) as channel:
-            calls = start_calls(launcher, channel)
-            killed = time.monotonic()
-            os.kill(launcher.proc.pid, signal.SIGKILL)
-            calls.join(60)
+        killed = time.monotonic()
+        os.kill(launcher.proc.pid, signal.SIGKILL)
+        calls.join(60)
         assert_ended_because(calls, "the launcher is gone")
         wait_until(lambda: not [p for p in children if is_alive(p)], timeout=15)
         print(f"router and shard gone {time.monotonic() - killed:.2f} s after the launcher")
         # The sockets are freed: a new server can take the same ports at once.
         assert not list(launcher.socket_dir.glob("shard-*")), "sockets left behind"
-    finally:
-        launcher.stop()
