@@ -56,6 +56,8 @@ from tgis.shard_api.messages import (
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root: `tests` is importable there
 RANK_TIMEOUT_S = 90.0
+JOIN_TIMEOUT_S = 30.0
+"""How long each rank may take to join the group (the shard's --distributed-timeout)."""
 LOGPROB_ATOL = 1e-4
 
 
@@ -192,7 +194,6 @@ def run_plans(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(free_port()),
             "WORLD_SIZE": str(world_size),
-            "TGIS_DISTRIBUTED_TIMEOUT_S": "30",
             "OMP_NUM_THREADS": "1",
         }
         procs = [
@@ -349,7 +350,7 @@ def _run_rank(spec: dict[str, Any], rank: int, world_size: int) -> RankReport:
     from tgis.shard.parallel.distributed import destroy, init_distributed
     from tgis.shard.serving.tensor_parallel import native_runner
 
-    tp = init_distributed(rank, world_size)
+    tp = init_distributed(rank, world_size, timeout_s=JOIN_TIMEOUT_S)
     config = ShardConfig(
         model_name=spec["model_dir"],
         rank=rank,

@@ -14,6 +14,9 @@ DEFAULT_SHUTDOWN_GRACE_S = 25.0
 terminationGracePeriodSeconds (30) less a margin for stopping the processes."""
 DEFAULT_OTLP_SERVICE_NAME = "text-generation-inference.router"
 """TGIS's OpenTelemetry service.name for the router."""
+DEFAULT_DISTRIBUTED_TIMEOUT_S = 120.0
+"""Joining the tensor-parallel group, and any one tensor collective, must finish within
+this (seconds)."""
 DEFAULT_STEP_TIMEOUT_S = 600.0
 """How long one step may run before the shard is taken as hung: far above any real step
 (a full 4,096-token prefill of an 8B model takes about a minute even on a CPU)."""
@@ -70,6 +73,10 @@ PROCESSES = (
        "Address of rank 0 for the tensor-parallel group.", {L}),
     _s("master_port", ("--master-port",), ("MASTER_PORT",), Kind.INT, 29500,
        "Port of rank 0 for the tensor-parallel group.", {L}),
+    _s("distributed_timeout", ("--distributed-timeout",), ("TGIS_DISTRIBUTED_TIMEOUT_S",),
+       Kind.FLOAT, DEFAULT_DISTRIBUTED_TIMEOUT_S,
+       "Seconds a shard may take to join its tensor-parallel group, and any one collective.",
+       {S}, minimum=0.0),
     _s("shard_startup_timeout", ("--shard-startup-timeout",), ("SHARD_STARTUP_TIMEOUT",),
        Kind.FLOAT, 600.0, "Seconds to wait for every shard to become ready.", {L}),
     _s("shard_connect_timeout", ("--shard-connect-timeout",), ("SHARD_CONNECT_TIMEOUT",),

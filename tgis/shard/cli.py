@@ -52,7 +52,7 @@ def _serve(options: Mapping[str, Any]) -> None:
     try:
         config = shard_config(options)
         config.validate()
-        tp = init_distributed(config.rank, config.world_size)
+        tp = init_distributed(config.rank, config.world_size, timeout_s=config.distributed_timeout)
         runner = load_runner(config, tp)
         ranked = native_runner(runner) if tp.is_parallel else None
     except (StartupError, ModelNotFoundError) as e:

@@ -111,6 +111,7 @@ class ShardConfig:
     json_output: bool = _d("json_output")
     rank: int = 0
     world_size: int = 1
+    distributed_timeout: float = _d("distributed_timeout")  # joining the group, a collective
     kv_cache_blocks: int | None = _d("kv_cache_blocks")  # overrides the sizing
     # The largest step's prompt tokens: the GPU warm-up prefill runs this many.
     max_batch_prefill_tokens: int = _d("max_batch_prefill_tokens")

@@ -18,16 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tgis.settings.serving import DEFAULT_DISTRIBUTED_TIMEOUT_S
 from tgis.shard.config import env_int
 from tgis.shard.errors import StartupError
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 120.0
-"""Joining the group, and any one tensor collective, must finish within this (seconds);
-env ``TGIS_DISTRIBUTED_TIMEOUT_S`` overrides it."""
-TIMEOUT_ENV = "TGIS_DISTRIBUTED_TIMEOUT_S"
 CONTROL_TIMEOUT = timedelta(days=3650)
 """The object group's collective timeout: in effect none."""
 
@@ -46,8 +43,9 @@ def init_distributed(
 ) -> TensorParallel:
     """Join the `world_size` ranks at MASTER_ADDR:MASTER_PORT; `SINGLE` for one rank.
 
-    `local_rank` (default: env LOCAL_RANK, else `rank`) picks the GPU; `timeout_s` defaults
-    to env TGIS_DISTRIBUTED_TIMEOUT_S, else DEFAULT_TIMEOUT_S. Raises StartupError (one line)
+    `local_rank` (default: env LOCAL_RANK, else `rank`) picks the GPU; `timeout_s` (the
+    shard's ``--distributed-timeout``, TGIS_DISTRIBUTED_TIMEOUT_S) defaults to
+    DEFAULT_DISTRIBUTED_TIMEOUT_S. Raises StartupError (one line)
     when the environment is incomplete or this rank cannot join within the timeout (a peer
     never started, the port is taken, ...).
     """
@@ -67,7 +65,7 @@ def join_group(
     if local_rank is None:
         local_rank = env_int("LOCAL_RANK", rank)
     if timeout_s is None:
-        timeout_s = float(env_int(TIMEOUT_ENV, int(DEFAULT_TIMEOUT_S)))
+        timeout_s = DEFAULT_DISTRIBUTED_TIMEOUT_S
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     if not addr or not port:
         raise StartupError("MASTER_ADDR and MASTER_PORT must be set when WORLD_SIZE > 1")
