@@ -7,6 +7,7 @@ is the edge's business (``edge/status.py``), so intake and the core loop import 
 from __future__ import annotations
 
 __all__ = [
+    "ConstraintError",
     "GenerationError",
     "OverloadedError",
     "RouterError",
@@ -14,7 +15,11 @@ __all__ = [
     "TokenizationError",
     "UnavailableError",
     "ValidationError",
+    "generation_failure",
 ]
+
+MAX_DETAIL_CHARS = 500
+"""The longest failure text from a shard a client is shown (gRPC carries it in metadata)."""
 
 
 class RouterError(Exception):
@@ -56,6 +61,12 @@ class GenerationError(RouterError):
         self.detail = detail
 
 
+class ConstraintError(GenerationError):
+    """A request's guided-decoding constraint could not be followed once generation had
+    started (a parser limit reached by the text so far): ``INVALID_ARGUMENT`` / 400, with
+    the ``Request failed during generation:`` message."""
+
+
 class UnavailableError(RouterError):
     """The server is draining (SIGTERM): ``UNAVAILABLE``, so clients retry elsewhere."""
 
@@ -72,3 +83,11 @@ class TokenizationError(RouterError):
 class StartupError(Exception):
     """A configuration or environment problem found while the router starts (not a client's
     error: the CLI reports its one-line message and exits non-zero)."""
+
+
+def generation_failure(detail: str, *, constraint: bool = False) -> GenerationError:
+    """A request's failure reported by the shard: its constraint's (``ConstraintError``)
+    or the engine's, the text cut to :data:`MAX_DETAIL_CHARS`."""
+    if len(detail) > MAX_DETAIL_CHARS:
+        detail = detail[: MAX_DETAIL_CHARS - 3] + "..."
+    return ConstraintError(detail) if constraint else GenerationError(detail)

@@ -86,6 +86,13 @@ def log_speculation(speculation: SpeculationConfig | None, info: ShardInfo) -> N
             "speculative decoding: off, the %s engine does not verify drafts",
             info.attention_backend,
         )
+    elif info.draft_model:
+        log.info(
+            "speculative decoding: up to %d tokens drafted by the shard's draft model "
+            "(--speculator-name) while at most %d sequences run",
+            speculation.tokens,
+            speculation.max_batch_size,
+        )
     else:
         log.info(
             "speculative decoding: up to %d tokens drafted by prompt lookup (suffixes of %d to "

@@ -198,7 +198,9 @@ def output_to_pb(output: StepOutput) -> shard_pb2.StepResponse:
         for detail in inputs.tokens:
             _detail_to_pb(detail, entry.tokens.add())
     for error in output.errors:
-        pb.errors.add(request_id=error.request_id, message=error.message)
+        pb.errors.add(
+            request_id=error.request_id, message=error.message, constraint=error.constraint
+        )
     return pb
 
 
@@ -210,7 +212,7 @@ def output_from_pb(pb: shard_pb2.StepResponse) -> StepOutput:
             InputTokenDetails(it.request_id, tuple(_detail_from_pb(t) for t in it.tokens))
             for it in pb.input_tokens
         ),
-        errors=tuple(SequenceError(e.request_id, e.message) for e in pb.errors),
+        errors=tuple(SequenceError(e.request_id, e.message, e.constraint) for e in pb.errors),
         forward_time_ns=pb.forward_time_ns,
     )
 

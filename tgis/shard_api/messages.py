@@ -224,10 +224,12 @@ class InputTokenDetails:
 
 @dataclass(frozen=True, slots=True)
 class SequenceError:
-    """A sequence that failed on its own; the shard has already forgotten it."""
+    """A sequence that failed on its own; the shard has already forgotten it.
+    ``constraint``: its guided-decoding grammar could not be followed."""
 
     request_id: int
     message: str
+    constraint: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,7 +74,10 @@ def refusal(c: GrammarCompiler, request: GuidedRequest) -> str:
             "json_schema is not valid JSON: Expecting property name enclosed in double quotes: "
             "line 1 column 2 (char 1)",
         ),
-        (GuidedRequest(GuidedKind.JSON_SCHEMA, "[1]"), "json_schema must be a JSON object"),
+        (
+            GuidedRequest(GuidedKind.JSON_SCHEMA, "[1]"),
+            "json_schema must be a JSON object, true or false",
+        ),
         (
             GuidedRequest(GuidedKind.JSON_SCHEMA, '{"type": "nonsense"}'),
             "Invalid json_schema: Invalid type: nonsense",

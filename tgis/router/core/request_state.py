@@ -210,6 +210,10 @@ class OutputRules:
                 eos_token_ids=self.eos_token_ids,
                 continuation=self.continuation,
             ),
-            stop_checker=StopChecker(request.stopping, self.eos_token_ids),
+            stop_checker=StopChecker(
+                request.stopping,
+                self.eos_token_ids,
+                constrained=bool(request.sampling.grammar),
+            ),
             correlation_id=correlation_id,
         )

@@ -46,7 +46,7 @@ from tgis.router.core.request_state import (
 from tgis.router.core.speculation import Speculation, SpeculationConfig
 from tgis.router.core.step_draft import StepDraft
 from tgis.router.core.steps import ScheduledStep, StepUpdate
-from tgis.router.errors import GenerationError
+from tgis.router.errors import generation_failure
 from tgis.router.request_types import StopReason
 from tgis.shard_api.messages import (
     ShardInfo,
@@ -161,7 +161,9 @@ class Scheduler:
         for error in output.errors:
             state = states.get(error.request_id)
             if state is not None:
-                self.fail(state, GenerationError(error.message), update)
+                self.fail(
+                    state, generation_failure(error.message, constraint=error.constraint), update
+                )
         if self.speculation is not None:
             self.speculation.reconcile(step, output, update)
         for rid, computed in step.computed_after.items():
@@ -230,7 +232,7 @@ class Scheduler:
         """Every request of a failed step fails (TGIS); the shard forgets them next step."""
         update = StepUpdate()
         for state in step.states.values():
-            self.fail(state, GenerationError(message), update)
+            self.fail(state, generation_failure(message), update)
         return update
 
     def retry_without_younger_half(self, step: ScheduledStep) -> int:

@@ -7,6 +7,11 @@ windows that overlap the bytes the last token added; the rightmost occurrence co
 first stop sequence in request order that matches wins.
 
 Unlike TGIS, EOS is a *set* of ids (Llama-3 style configs list several; TGIS weak point 16).
+
+A guided request ends at EOS even before ``min_new_tokens``: the shard masks EOS out until
+then unless the grammar allows nothing else (its output is complete), so an EOS in that
+phase means the constraint is fulfilled, and padding the output with more EOS tokens would
+only inflate the counts.
 """
 
 from __future__ import annotations
@@ -86,13 +91,21 @@ class StopChecker:
     Args:
         stopping: the request's (per-input) stopping parameters.
         eos_token_ids: the model's EOS ids.
+        constrained: the request is guided (an EOS ends it whatever min_new_tokens says).
     """
 
-    __slots__ = ("_encoded", "_eos", "_stopping")
+    __slots__ = ("_constrained", "_encoded", "_eos", "_stopping")
 
-    def __init__(self, stopping: StoppingParams, eos_token_ids: Collection[int]) -> None:
+    def __init__(
+        self,
+        stopping: StoppingParams,
+        eos_token_ids: Collection[int],
+        *,
+        constrained: bool = False,
+    ) -> None:
         self._stopping = stopping
         self._eos = frozenset(eos_token_ids)
+        self._constrained = constrained
         self._encoded = tuple(ss.encode("utf-8") for ss in stopping.stop_sequences)
 
     @property
@@ -126,7 +139,9 @@ class StopChecker:
                 now = time.monotonic()
             if now > st.deadline:
                 return _TIME_LIMIT
-        if generated_count < st.min_new_tokens:
+        if generated_count < st.min_new_tokens and not (
+            self._constrained and token_id in self._eos
+        ):
             # Stop sequences are not searched in this phase (their bytes are never "new" again).
             return None
         if token_id in self._eos:

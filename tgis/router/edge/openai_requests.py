@@ -202,18 +202,30 @@ def parse_chat(
 
 def _text_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
     """A message with its content as text: a list of text parts is joined (as vLLM
-    does); other parts (images, audio) are refused."""
+    does); other parts (images, audio) are refused. Content may be null (or absent) only in
+    an assistant message, as OpenAI allows; it is then rendered as empty text."""
     content = message.get("content")
-    if content is None or isinstance(content, str):
+    if isinstance(content, str):
         return message
+    if content is None:
+        if message.get("role") != "assistant":
+            raise bad_request(
+                "message content must be a string or a list of text parts "
+                "(null only in an assistant message)",
+                "messages",
+            )
+        return {**message, "content": ""}
     if isinstance(content, list):
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise bad_request("only text content parts are supported", "messages")
-            texts.append(str(part.get("text", "")))
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request("a text content part's text must be a string", "messages")
+            texts.append(text)
         return {**message, "content": "\n".join(texts)}
-    raise bad_request("message content must be a string or a list of parts", "messages")
+    raise bad_request("message content must be a string or a list of text parts", "messages")
 
 
 def _request(
@@ -304,7 +316,13 @@ def _guided(value: object) -> GuidedRequest | None:
             raise bad_request(
                 "response_format.json_schema.schema must be an object", "response_format"
             )
-        return GuidedRequest(GuidedKind.JSON_SCHEMA, text=json.dumps(schema))
+        try:
+            text = json.dumps(schema)
+        except RecursionError:
+            raise bad_request(
+                "response_format.json_schema.schema is nested too deeply", "response_format"
+            ) from None
+        return GuidedRequest(GuidedKind.JSON_SCHEMA, text=text)
     raise bad_request(
         "response_format.type must be text, json_object or json_schema", "response_format"
     )

@@ -38,6 +38,7 @@ from tgis.router.edge.openai_requests import (
 from tgis.router.edge.status import describe_exception
 from tgis.router.edge.tracing import RequestSpan
 from tgis.router.errors import (
+    ConstraintError,
     GenerationError,
     OverloadedError,
     RouterError,
@@ -249,10 +250,12 @@ async def _json_body(request: web.Request) -> object:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise bad_request(f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply") from None
 
 
 def _openai_error(err: RouterError) -> OpenAIError:
-    if isinstance(err, ValidationError):
+    if isinstance(err, ValidationError | ConstraintError):
         return bad_request(err.message)
     if isinstance(err, OverloadedError):
         return OpenAIError(429, err.message, type="rate_limit_exceeded")

@@ -12,6 +12,7 @@ from typing import NoReturn
 import grpc
 
 from tgis.router.errors import (
+    ConstraintError,
     GenerationError,
     OverloadedError,
     RouterError,
@@ -24,6 +25,7 @@ __all__ = ["abort", "describe_exception", "describe_failure", "status_code"]
 
 _STATUS: dict[type[RouterError], grpc.StatusCode] = {
     ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
+    ConstraintError: grpc.StatusCode.INVALID_ARGUMENT,
     OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     GenerationError: grpc.StatusCode.UNKNOWN,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,

@@ -1,20 +1,26 @@
 """Guided decoding at intake: the client's constraint, compiled and checked before queueing.
 
 A request's ``GuidedRequest`` (vllm-tgis-adapter's ``oneof guided``, converted at the edge)
-becomes an llguidance grammar here: ``json_schema`` a JSON-schema grammar, ``format: JSON``
-the schema ``{"type": "object"}``, ``regex`` a full-match regex, ``choice`` a grammar whose
-only sentences are the choices, ``grammar`` a GBNF/EBNF (``root ::= ...``) or Lark
-(``start: ...``) grammar. JSON is compact (no whitespace between tokens: a weak model cannot
-wander in blanks) and strict (a schema keyword llguidance does not implement is refused,
-naming it, rather than ignored).
+becomes an llguidance grammar here: ``json_schema`` a JSON-schema grammar (``true`` is any
+JSON value, ``false`` is refused: no document is valid), ``format: JSON`` the schema
+``{"type": "object"}``, ``regex`` a full-match regex, ``choice`` one lexeme whose only
+spellings are the choices (a lexeme, not a rule of alternatives: any number of choices fits
+the parser's rows), ``grammar`` a GBNF/EBNF (``root ::= ...``) or Lark (``start: ...``)
+grammar. JSON is compact (no whitespace between tokens: a weak model cannot wander in blanks)
+and strict (a schema keyword llguidance does not implement is refused, naming it, rather
+than ignored).
 
-The compiler checks the grammar against the model's tokenizer (``LLMatcher.validate_grammar``,
-which builds what a matcher builds) in a thread pool, never on the event loop, within
-``COMPILE_TIMEOUT_S``; llguidance's own parser limits bound the work behind it. Every refusal
-is a ``ValidationError`` (INVALID_ARGUMENT) carrying the compiler's message. Compiled grammars
-are cached by (kind, text), at most ``CACHE_CAPACITY`` of them, so a repeated schema compiles
-once; refusals are not cached. The shard builds its matchers from the grammar text that
-travels in ``SamplingParams.grammar`` (``shard/step/guided.py``).
+Admission checks what generation will do, with the shard's tokenizer view and parser limits
+(``tgis/grammar_engine.py``): the grammar is validated against the model's tokenizer
+(``LLMatcher.validate_grammar``), then a matcher is built and its first token mask computed,
+so a grammar that allows no output, or breaks a parser limit at its start, is refused here
+instead of failing after tokens were generated. This runs in a thread pool, never on the
+event loop, within ``COMPILE_TIMEOUT_S``. Every refusal is a ``ValidationError``
+(INVALID_ARGUMENT) with one short line from the compiler (``short_error``: never the
+grammar or the parser's state). Compiled grammars are cached by (kind, text), at most
+``CACHE_CAPACITY`` of them, so a repeated schema compiles once; refusals are not cached. The
+shard builds its matchers from the grammar text that travels in ``SamplingParams.grammar``
+(``shard/step/guided.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from tgis.grammar_engine import grammar_tokenizer, parser_limits, short_error
 from tgis.router.errors import ValidationError
 from tgis.router.intake.lookup_cache import LookupCache
 from tgis.router.ops.metrics import Metrics
@@ -72,24 +79,55 @@ def grammar_source(request: GuidedRequest) -> str:
             raise ValidationError(f"format must be TEXT (0) or JSON (1), got {request.text}")
         return json_grammar('{"type": "object"}')
     if kind is GuidedKind.JSON_SCHEMA:
-        try:
-            schema = json.loads(request.text)
-        except ValueError as err:
-            raise ValidationError(f"json_schema is not valid JSON: {err}") from None
-        if not isinstance(schema, dict | bool):
-            raise ValidationError("json_schema must be a JSON object")
-        return json_grammar(json.dumps(schema))
-    if kind is GuidedKind.REGEX:
-        return llguidance.LLMatcher.grammar_from_regex(request.text)
-    if kind is GuidedKind.CHOICE:
-        if len(request.choices) < 2:
-            raise ValidationError(CHOICES_MESSAGE)
-        lark = "start: " + " | ".join(json.dumps(choice) for choice in request.choices)
-        return llguidance.LLMatcher.grammar_from_lark(lark)
+        return _schema_grammar(request.text)
     try:
+        if kind is GuidedKind.REGEX:
+            return llguidance.LLMatcher.grammar_from_regex(request.text)
+        if kind is GuidedKind.CHOICE:
+            return _choice_grammar(request.choices)
         return llguidance.grammar_from("grammar", request.text)
     except ValueError as err:
-        raise ValidationError(f"Invalid grammar: {err}") from None
+        raise ValidationError(f"Invalid {kind.field}: {short_error(str(err))}") from None
+
+
+def _schema_grammar(text: str) -> str:
+    """``json_schema``'s grammar: any JSON object schema, ``true`` (any value); ``false``
+    and schemas too deep for the compiler are refused."""
+    try:
+        schema = json.loads(text)
+        if isinstance(schema, dict):
+            text = json.dumps(schema)
+    except RecursionError:
+        raise ValidationError(_TOO_DEEP) from None
+    except ValueError as err:
+        raise ValidationError(f"json_schema is not valid JSON: {err}") from None
+    if schema is True:
+        text = "{}"
+    elif schema is False:
+        raise ValidationError("json_schema false allows no JSON document")
+    elif not isinstance(schema, dict):
+        raise ValidationError("json_schema must be a JSON object, true or false")
+    try:
+        return json_grammar(text)
+    except ValueError as err:
+        reason = short_error(str(err))
+        if "recursion limit" in reason:
+            raise ValidationError(_TOO_DEEP) from None
+        raise ValidationError(f"Invalid json_schema: {reason}") from None
+
+
+_TOO_DEEP = "json_schema is nested too deeply for the grammar compiler"
+
+
+def _choice_grammar(choices: tuple[str, ...]) -> str:
+    """One lexeme spelled as any of ``choices``: the lexer matches them all at once, where
+    a rule of N alternatives put N items in the parser's row."""
+    import llguidance
+
+    if len(choices) < 2:
+        raise ValidationError(CHOICES_MESSAGE)
+    spellings = " | ".join(json.dumps(choice) for choice in choices)
+    return llguidance.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {spellings}")
 
 
 def _cache_key(request: GuidedRequest) -> str:
@@ -162,22 +200,29 @@ class GrammarCompiler:
             ) from None
 
     def _compile(self, request: GuidedRequest) -> str:
-        """In the pool: build the grammar and check it with the model's tokenizer."""
+        """In the pool: build the grammar, check it with the model's tokenizer, then start
+        a matcher on it as the shard will and compute its first mask."""
         import llguidance
 
         grammar = grammar_source(request)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+        field = request.kind.field
+        tokenizer = self._llg_tokenizer()
+        limits = parser_limits()
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
         if error:
-            raise ValidationError(f"Invalid {request.kind.field}: {error.strip()}")
+            raise ValidationError(f"Invalid {field}: {short_error(error)}")
+        matcher = llguidance.LLMatcher(tokenizer, grammar, limits=limits, log_level=0)
+        first = matcher.compute_bitmask()
+        error = matcher.get_error() if matcher.is_error() else ""
+        if not any(first) or error.startswith("NoExtensionBias"):
+            raise ValidationError(f"The {field} allows no output")
+        if error:
+            raise ValidationError(f"Invalid {field}: {short_error(error)}")
         return grammar
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            import llguidance
-
-            self._tokenizer = llguidance.LLTokenizer(
-                self._tokenizer_json(), n_vocab=self._vocab_size, eos_token=self._eos or None
-            )
+            self._tokenizer = grammar_tokenizer(self._tokenizer_json(), self._vocab_size, self._eos)
         return self._tokenizer
 
     def close(self) -> None:

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tgis.grammar_engine import grammar_tokenizer, parser_limits, short_error
+
 if TYPE_CHECKING:
     import llguidance
 
@@ -151,12 +153,14 @@ class Grammars:
         template = self._compiled.get(grammar)
         if template is None:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self._eos or None
+                self._tokenizer = grammar_tokenizer(
+                    self._tokenizer_json(), self.vocab_size, self._eos
                 )
-            template = llguidance.LLMatcher(self._tokenizer, grammar)
+            template = llguidance.LLMatcher(
+                self._tokenizer, grammar, limits=parser_limits(), log_level=0
+            )
             if template.is_error():
-                raise GuidedUnavailable(f"guided decoding: {template.get_error()}")
+                raise GuidedUnavailable(f"guided decoding: {short_error(template.get_error())}")
             self._compiled[grammar] = template
             if len(self._compiled) > self._capacity:
                 self._compiled.popitem(last=False)
@@ -185,7 +189,7 @@ class Grammars:
                 continue
             llg_numpy.fill_next_token_bitmask(matcher, bitmask, slot)
             if matcher.is_error():
-                errors[row] = f"guided decoding: {matcher.get_error()}"
+                errors[row] = f"guided decoding: {short_error(matcher.get_error())}"
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
         allowed = allowed[:, : self.vocab_size].astype(bool)
         eos_only = [False] * len(guides)

@@ -100,11 +100,12 @@ def nan_choices(
 def _mask_errors(
     items: SequenceOf[WorkItem], masks: TokenMasks | None, failed: set[int]
 ) -> list[SequenceError]:
-    """The rows whose grammar cannot go on (and that did not fail otherwise)."""
+    """The rows whose grammar cannot go on (and that did not fail otherwise): their
+    constraint failed, not the engine."""
     if masks is None or not masks.errors:
         return []
     return [
-        SequenceError(items[row].seq.request_id, message)
+        SequenceError(items[row].seq.request_id, message, constraint=True)
         for row, message in sorted(masks.errors.items())
         if items[row].seq.request_id not in failed
     ]
