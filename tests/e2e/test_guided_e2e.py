@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import jsonschema
@@ -308,3 +311,136 @@ def test_any_schema_gives_valid_json_or_invalid_argument(
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (schema, err.details())
         return
     check_schema(response, schema)
+
+
+# ---- issue 33: the edges, on both APIs -----------------------------------------------------
+
+SPECIAL_TEXT = ["<s>", "x</s>y", "<unk>", "<pad>", "a<s>b"]
+MANY = [f"opt{i}" for i in range(5000)]
+
+
+def post(server: LauncherProcess, route: str, body: object) -> tuple[int, Any]:
+    """POST ``body`` (JSON, or raw bytes) to an OpenAI route: the status and the JSON reply."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}{route}",
+        data=data,
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def completion(server: LauncherProcess, **body: object) -> tuple[int, Any]:
+    return post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, **body})
+
+
+def test_special_token_text_is_served_as_text(
+    stub: pb_grpc.GenerationServiceStub, server: LauncherProcess
+) -> None:
+    for literal in SPECIAL_TEXT:
+        (response,) = generate(stub, params(D(regex=re.escape(literal)), 24))
+        assert (response.text, response.stop_reason) == (literal, pb.EOS_TOKEN)
+    choices = ["a</s>b", "c<s>"]
+    p = params(D(choice=D.StringChoices(choices=choices)), 24)
+    p.method = pb.SAMPLE
+    for seed in range(12):
+        p.sampling.seed = seed
+        (response,) = generate(stub, p)
+        assert response.text in choices and response.stop_reason == pb.EOS_TOKEN
+    # the same through the OpenAI route: a response_format schema whose only value spells
+    # the tokens
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"enum": ["x</s>y"]}}}
+    status, body = completion(server, response_format=fmt)
+    assert status == 200, body
+    assert body["choices"][0]["text"] == '"x</s>y"'
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_large_choices_and_wide_grammars_are_served(stub: pb_grpc.GenerationServiceStub) -> None:
+    for count in (2001, 5000):
+        p = params(D(choice=D.StringChoices(choices=MANY[:count])), 24)
+        (response,) = generate(stub, p)
+        assert response.text in MANY[:count] and response.stop_reason == pb.EOS_TOKEN
+    wide = "root ::= " + " | ".join(json.dumps(c) for c in MANY[:2001])
+    (response,) = generate(stub, params(D(grammar=wide), 24))
+    assert response.text in MANY[:2001] and response.stop_reason == pb.EOS_TOKEN
+
+
+def nested_schema(depth: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+TOO_DEEP = "json_schema is nested too deeply for the grammar compiler"
+
+
+@pytest.mark.parametrize(
+    ("schema_text", "message"),
+    [
+        ("false", "json_schema false allows no JSON document"),
+        (json.dumps(nested_schema(64)), TOO_DEEP),
+        ('{"a":' * 600 + "1" + "}" * 600, TOO_DEEP),
+        ('{"a":' * 5000 + "1" + "}" * 5000, TOO_DEEP),
+        ("[1]", "json_schema must be a JSON object, true or false"),
+    ],
+    ids=["false", "64-deep", "600-deep", "5000-deep", "array"],
+)
+def test_schemas_the_compiler_cannot_take_are_refused_on_both_apis(
+    stub: pb_grpc.GenerationServiceStub, server: LauncherProcess, schema_text: str, message: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, params(D(json_schema=schema_text)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == message
+    raw = (
+        b'{"prompt": "x", "max_tokens": 4, "response_format": {"type": "json_schema", '
+        b'"json_schema": {"name": "s", "schema": ' + schema_text.encode() + b"}}}"
+    )
+    status, body = post(server, "/v1/completions", raw)
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"] in (
+        message,
+        "the request body is nested too deeply",
+        "response_format.json_schema.schema must be an object",
+    )
+
+
+def test_schema_true_is_any_json_value(stub: pb_grpc.GenerationServiceStub) -> None:
+    (response,) = generate(stub, params(D(json_schema="true"), 40))
+    if response.stop_reason == pb.EOS_TOKEN:
+        json.loads(response.text)
+    else:
+        assert is_prefix_of_language(compact_json(True), response.text)
+
+
+def test_a_complete_grammar_is_not_padded_to_min_new_tokens(
+    stub: pb_grpc.GenerationServiceStub, server: LauncherProcess
+) -> None:
+    p = params(D(regex="ab"), 20)
+    p.stopping.min_new_tokens = 10
+    p.response.generated_tokens = True
+    (response,) = generate(stub, p)
+    assert (response.text, response.stop_reason) == ("ab", pb.EOS_TOKEN)
+    texts = [t.text for t in response.tokens]
+    assert response.generated_token_count == len(texts) and texts[-1] == "</s>"
+    assert "</s>" not in texts[:-1]
+    streamed = list(stub.GenerateStream(pb.SingleGenerationRequest(
+        request=pb.GenerationRequest(text=PROMPT), params=p), timeout=60))  # fmt: skip
+    assert sum(len(m.tokens) for m in streamed) == response.generated_token_count
+    assert streamed[-1].generated_token_count == response.generated_token_count
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"enum": ["ab"]}}}
+    status, body = completion(server, min_tokens=10, response_format=fmt)
+    assert status == 200 and body["choices"][0]["text"] == '"ab"'
+    assert body["usage"]["completion_tokens"] < 10
+
+
+def test_a_body_nested_too_deeply_is_a_bad_request(server: LauncherProcess) -> None:
+    body = b'{"prompt": "x", "extra": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    status, reply = post(server, "/v1/completions", body)
+    assert status == 400 and reply["error"]["message"] == "the request body is nested too deeply"

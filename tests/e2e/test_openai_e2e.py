@@ -260,3 +260,53 @@ def requests_counted(server: LauncherProcess) -> float:
     _, body = server.http_get("/metrics")
     lines = body.decode().splitlines()
     return sum(float(x.split()[-1]) for x in lines if x.startswith("tgi_request_count{"))
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "user", "content": None},
+        {"role": "user"},
+        {"role": "system", "content": None},
+        {"role": "user", "content": 3},
+        {"role": "user", "content": [{"type": "text", "text": None}]},
+    ],
+    ids=["user-null", "user-absent", "system-null", "number", "part-text-null"],
+)
+def test_odd_message_contents_are_bad_requests(client: openai.OpenAI, message: Any) -> None:
+    """As OpenAI and vLLM answer them (content null was rendered as the text "None")."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=[message], max_tokens=4)
+    error = refused.value.body
+    assert isinstance(error, dict) and error["param"] == "messages"
+    assert "content" in error["message"]
+
+
+def test_an_assistant_message_may_have_null_content(client: openai.OpenAI) -> None:
+    """OpenAI allows it (an assistant turn that called tools); it renders as empty text,
+    which the reply's prompt token count shows."""
+    turns: list[Any] = [{"role": "user", "content": "hi"}, {"role": "user", "content": "and?"}]
+    with_null = [turns[0], {"role": "assistant", "content": None}, turns[1]]
+    with_empty = [turns[0], {"role": "assistant", "content": ""}, turns[1]]
+    replies = [
+        client.chat.completions.create(model=MODEL, messages=m, max_tokens=3, temperature=0)
+        for m in (with_null, with_empty)
+    ]
+    usages = [r.usage for r in replies]
+    assert usages[0] is not None and usages[1] is not None
+    assert usages[0].prompt_tokens == usages[1].prompt_tokens
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+
+
+def test_a_complete_schema_ends_the_chat_reply_before_min_tokens(client: openai.OpenAI) -> None:
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "t", "schema": {"enum": ["x</s>y"]}}}
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        response_format=fmt,
+        extra_body={"min_tokens": 20},
+        max_tokens=30,
+    )
+    assert reply.choices[0].message.content == '"x</s>y"'
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None and reply.usage.completion_tokens < 20

@@ -8,8 +8,10 @@ import asyncio
 import grpc
 import pytest
 
+from tgis.router.edge.openai_routes import _openai_error
 from tgis.router.edge.status import abort, status_code
 from tgis.router.errors import (
+    ConstraintError,
     GenerationError,
     OverloadedError,
     RouterError,
@@ -28,6 +30,8 @@ def test_codes_and_messages() -> None:
          "Server too busy"),
         (GenerationError("GPU out of memory"), grpc.StatusCode.UNKNOWN,
          "Request failed during generation: GPU out of memory"),
+        (ConstraintError("guided decoding: row too wide"), grpc.StatusCode.INVALID_ARGUMENT,
+         "Request failed during generation: guided decoding: row too wide"),
         (TokenizationError("bad input"), grpc.StatusCode.UNKNOWN, "bad input"),
         (UnavailableError("Server is shutting down"), grpc.StatusCode.UNAVAILABLE,
          "Server is shutting down"),
@@ -36,6 +40,15 @@ def test_codes_and_messages() -> None:
         assert status_code(err) == code
         assert err.message == message == str(err)
         assert isinstance(err, RouterError) and isinstance(err, Exception)
+
+
+def test_a_constraint_failure_is_a_bad_request_on_the_openai_routes() -> None:
+    error = _openai_error(ConstraintError("guided decoding: row too wide"))
+    assert error.status == 400
+    assert error.body()["error"]["message"] == (
+        "Request failed during generation: guided decoding: row too wide"
+    )
+    assert _openai_error(GenerationError("boom")).status == 500
 
 
 def test_generation_error_keeps_the_detail() -> None:

@@ -77,7 +77,10 @@ OUTPUT = StepOutput(
         SampledToken(4, TokenDetail(12, -0.5, 2, (TopToken(12, -0.5), TopToken(13, -1.5)))),
     ),
     input_tokens=(InputTokenDetails(4, (TokenDetail(5, math.nan), TokenDetail(6, -2.0, 1))),),
-    errors=(SequenceError(5, "the model produced NaN logits"),),
+    errors=(
+        SequenceError(5, "the model produced NaN logits"),
+        SequenceError(6, "guided decoding: no token", constraint=True),
+    ),
     forward_time_ns=123456,
 )
 

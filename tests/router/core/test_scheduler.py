@@ -23,7 +23,7 @@ from tgis.router.core.scheduler import Scheduler
 from tgis.router.core.speculation import SpeculationConfig
 from tgis.router.core.steps import ScheduledStep
 from tgis.router.core.stopping import StopChecker
-from tgis.router.errors import GenerationError
+from tgis.router.errors import MAX_DETAIL_CHARS, ConstraintError, GenerationError
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.request_types import (
     GenerationParams,
@@ -222,6 +222,28 @@ def test_a_sequence_error_fails_only_that_request() -> None:
     failed = [e for s, e in update.events if s is b]
     assert len(failed) == 1 and isinstance(failed[0], GenerationError)
     assert b.finish_reason is StopReason.ERROR and a.generated_ids == [50]
+
+
+def test_a_constraint_failure_is_its_own_error_with_a_bounded_message() -> None:
+    scheduler = Scheduler(BlockPool(64, 4), limits())
+    a, b = make_state(1, 3, 5), make_state(2, 3, 5)
+    scheduler.add(a)
+    scheduler.add(b)
+    step = scheduler.schedule(0.0)
+    output = StepOutput(
+        step.plan.step_id,
+        errors=(
+            SequenceError(1, "guided decoding: " + "g" * 20_000, constraint=True),
+            SequenceError(2, "e" * 20_000),
+        ),
+    )
+    update = scheduler.update(step, output, 0.0)
+    errors = {s.request_id: e for s, e in update.events if isinstance(e, GenerationError)}
+    assert isinstance(errors[1], ConstraintError)
+    assert type(errors[2]) is GenerationError
+    for error in errors.values():
+        assert error.message.startswith("Request failed during generation: ")
+        assert len(error.detail) == MAX_DETAIL_CHARS and error.detail.endswith("...")
 
 
 def test_long_prompts_are_chunked_and_decodes_do_not_count_against_the_budget() -> None:

@@ -41,6 +41,18 @@ def test_min_new_tokens_gate() -> None:
     assert decision is not None and decision.reason == StopReason.EOS_TOKEN
 
 
+def test_a_guided_request_ends_at_eos_before_min_new_tokens() -> None:
+    """The shard lets EOS through before min_new_tokens only when the grammar allows
+    nothing else: the output is complete, and the request ends there."""
+    guided = StopChecker(
+        StoppingParams(max_new_tokens=9, min_new_tokens=5), {EOS}, constrained=True
+    )
+    assert guided.check(7, 1) is None
+    assert guided.check(EOS, 2) == StopDecision(StopReason.EOS_TOKEN)
+    assert guided.check(9, 6) is None  # past min_new_tokens, only EOS or the limits stop
+    assert checker(max_new_tokens=9, min_new_tokens=5).check(EOS, 2) is None  # unguided
+
+
 def test_eos_is_a_set() -> None:
     c = checker(max_new_tokens=5)
     for eos in (EOS, OTHER_EOS):

@@ -113,9 +113,43 @@ def test_completion_refusals_name_the_field(body: dict[str, Any], param: str) ->
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"echo": True}, "echo"),  # a completions field
+        ({"messages": [{"role": "user", "content": None}]}, "messages"),
+        ({"messages": [{"role": "user"}]}, "messages"),
+        ({"messages": [{"role": "system", "content": None}]}, "messages"),
+        ({"messages": [{"role": "user", "content": 7}]}, "messages"),
+        ({"messages": [{"role": "user", "content": {"text": "x"}}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+        ({"messages": [{"role": "user", "content": ["text"]}]}, "messages"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": True}}},
+            "response_format",
+        ),
     ],
 )
 def test_chat_refusals_name_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(OpenAIError) as refused:
         chat(**body)
     assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_assistant_content_may_be_null() -> None:
+    """OpenAI allows a null content in an assistant message (one that called tools); it
+    renders as empty text, never as "None"."""
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "again"},
+    ]
+    assert chat(messages=messages).call.texts == ("user:hi|assistant:|user:again",)
+
+
+def test_a_schema_too_deep_to_serialize_is_refused() -> None:
+    schema: dict[str, Any] = {}
+    for _ in range(5000):
+        schema = {"properties": {"a": schema}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(OpenAIError) as refused:
+        chat(response_format=fmt)
+    assert refused.value.status == 400 and refused.value.param == "response_format"
+    assert "nested too deeply" in refused.value.message

@@ -46,6 +46,16 @@ def test_the_oneof_becomes_a_guided_request() -> None:
     assert both.guided == GuidedRequest(GuidedKind.REGEX, "a")
 
 
+TOO_DEEP = "json_schema is nested too deeply for the grammar compiler"
+
+
+def nested_schema(depth: int) -> str:
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return json.dumps(schema)
+
+
 def compiler(metrics: Metrics, **kwargs: float) -> GrammarCompiler:
     return GrammarCompiler(embedded_tokenizer_json, 4096, (2,), metrics, **kwargs)  # type: ignore[arg-type]
 
@@ -103,11 +113,28 @@ def refusal(c: GrammarCompiler, request: GuidedRequest) -> str:
             "              ^",
         ),
         (GuidedRequest(GuidedKind.JSON_OBJECT, "7"), "format must be TEXT (0) or JSON (1), got 7"),
+        (
+            GuidedRequest(GuidedKind.JSON_SCHEMA, "false"),
+            "json_schema false allows no JSON document",
+        ),
+        (GuidedRequest(GuidedKind.JSON_SCHEMA, nested_schema(64)), TOO_DEEP),
+        (GuidedRequest(GuidedKind.JSON_SCHEMA, '{"a":' * 600 + "1" + "}" * 600), TOO_DEEP),
+        (GuidedRequest(GuidedKind.JSON_SCHEMA, '{"a":' * 5000 + "1" + "}" * 5000), TOO_DEEP),
+        (
+            GuidedRequest(GuidedKind.JSON_SCHEMA, '{"enum": []}'),
+            "Invalid json_schema: Unsatisfiable schema: anyOf is empty",
+        ),
+        (GuidedRequest(GuidedKind.REGEX, "[^\\x00-\\U0010FFFF]"), "The regex allows no output"),
+        (GuidedRequest(GuidedKind.GRAMMAR, 'start: "a" & "b"'), None),
     ],
 )
-def test_refusals_carry_the_compilers_message(request_: GuidedRequest, message: str) -> None:
+def test_refusals_carry_the_compilers_message(request_: GuidedRequest, message: str | None) -> None:
     metrics = new_metrics()
-    assert refusal(compiler(metrics), request_) == message
+    got = refusal(compiler(metrics), request_)
+    if message is None:  # the compiler's own words: only bounded and without parser state
+        assert got.startswith("Invalid grammar: ") and len(got) < 700 and "<state>" not in got
+    else:
+        assert got == message
     exposition = parse_exposition(metrics.render().decode())
     assert exposition.value("tgi_guided_compile_failure_total", kind=request_.kind.value) == 1
 
@@ -152,3 +179,25 @@ def test_a_compilation_past_the_time_limit_is_refused_and_not_cached() -> None:
     assert refusal(c, request) == "compiling the regex took longer than 0.05 s"
     c._compile = slow  # type: ignore[method-assign]
     assert compile_now(c, request)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        GuidedRequest(GuidedKind.JSON_SCHEMA, "true"),
+        GuidedRequest(GuidedKind.JSON_SCHEMA, nested_schema(60)),
+        GuidedRequest(GuidedKind.REGEX, "x</s>y"),
+        GuidedRequest(GuidedKind.REGEX, "<s>|<pad>|<unk>"),
+        GuidedRequest(GuidedKind.REGEX, ""),
+        GuidedRequest(GuidedKind.CHOICE, choices=("a</s>b", "c")),
+        GuidedRequest(GuidedKind.CHOICE, choices=tuple(f"option {i}" for i in range(5000))),
+        GuidedRequest(GuidedKind.CHOICE, choices=("", "a", "a", "é日\n")),
+        GuidedRequest(GuidedKind.GRAMMAR, "root ::= " + " | ".join(f'"c{i}"' for i in range(2001))),
+    ],
+    ids=lambda r: f"{r.kind.value}:{(r.text or ','.join(r.choices[:2]))[:24]}",
+)
+def test_constraints_that_were_refused_or_failed_are_served(request_: GuidedRequest) -> None:
+    """What used to fail during generation or be refused for no reason compiles: the
+    engine-level checks of these grammars are in tests/test_grammar_engine.py and the
+    served outputs in tests/e2e/test_guided_e2e.py."""
+    assert compile_now(compiler(new_metrics()), request_)

@@ -267,8 +267,34 @@ def test_an_unknown_shard_grammar_fails_only_its_sequence(runner: ModelRunner) -
     router.add(2, PROMPTS[2], sampling=SamplingParams(grammar="start: nowhere"))
     out = router.step({1: len(PROMPTS[1]), 2: len(PROMPTS[2])})
     assert [e.request_id for e in out.errors] == [2]
-    assert "nowhere" in out.errors[0].message
+    assert "nowhere" in out.errors[0].message and out.errors[0].constraint
     assert [t.request_id for t in out.tokens] == [1]
+
+
+def test_a_matcher_that_cannot_go_on_fails_with_a_short_message() -> None:
+    grammars = grammars_for(embedded_tokenizer_json())
+    guide = grammars.guide(grammar_source(GuidedRequest(GuidedKind.REGEX, "ab")))
+    guide.consume(Tokenizer.from_str(embedded_tokenizer_json()).encode("zz").ids[0])
+    masks = grammars.start_masks([guide], torch.device("cpu")).result()
+    message = masks.errors[0]
+    assert message.startswith("guided decoding: ") and "satisfy the grammar" in message
+    assert "<state>" not in message and len(message) < 700
+
+
+@pytest.mark.parametrize("literal", ["x</s>y", "<s>", "<unk><pad>"])
+def test_special_token_text_is_generated_as_text(runner: ModelRunner, literal: str) -> None:
+    """Greedy and sampled: the grammar's text, in ordinary tokens, then EOS."""
+    grammar = grammar_source(GuidedRequest(GuidedKind.REGEX, re.escape(literal)))
+    samplings = {
+        1: SamplingParams(grammar=grammar),
+        2: SamplingParams(temperature=1.0, seed=3, grammar=grammar),
+    }
+    router = run(runner, samplings, steps=30)
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    for rid in samplings:
+        ids = router.generated[rid]
+        assert ids[-1] == EOS and not {0, 1, 3} & set(ids)
+        assert tokenizer.decode(ids[:-1], skip_special_tokens=False) == literal
 
 
 def test_masks_are_bits_of_the_vocabulary() -> None:
