@@ -1,0 +1,53 @@
+"""router/startup.py: what the router says once about the engine it got."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tgis.router.core.speculation import SpeculationConfig
+from tgis.router.startup import log_speculation
+from tgis.shard_api.messages import ModelKind, ShardInfo
+
+INFO = ShardInfo(
+    model_kind=ModelKind.CAUSAL_LM,
+    eos_token_ids=(2,),
+    vocab_size=100,
+    block_size=16,
+    num_blocks=100,
+    world_size=1,
+    max_position_embeddings=0,
+    model_type="llama",
+    dtype="float32",
+    device="cpu",
+    attention_backend="x",
+)
+
+
+@pytest.mark.parametrize(
+    ("speculation", "info_fields", "says"),
+    [
+        (None, {}, "speculative decoding: off (--speculate 0)"),
+        (SpeculationConfig(4), {"speculation": False}, "does not verify drafts"),
+        (SpeculationConfig(4), {"speculation": True}, "drafted by prompt lookup"),
+        (
+            SpeculationConfig(4),
+            {"speculation": True, "draft_model": True},
+            "drafted by the shard's draft model (--speculator-name)",
+        ),
+    ],
+)
+def test_the_speculation_line_names_where_drafts_come_from(
+    caplog: pytest.LogCaptureFixture,
+    speculation: SpeculationConfig | None,
+    info_fields: dict[str, bool],
+    says: str,
+) -> None:
+    info = dataclasses.replace(INFO, **info_fields)
+    with caplog.at_level("INFO", logger="tgis.router.startup"):
+        log_speculation(speculation, info)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert says in line
+    if info_fields.get("draft_model"):
+        assert "prompt lookup" not in line
