@@ -39,6 +39,7 @@ __all__ = ["OpenAIError", "OpenAIRequest", "parse_chat", "parse_completion"]
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs
+MAX_TOP_K = (1 << 31) - 1  # the gRPC API's largest top_k (its uint32 is read as an int32)
 
 
 class OpenAIError(Exception):
@@ -276,7 +277,9 @@ def _request(
 
 
 def _sampling(fields: Mapping[str, Any], min_tokens: int) -> SamplingParams:
-    """The sampling parameters; ``min_tokens`` also masks EOS (as gRPC's min_new_tokens)."""
+    """The sampling parameters; ``min_tokens`` also masks EOS (as gRPC's min_new_tokens).
+    ``top_k`` is bounded as the gRPC API's (a larger one failed the step it was sent in,
+    and the router with it)."""
     temperature = _optional_number(fields, "temperature", 0.0, 2.0)
     seed = _optional_int(fields, "seed", -(1 << 63), (1 << 64) - 1)
     penalty = _optional_number(fields, "repetition_penalty", 0.0, None)
@@ -284,7 +287,7 @@ def _sampling(fields: Mapping[str, Any], min_tokens: int) -> SamplingParams:
     return SamplingParams(
         temperature=0.0 if greedy else (1.0 if temperature is None else temperature),
         top_p=1.0 if greedy else (_optional_number(fields, "top_p", 0.0, 1.0) or 1.0),
-        top_k=0 if greedy else max(_optional_int(fields, "top_k", -1, None) or 0, 0),
+        top_k=0 if greedy else max(_optional_int(fields, "top_k", -1, MAX_TOP_K) or 0, 0),
         seed=None if greedy or seed is None else seed % (1 << 64),
         repetition_penalty=1.0 if penalty is None else penalty,
         min_new_tokens=min_tokens,
