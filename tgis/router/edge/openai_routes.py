@@ -248,7 +248,7 @@ async def _json_body(request: web.Request) -> object:
         raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes") from None
     except web.RequestPayloadError as err:
         # aiohttp could not decode the body as its headers describe it (a Content-Encoding
-        # of gzip or deflate over bytes that are not, a broken chunked encoding)
+        # of gzip or deflate over bytes that are not)
         cause = err.__cause__ if err.__cause__ is not None else err
         reason = " ".join(str(cause).split()).removeprefix("400, message: ")
         raise bad_request(f"the request body could not be read: {reason}") from None
