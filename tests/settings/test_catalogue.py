@@ -52,6 +52,7 @@ VALID_SAMPLES: dict[str, object] = {
     "prompt_lookup_min": 2,
     "prompt_lookup_max": 5,
     "cuda_graphs": "0",
+    "cors_allow_origin": ("https://a.example", "https://b.example"),
 }
 
 

@@ -79,6 +79,7 @@ class LauncherConfig:
     tls_key_path: str | None = _d("tls_key_path")
     tls_client_ca_cert_path: str | None = _d("tls_client_ca_cert_path")
     http_tls: bool = _d("http_tls")
+    cors_allow_origin: tuple[str, ...] = _d("cors_allow_origin")  # CORS on the HTTP port
     # A bearer token the /v1 routes require; passed to the router in its environment, and
     # kept out of the launcher's "Args:" log line.
     api_key: str | None = field(default=_d("api_key"), repr=False)

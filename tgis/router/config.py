@@ -98,7 +98,9 @@ class RouterConfig:
     chat_template: str | None = _d("chat_template")
     """The OpenAI chat route's template: a file, or the template itself (None: the model's)."""
     api_key: str | None = _d("api_key")
-    """A bearer token the /v1 routes require (None: none)."""
+    """A bearer token the /v1 routes and TGI's generation routes require (None: none)."""
+    cors_allow_origin: tuple[str, ...] = _d("cors_allow_origin")
+    """Origins whose browser pages may call the HTTP routes (CORS; "*": any; (): none)."""
     http_tls: bool = _d("http_tls")
     """Serve the HTTP port (health, metrics, /v1) over TLS with the gRPC port's cert and key."""
     tokenization_workers: int = 1

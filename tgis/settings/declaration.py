@@ -33,6 +33,7 @@ class Kind(enum.Enum):
     FLOAT = "float"
     FLAG = "flag"  # present or absent (`--json-output`); the variable takes true/false words
     BOOL = "bool"  # a value: `--default-include-stop-seqs false`
+    LIST = "list"  # the flag repeated, or values comma-separated: a tuple of strings
 
 
 class Via(enum.Enum):

@@ -5,9 +5,10 @@ The launcher gives, for each child, a mapping of setting name to value (its flag
 values it resolved in their place). A setting the child reads is written on its command
 line (``Via.ARGV``: positionals first, then ``--flag value``, or the bare flag when true) or
 put in its environment (``Via.ENV``, for secrets), in declaration order, when its value is
-set (not None, False or ""; a ``Kind.BOOL`` whenever it is not None). A setting the child
-reads that is missing from the mapping is left to the child (its own environment,
-inherited from the launcher, else its default).
+set (not None, False, "" or an empty list; a ``Kind.BOOL`` whenever it is not None; a
+``Kind.LIST`` as one comma-separated value). A setting the child reads that is missing
+from the mapping is left to the child (its own environment, inherited from the launcher,
+else its default).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ def is_set(value: Any, kind: Kind = Kind.STR) -> bool:
     """Whether a value is passed on at all (a ``Kind.BOOL`` false is: it is a value)."""
     if kind is Kind.BOOL:
         return value is not None
-    return value is not None and value is not False and value != ""
+    return value is not None and value is not False and value != "" and value != ()
 
 
 def _word(kind: Kind, value: Any) -> str:
     if kind is Kind.BOOL:
         return "true" if value else "false"
+    if kind is Kind.LIST:
+        return ",".join(value)
     return str(value)
 
 

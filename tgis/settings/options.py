@@ -65,6 +65,13 @@ def _strict_env_flag(ctx: click.Context, param: click.Parameter, value: bool) ->
     return bool(value)
 
 
+def _split_list(_: click.Context, __: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    """A ``Kind.LIST``: every value given (the flag repeated) split at commas, blanks around
+    the items and empty ones dropped, each once, in order."""
+    items = (item.strip() for value in values for item in value.split(","))
+    return tuple(dict.fromkeys(item for item in items if item))
+
+
 def _type(setting: Setting, checked: bool) -> click.ParamType:
     if setting.kind is Kind.BOOL:
         return StrictBool()
@@ -102,6 +109,10 @@ def _parameter(setting: Setting, process: Process) -> Callable[[F], F]:
             *setting.flags, setting.name, is_flag=True, default=bool(default),
             callback=_strict_env_flag, **common,
         )  # fmt: skip
+    if setting.kind is Kind.LIST:
+        return click.option(
+            *setting.flags, setting.name, multiple=True, callback=_split_list, **common
+        )
     if default is UNSET:
         return click.option(
             *setting.flags, setting.name, type=_type(setting, checked), required=True, **common

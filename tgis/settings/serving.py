@@ -117,8 +117,11 @@ NETWORK = (
        "Serve the HTTP port (/health, /metrics, /v1) over TLS with the gRPC port's cert and "
        "key.", {L, R}),
     _s("api_key", ("--api-key",), ("API_KEY",), Kind.STR, None,
-       "A bearer token the /v1 routes require (Authorization: Bearer <key>).", {L, R},
-       via=Via.ENV),
+       "A bearer token the /v1 routes and TGI's generation routes require (Authorization: "
+       "Bearer <key>).", {L, R}, via=Via.ENV),
+    _s("cors_allow_origin", ("--cors-allow-origin",), ("CORS_ALLOW_ORIGIN",), Kind.LIST, (),
+       "Origins whose browser pages may call the HTTP routes (CORS), the flag repeated or "
+       "comma-separated; * for any (default: none).", {L, R}),
     _s("json_output", ("--json-output",), ("JSON_OUTPUT",), Kind.FLAG, False,
        "JSON log lines, one object per record.", {L, R, S}),
     _s("otlp_endpoint", ("--otlp-endpoint",), ("OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
