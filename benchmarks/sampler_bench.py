@@ -28,6 +28,10 @@ CONFIGS = {
     "top_k 50 + top_p 0.9": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
     "typical_p 0.9": SamplingParams(temperature=0.8, typical_p=0.9),
     "repetition_penalty 1.2": SamplingParams(repetition_penalty=1.2),
+    # OpenAI's and vLLM's (tgis/shard/step/logit_adjustments.py)
+    "presence 0.5 + frequency 0.5": SamplingParams(presence_penalty=0.5, frequency_penalty=0.5),
+    "logit_bias (10 tokens)": SamplingParams(logit_bias=tuple((t, -5.0) for t in range(10))),
+    "min_p 0.05": SamplingParams(temperature=0.8, min_p=0.05),
 }
 
 

@@ -41,6 +41,10 @@ def sampling_to_pb(params: SamplingParams) -> shard_pb2.SamplingParams:
         repetition_penalty=params.repetition_penalty,
         min_new_tokens=params.min_new_tokens,
         grammar=params.grammar,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias),
+        min_p=params.min_p,
     )
     if params.seed is not None:
         pb.seed = params.seed
@@ -67,6 +71,10 @@ def sampling_from_pb(pb: shard_pb2.SamplingParams) -> SamplingParams:
         min_new_tokens=pb.min_new_tokens,
         length_penalty=length_penalty,
         grammar=pb.grammar,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
+        min_p=pb.min_p,
     )
 
 

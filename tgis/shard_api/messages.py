@@ -90,6 +90,22 @@ class SamplingParams:
     # Guided decoding: the llguidance grammar the output must match ("": unconstrained),
     # compiled by the router from the client's json_schema, regex, choice or grammar.
     grammar: str = ""
+    # OpenAI's penalties over the generated ids (0 = none): presence once per token that
+    # occurs, frequency per occurrence; its logit bias, (token id, value) pairs; vLLM's
+    # min_p (0 = disabled). The gRPC API has none of them.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling reads the ids the sequence has seen (penalties)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def is_greedy(self) -> bool:

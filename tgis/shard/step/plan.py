@@ -16,6 +16,7 @@ and the prompt-token details are computed only on the prompt's first pass
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
@@ -314,10 +315,10 @@ def check_new_sequence(ns: NewSequence, vocab_size: int) -> str | None:
     bad = next((t for t in ns.prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         return f"prompt token id {bad} out of range (vocab size {vocab_size})"
-    return check_sampling(ns.sampling)
+    return check_sampling(ns.sampling, vocab_size)
 
 
-def check_sampling(p: SamplingParams) -> str | None:
+def check_sampling(p: SamplingParams, vocab_size: int) -> str | None:
     """Why sampling parameters are unusable, or None."""
     if not p.temperature >= 0:
         return f"invalid temperature {p.temperature}"
@@ -329,6 +330,18 @@ def check_sampling(p: SamplingParams) -> str | None:
         return "negative top_k or min_new_tokens"
     if p.length_penalty is not None and not p.length_penalty.decay_factor > 0:
         return f"invalid length penalty decay_factor {p.length_penalty.decay_factor}"
+    return _check_openai_sampling(p, vocab_size)
+
+
+def _check_openai_sampling(p: SamplingParams, vocab_size: int) -> str | None:
+    finite = (p.presence_penalty, p.frequency_penalty, p.min_p, *(b for _, b in p.logit_bias))
+    if not all(math.isfinite(v) for v in finite):
+        return "a penalty, min_p or logit bias that is not finite"
+    if not 0 <= p.min_p <= 1:
+        return f"invalid min_p {p.min_p}"
+    bad = next((t for t, _ in p.logit_bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"logit_bias token id {bad} out of range (vocab size {vocab_size})"
     return None
 
 

@@ -55,7 +55,7 @@ def sample_tokens(
     rows = [
         SamplingRow(
             params=item.seq.sampling,
-            token_ids=history(item.seq) if item.seq.sampling.repetition_penalty != 1.0 else (),
+            token_ids=history(item.seq) if item.seq.sampling.needs_history else (),
             num_generated=item.seq.num_generated,
             seed=item.seq.seed,
             eos_forced=forced,

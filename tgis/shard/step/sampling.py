@@ -6,9 +6,12 @@ The logits of each row go through, in this order (TGIS's ``HeterogeneousNextToke
    (unless the row's grammar allows nothing but EOS: then EOS wins).
 2. length penalty (rows past their min phase): EOS score ``s`` → ``s + |s| * (decay ** k - 1)``
    with ``k = generated - start_index`` when ``k > 0``.
-3. repetition penalty over the prompt and generated ids: ``x * p`` if ``x < 0`` else ``x / p``.
+3. repetition penalty over the prompt and generated ids: ``x * p`` if ``x < 0`` else ``x / p``;
+   then OpenAI's presence and frequency penalties over the generated ids and its logit
+   bias (``logit_adjustments.py``).
 4. guided decoding: every token the row's grammar forbids gets ``-inf`` (``guided.py``).
-5. only if some row samples: temperature, top-k, top-p, typical-p (greedy rows untouched).
+5. only if some row samples: temperature, vLLM's min-p, top-k, top-p, typical-p (greedy
+   rows untouched).
 6. greedy rows take the argmax (lowest id on ties); sampled rows draw from the softmax by
    inverting its cumulative distribution at one uniform number.
 
@@ -32,6 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from tgis.shard.step.guided import TokenMasks
+from tgis.shard.step.logit_adjustments import LogitAdjustments, min_p_column, min_p_filter
+from tgis.shard.step.random_draws import stream_key, uniform_draws
 from tgis.shard_api.messages import SamplingParams
 
 NEG_INF = float("-inf")
@@ -60,6 +65,7 @@ class _Warpers:
     sample_rows: torch.Tensor  # [S] rows that sample
     stream_keys: torch.Tensor  # [S] int64: each sampled row's (seed, step) key
     temperature: torch.Tensor | None  # [B, 1], 1.0 for rows that do not scale
+    min_p: torch.Tensor | None  # [B, 1], 0.0 = disabled
     top_k: tuple[int, ...] | None  # per row, 0 = disabled
     top_p: torch.Tensor | None  # [B, 1], 1.0 = disabled
     typical_p: torch.Tensor | None  # [B, 1], 1.0 = disabled
@@ -84,10 +90,12 @@ class SamplingBatch:
         self.min_tokens_mask = self._min_tokens_mask(rows, device)
         self.eos_boost = self._eos_boost(rows, device)
         self.penalties = self._penalties(rows, device)
+        self.adjustments = LogitAdjustments.build(rows, device)
         self.warpers = self._warpers(rows, device)
         self.plain = (
             self.warpers is None
             and self.penalties is None
+            and self.adjustments is None
             and self.eos_boost is None
             and (self.min_tokens_mask is None or self.eos_ids is None)
             and masks is None
@@ -155,6 +163,7 @@ class SamplingBatch:
             sample_rows=torch.tensor(sampled, dtype=torch.long, device=device),
             stream_keys=torch.tensor(keys, dtype=torch.long, device=device),
             temperature=column(temperature),
+            min_p=min_p_column(rows, device),
             top_k=top_k if any(top_k) else None,
             top_p=column(top_p),
             typical_p=column(typical_p),
@@ -172,18 +181,25 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         seen = sub.gather(1, pen.ids)
         seen = torch.where(seen < 0, seen * pen.penalty, seen / pen.penalty)
         scores[pen.rows] = sub.scatter(1, pen.ids, seen)
+    if batch.adjustments is not None:
+        batch.adjustments.apply_(scores)
     if batch.masks is not None:
         batch.masks.apply_(scores)
-    warpers = batch.warpers
-    if warpers is not None:
-        if warpers.temperature is not None:
-            scores = scores / warpers.temperature
-        if warpers.top_k is not None:
-            scores = _top_k(scores, warpers.top_k)
-        if warpers.top_p is not None:
-            scores = _top_p(scores, warpers.top_p)
-        if warpers.typical_p is not None:
-            scores = _typical_p(scores, warpers.typical_p)
+    return scores if batch.warpers is None else _warp(scores, batch.warpers)
+
+
+def _warp(scores: torch.Tensor, warpers: _Warpers) -> torch.Tensor:
+    """Step 5: temperature, min-p, top-k, top-p, typical-p."""
+    if warpers.temperature is not None:
+        scores = scores / warpers.temperature
+    if warpers.min_p is not None:
+        scores = min_p_filter(scores, warpers.min_p)
+    if warpers.top_k is not None:
+        scores = _top_k(scores, warpers.top_k)
+    if warpers.top_p is not None:
+        scores = _top_p(scores, warpers.top_p)
+    if warpers.typical_p is not None:
+        scores = _typical_p(scores, warpers.typical_p)
     return scores
 
 
@@ -345,46 +361,3 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         return argmax_rows(logits), logits
     scores = process_logits(logits, batch)
     return choose_tokens(scores, batch), scores
-
-
-# ---- counter-based random numbers ------------------------------------------------------------
-#
-# A 32-bit integer hash (xor-shift and multiply rounds). Every product stays below 2**63
-# (32-bit values times constants below 2**31), so the same arithmetic is exact in Python
-# ints and in int64 tensors on any device.
-
-_MASK = 0xFFFFFFFF
-_M1 = 0x7FEB352D
-_M2 = 0x2C1B3C6D
-
-
-def _mix(x: int) -> int:
-    x ^= x >> 16
-    x = (x * _M1) & _MASK
-    x ^= x >> 15
-    x = (x * _M2) & _MASK
-    return x ^ (x >> 16)
-
-
-def _mix_tensor(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = (x * _M1) & _MASK
-    x = x ^ (x >> 15)
-    x = (x * _M2) & _MASK
-    return x ^ (x >> 16)
-
-
-def stream_key(seed: int, step: int) -> int:
-    """The 32-bit key of a sequence's ``step``-th draw (``seed``: any non-negative int)."""
-    key = _mix(seed & _MASK)
-    key = _mix(key ^ ((seed >> 32) & _MASK))
-    return _mix(key ^ (step & _MASK))
-
-
-def uniform_draws(keys: torch.Tensor) -> torch.Tensor:
-    """One uniform number in (0, 1) per stream key (float64, 53 random bits): a fixed
-    function of the key, on the keys' device."""
-    high = _mix_tensor(keys ^ 0x9E3779B9)
-    low = _mix_tensor(keys ^ 0x85EBCA6B)
-    bits = (high << 21) | (low >> 11)  # 53 bits
-    return (bits.double() + 0.5) * (1.0 / (1 << 53))

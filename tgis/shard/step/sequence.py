@@ -50,7 +50,9 @@ class Sequence:
 
     def __post_init__(self) -> None:
         p = self.sampling
-        self.plain_greedy = p.is_greedy and p.repetition_penalty == 1.0 and p.length_penalty is None
+        self.plain_greedy = (
+            p.is_greedy and not p.needs_history and not p.logit_bias and p.length_penalty is None
+        )
 
     @property
     def num_generated(self) -> int:

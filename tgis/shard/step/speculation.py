@@ -39,7 +39,7 @@ def verification_rows(items: SequenceOf[WorkItem]) -> list[SamplingRow]:
     for item in items:
         seq = item.seq
         params = seq.sampling
-        penalised = params.repetition_penalty != 1.0
+        penalised = params.needs_history
         for j in range(len(item.drafts) + 1):
             history = seq.token_ids + list(item.drafts[:j]) if penalised else ()
             rows.append(SamplingRow(params, history, seq.num_generated + j, seq.seed))
