@@ -27,13 +27,16 @@ from tgis.router.core.scheduler import new_scheduler
 from tgis.router.core.shard_client import ShardClient
 from tgis.router.core.speculation import SpeculationConfig
 from tgis.router.edge.calls import CallGate
+from tgis.router.edge.cors import Cors
 from tgis.router.edge.grpc_server import PublicGrpc
 from tgis.router.edge.health import LIVENESS_TEXT, GenerationHealth
-from tgis.router.edge.http_server import start_http_server
+from tgis.router.edge.http_server import Routes, start_http_server
 from tgis.router.edge.openai_replies import OpenAIReplies
 from tgis.router.edge.openai_routes import OpenAIRoutes
 from tgis.router.edge.replies import Replies
 from tgis.router.edge.servicer import GenerationServicer
+from tgis.router.edge.tgi_replies import TGIReplies, server_info
+from tgis.router.edge.tgi_routes import TGIRoutes
 from tgis.router.edge.tracing import Tracing, setup_tracing
 from tgis.router.errors import StartupError
 from tgis.router.intake.adapters import adapter_kinds
@@ -95,13 +98,13 @@ class Router:
         health_check = GenerationHealth(
             engine, self.shard, tuple(self.tokenizer.encode(LIVENESS_TEXT))
         )
-        openai = self._openai_routes(engine, admission, replies, calls)
+        routes = self._http_routes(engine, admission, replies, calls, info)
         http = await start_http_server(
             config.port,
             health_check,
             metrics,
             self.drain,
-            openai,
+            routes,
             self._http_ssl(),
             stop_timeout=shutdown.SERVER_STOP_S,
         )
@@ -181,6 +184,32 @@ class Router:
             default_include_stop_seqs=self.config.default_include_stop_seqs,
             stalled_streams=StalledStreams(self.config.stream_stall_timeout),
         )
+
+    def _http_routes(
+        self,
+        engine: Engine,
+        admission: Admission,
+        replies: Replies,
+        calls: CallGate,
+        info: ShardInfo,
+    ) -> tuple[Routes, ...]:
+        """The HTTP port's route families, OpenAI's and TGI's, and CORS over them when
+        --cors-allow-origin names origins."""
+        config = self.config
+        kv_tokens = engine.scheduler.blocks.num_blocks * info.block_size
+        tgi = TGIRoutes(
+            admission=admission,
+            engine=engine,
+            replies=TGIReplies(replies, self.tokenizer),
+            gate=calls,
+            info=server_info(config, info, admission.limits, kv_tokens),
+            api_key=config.api_key or None,
+        )
+        routes: list[Routes] = [self._openai_routes(engine, admission, replies, calls), tgi]
+        if config.cors_allow_origin:
+            log.info("CORS: origins allowed: %s", ", ".join(config.cors_allow_origin))
+            routes.append(Cors(config.cors_allow_origin))
+        return tuple(routes)
 
     def _openai_routes(
         self, engine: Engine, admission: Admission, replies: Replies, calls: CallGate

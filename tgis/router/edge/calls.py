@@ -7,12 +7,18 @@ when tracing is on; leaving the block undoes all three, the span ending with how
 failed, if it did (``status.py: describe_failure``). ``gate.enter`` is the same for any
 protocol: an HTTP route (``openai_routes.py``) gives its headers, its own refusal and its
 own description of a failure.
+
+``async with admitted(engine, admission, call, arrival, span) as states:`` is what every
+generation call of the HTTP routes does between its parsing and its answer: the batch size,
+the permits, the validation, the requests submitted to the engine, and, when the block
+ends however it ends, the requests ended (``end_requests``) and the permits returned.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextvars import Token
 from types import TracebackType
 from typing import NoReturn
@@ -25,12 +31,12 @@ from tgis.router.core.request_state import RequestState
 from tgis.router.edge.status import abort, describe_failure
 from tgis.router.edge.tracing import RequestSpan, Tracing
 from tgis.router.errors import UnavailableError
-from tgis.router.intake.admission import Admission
+from tgis.router.intake.admission import Admission, GenerationCall
 from tgis.router.ops.drain import SHUTTING_DOWN_MESSAGE, Drain
 from tgis.router.ops.request_context import correlation_id
 from tgis.router.request_types import StopReason
 
-__all__ = ["CallGate", "OpenCall", "end_requests"]
+__all__ = ["CallGate", "OpenCall", "admitted", "end_requests"]
 
 Refusal = Callable[[], Awaitable[NoReturn]]
 """Ends a call that arrives while the server drains (raises)."""
@@ -135,3 +141,32 @@ def end_requests(engine: Engine, admission: Admission, states: Sequence[RequestS
         engine.abort(state)
         if state.finish_reason is StopReason.ERROR:
             admission.forget_lookups(state.request)
+
+
+@contextlib.asynccontextmanager
+async def admitted(
+    engine: Engine,
+    admission: Admission,
+    call: GenerationCall,
+    arrival: float,
+    span: RequestSpan | None,
+) -> AsyncIterator[list[RequestState]]:
+    """``call``'s inputs admitted (``--max-client-batch-size``, one permit each, validation)
+    and submitted to the engine, one state per input; when the block ends, however it ends
+    (a client that disconnects cancels it), they are ended and their permits returned.
+
+    Raises:
+        RouterError: a refusal (counted where it was found).
+    """
+    count = len(call.texts)
+    admission.check_batch_size(count)
+    with admission.permits(count):
+        on_compile = None if span is None else span.guided_compiled
+        validated = await admission.validate(call, arrival, on_compile)
+        states = [engine.submit(v, arrival) for v in validated]
+        if span is not None:
+            span.validated(states, time.monotonic())
+        try:
+            yield states
+        finally:
+            end_requests(engine, admission, states)

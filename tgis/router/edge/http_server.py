@@ -1,5 +1,6 @@
-"""Plain HTTP on --port: GET /health (200 empty / 503 JSON), GET /metrics (Prometheus text)
-and the OpenAI-compatible ``/v1`` routes (``openai_routes.py``).
+"""Plain HTTP on --port: GET /health (200 empty / 503 JSON), GET /metrics (Prometheus text),
+the OpenAI-compatible ``/v1`` routes (``openai_routes.py``), HF TGI's REST routes
+(``tgi_routes.py``) and, with ``--cors-allow-origin``, CORS on all of them (``cors.py``).
 
 While the router drains after SIGTERM, /health answers 503 ``{"error":"shutting down"}`` at
 once (no generation check), so Kubernetes stops routing to the pod before it exits.
@@ -9,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Sequence
+from typing import Protocol
 
 from aiohttp import web
 
 from tgis.router.edge.health import GenerationHealth, HealthTimeoutError
-from tgis.router.edge.openai_routes import MAX_BODY_BYTES, OpenAIRoutes
+from tgis.router.edge.http_bodies import MAX_BODY_BYTES
 from tgis.router.ops.drain import Drain
 from tgis.router.ops.metrics import Metrics
 
@@ -25,11 +28,18 @@ log = logging.getLogger(__name__)
 _PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class Routes(Protocol):
+    """A family of routes (``OpenAIRoutes``, ``TGIRoutes``) or what applies to them all
+    (``cors.py: Cors``), added to the app."""
+
+    def add_to(self, app: web.Application) -> None: ...
+
+
 def build_app(
     health: GenerationHealth,
     metrics: Metrics,
     drain: Drain | None = None,
-    openai: OpenAIRoutes | None = None,
+    routes: Sequence[Routes] = (),
 ) -> web.Application:
     async def get_health(_: web.Request) -> web.Response:
         if drain is not None and drain.draining:
@@ -48,8 +58,8 @@ def build_app(
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/health", get_health)
     app.router.add_get("/metrics", get_metrics)
-    if openai is not None:
-        openai.add_to(app)
+    for family in routes:
+        family.add_to(app)
     return app
 
 
@@ -58,14 +68,14 @@ async def start_http_server(
     health: GenerationHealth,
     metrics: Metrics,
     drain: Drain | None = None,
-    openai: OpenAIRoutes | None = None,
+    routes: Sequence[Routes] = (),
     ssl_context: ssl.SSLContext | None = None,
     stop_timeout: float = 1.0,
 ) -> web.AppRunner:
     """Listen on every interface, IPv4 and IPv6 (TGIS binds 0.0.0.0 only). A handler is
     cancelled when its client disconnects, which frees its requests at once, and when it
     is still running ``stop_timeout`` seconds into the runner's ``cleanup``."""
-    app = build_app(health, metrics, drain, openai)
+    app = build_app(health, metrics, drain, routes)
     runner = web.AppRunner(
         app, access_log=None, handler_cancellation=True, shutdown_timeout=stop_timeout
     )
