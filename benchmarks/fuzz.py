@@ -1,4 +1,5 @@
-"""Hostile requests: property-based fuzzing of the public gRPC API against a real server.
+"""Hostile requests: property-based fuzzing of the public gRPC API, and of the OpenAI
+routes on the HTTP port, against a real server.
 
 Every field of every ``fmaas`` request message is drawn by ``hypothesis`` strategies that
 cover its whole range with weighted choices (cheap, plausible values most of the time, so
@@ -13,22 +14,40 @@ that generation stays fast; the extremes often enough to be hit many times per r
   and other wire-level oddities appended to a valid message (:data:`WIRE_SUFFIXES`,
   :data:`MALFORMED_SUFFIXES`);
 * enums: known and unknown values; repeated fields: empty, a few, 10,000 inputs, 1,000
-  stop sequences; truncated and random bytes; messages over the router's 64 MiB limit.
+  stop sequences; truncated and random bytes; messages over the router's 64 MiB limit;
+* guided decoding (``DecodingParameters``' ``json_schema``, ``regex``, ``choice``,
+  ``grammar``, ``format``): the families of :mod:`fuzz_guided` (special-token text, 2,001
+  and 5,000 choices and alternatives, schemas ``true``/``false``/non-objects/10-3,000 deep/
+  unsatisfiable, invalid ones), with ``min_new_tokens`` often past what the constraint can
+  produce and stop sequences made of its outputs' pieces.
+
+A result must be well-formed: as many results as inputs, a stream that ends with a stop
+reason, token details that number ``generated_token_count``, and a guided output that
+ended on EOS that its constraint allows (one of the choices, a literal regex's alternative,
+a JSON document; :func:`fuzz_guided.expectation`).
+
+With the HTTP port known, :data:`OPENAI_SHARE` percent of the requests are OpenAI bodies
+instead (:mod:`fuzz_openai`: wrong types in every field, odd chat contents and roles, every
+``response_format``, bodies nested thousands deep, invalid JSON or UTF-8, huge bodies);
+their allowed statuses are :data:`fuzz_openai.ALLOWED_HTTP`, every refusal in OpenAI's
+error shape.
 
 :func:`run_fuzz` sends ``count`` such requests from a few threads to a server and returns
-a :class:`FuzzReport`: per-RPC status counts, every reply with a status outside
-:data:`ALLOWED_STATUSES` (or without a message, or with a malformed result) together with
-a summary of its request, then the server's ``/health`` and the gauges that must be back
-at 0. The CLI prints it::
+a :class:`FuzzReport`: status counts per RPC and per route, every reply with a status
+outside :data:`ALLOWED_STATUSES` (or without a message, or with a malformed result)
+together with a summary of its request, then the server's ``/health`` and the gauges that
+must be back at 0. The CLI prints it::
 
     .venv/bin/python benchmarks/fuzz.py --requests 10000            # own tiny-model server
     .venv/bin/python benchmarks/fuzz.py --target 127.0.0.1:8033 --http 127.0.0.1:3000 --json
+    .venv/bin/python benchmarks/fuzz.py --no-openai                 # the gRPC API only
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import struct
@@ -55,6 +74,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import fuzz_guided  # noqa: E402
+import fuzz_openai  # noqa: E402
+from fuzz_guided import Expect, expectation, one_in, weighted  # noqa: E402
+from fuzz_openai import HttpCase  # noqa: E402
+
 from tgis.pb import generation_pb2 as pb  # noqa: E402
 
 T = TypeVar("T")
@@ -74,24 +98,10 @@ GAUGES = ("tgi_batch_current_size", "tgi_queue_size", "tgi_kv_cache_used_blocks"
 CALL_TIMEOUT_S = 300.0
 """Client deadline of one call: a call still running then counts as a hang."""
 
+OPENAI_SHARE = 30
+"""Percent of a run's requests that go to the OpenAI routes (when the HTTP port is known)."""
+
 SERVICE = "/fmaas.GenerationService/"
-
-
-# ---- weighted choices ------------------------------------------------------------------------
-
-
-def weighted(*choices: tuple[int, st.SearchStrategy[T]]) -> st.SearchStrategy[T]:
-    """One of ``choices``, each ``(weight, strategy)`` drawn ``weight / total`` of the time."""
-    total = sum(w for w, _ in choices)
-
-    def pick(point: int) -> st.SearchStrategy[T]:
-        for w, strategy in choices:
-            if point < w:
-                return strategy
-            point -= w
-        raise AssertionError("unreachable")
-
-    return st.integers(0, total - 1).flatmap(pick)
 
 
 # ---- scalars ---------------------------------------------------------------------------------
@@ -120,6 +130,7 @@ SPECIAL_FLOATS = (
 )
 
 
+@functools.cache
 def float32s() -> st.SearchStrategy[float]:
     """A proto ``float``: plausible values, the special ones, or any float32 bit pattern."""
     return weighted(
@@ -129,6 +140,7 @@ def float32s() -> st.SearchStrategy[float]:
     )
 
 
+@functools.cache
 def uint32s(common: st.SearchStrategy[int]) -> st.SearchStrategy[int]:
     """A proto ``uint32``: mostly ``common``, else 0, the boundaries or anything."""
     return weighted(
@@ -138,6 +150,7 @@ def uint32s(common: st.SearchStrategy[int]) -> st.SearchStrategy[int]:
     )
 
 
+@functools.cache
 def uint64s() -> st.SearchStrategy[int]:
     return weighted(
         (3, st.integers(0, 1000)),
@@ -146,6 +159,7 @@ def uint64s() -> st.SearchStrategy[int]:
     )
 
 
+@functools.cache
 def enum_values(known: Sequence[int]) -> st.SearchStrategy[int]:
     """An open proto3 enum: a known value, or any other int32 (the wire allows it)."""
     return weighted(
@@ -183,6 +197,7 @@ def _repeat_to(piece: str, size: int) -> str:
     return piece * max(1, size // max(1, len(piece.encode())))
 
 
+@functools.cache
 def texts(*, huge: bool = True) -> st.SearchStrategy[str]:
     """An input text: mostly a few words; any Unicode, emoji and combining marks, control
     characters; long texts (1-64 KB); with ``huge``, now and then 1 MB."""
@@ -208,6 +223,7 @@ def texts(*, huge: bool = True) -> st.SearchStrategy[str]:
     return weighted(*choices)
 
 
+@functools.cache
 def ids() -> st.SearchStrategy[str]:
     """``model_id``, ``prefix_id``, ``adapter_id``: path-like, traversal attempts or any text."""
     return weighted(
@@ -221,7 +237,7 @@ def ids() -> st.SearchStrategy[str]:
 
 
 def _optional(strategy: st.SearchStrategy[T], present: int = 1, absent: int = 1) -> Any:
-    return weighted((present, strategy), (absent, st.none()))
+    return weighted((absent, st.none()), (present, strategy))  # absent first: the common one
 
 
 def _set(message: Any, **values: Any) -> Any:
@@ -278,9 +294,23 @@ def response_options(draw: st.DrawFn) -> pb.ResponseOptions:
     )
 
 
+@functools.cache
+def guided_fields() -> st.SearchStrategy[tuple[str, Any]]:
+    """(``DecodingParameters``' guided field, its value): the families of
+    :mod:`fuzz_guided`."""
+    return weighted(
+        (30, st.tuples(st.just("json_schema"), fuzz_guided.schemas())),
+        (25, st.tuples(st.just("regex"), fuzz_guided.regexes())),
+        (25, st.tuples(st.just("choice"), fuzz_guided.choices())),
+        (15, st.tuples(st.just("grammar"), fuzz_guided.grammars())),
+        (5, st.tuples(st.just("format"), enum_values((0, 1)))),
+    )
+
+
 @st.composite
 def decoding_parameters(draw: st.DrawFn) -> pb.DecodingParameters:
-    message = pb.DecodingParameters(repetition_penalty=draw(float32s()))
+    penalty = draw(weighted((1, st.just(0.0)), (2, float32s())))  # 0: not set (1.0)
+    message = pb.DecodingParameters(repetition_penalty=penalty)
     if draw(st.booleans()):
         message.length_penalty.CopyFrom(
             pb.DecodingParameters.LengthPenalty(
@@ -288,7 +318,28 @@ def decoding_parameters(draw: st.DrawFn) -> pb.DecodingParameters:
                 decay_factor=draw(weighted((2, st.floats(1.0, 10.0, width=32)), (3, float32s()))),
             )
         )
+    if not draw(one_in(5)):
+        name, value = draw(guided_fields())
+        if name == "choice":
+            message.choice.choices.extend(value)
+        else:
+            setattr(message, name, value)
     return message
+
+
+@st.composite
+def guided_lengths(draw: st.DrawFn, message: pb.Parameters) -> None:
+    """For a guided request, now and then: ``min_new_tokens`` up to 12 (often more than the
+    constraint can produce) with ``max_new_tokens`` above it, and stop sequences made of
+    what guided outputs hold (special-token text, quotes, choice stems)."""
+    if draw(one_in(3)):
+        low = draw(st.integers(1, 12))
+        message.stopping.min_new_tokens = low
+        message.stopping.max_new_tokens = low + draw(st.integers(0, 8))
+    if draw(one_in(4)):
+        del message.stopping.stop_sequences[:]
+        stops = st.lists(st.sampled_from(fuzz_guided.STOP_PIECES), min_size=1, max_size=3)
+        message.stopping.stop_sequences.extend(draw(stops))
 
 
 @st.composite
@@ -304,12 +355,17 @@ def parameters(draw: st.DrawFn) -> pb.Parameters:
         ("response", response_options()),
         ("decoding", decoding_parameters()),
     ):
-        # stopping is nearly always there: without it max_new_tokens is the default 20
-        if draw(st.integers(0, 9)) < (9 if name == "stopping" else 5):
+        # stopping is nearly always there: without it max_new_tokens is the default 20;
+        # decoding (and guided decoding with it) more often than the others
+        present = {"stopping": 9, "decoding": 7}.get(name, 5)
+        if draw(st.integers(0, 9)) < present:
             getattr(message, name).CopyFrom(draw(strategy))
+    if message.decoding.WhichOneof("guided") is not None:
+        draw(guided_lengths(message))
     return message
 
 
+@functools.cache
 def _inputs(text: st.SearchStrategy[str]) -> st.SearchStrategy[list[str]]:
     """A batch's input texts: mostly one, sometimes none, many, or 10,000."""
     return weighted(
@@ -343,7 +399,7 @@ def single_generation_requests(draw: st.DrawFn, huge: bool = True) -> pb.SingleG
         prefix_id=draw(_optional(ids(), 1, 12)),
         adapter_id=draw(_optional(ids(), 1, 12)),
     )
-    if draw(st.integers(0, 19)) > 0:  # missing request: INVALID_ARGUMENT "missing request"
+    if not draw(one_in(20)):  # missing request: INVALID_ARGUMENT "missing request"
         message.request.text = draw(texts(huge=huge))
     if draw(st.integers(0, 9)) < 9:
         message.params.CopyFrom(draw(parameters()))
@@ -365,6 +421,7 @@ def batched_tokenize_requests(draw: st.DrawFn, huge: bool = True) -> pb.BatchedT
     return message
 
 
+@functools.cache
 def model_info_requests() -> st.SearchStrategy[pb.ModelInfoRequest]:
     return st.builds(pb.ModelInfoRequest, model_id=ids())
 
@@ -378,13 +435,82 @@ RPCS: dict[str, tuple[Any, Any, bool]] = {
 """RPC name -> (request type, response type, server-streaming)."""
 
 
+@st.composite
+def guided_parameters(draw: st.DrawFn) -> pb.Parameters:
+    """Parameters that pass validation, with a guided constraint (:func:`guided_fields`):
+    the requests that reach the grammar compiler and generation. Greedy or sampled,
+    ``min_new_tokens`` up to 12, stop sequences of guided outputs' pieces, time limits,
+    token details."""
+    low = draw(weighted((3, st.just(0)), (2, st.integers(1, 12))))
+    stopping = pb.StoppingCriteria(
+        max_new_tokens=max(low, 1) + draw(st.integers(0, 8)),
+        min_new_tokens=low,
+        time_limit_millis=draw(weighted((9, st.just(0)), (1, st.integers(1, 50)))),
+        include_stop_sequence=draw(st.booleans()),
+    )
+    if draw(one_in(4)):
+        stops = st.lists(st.sampled_from(fuzz_guided.STOP_PIECES), min_size=1, max_size=3)
+        stopping.stop_sequences.extend(draw(stops))
+    details = draw(st.booleans())
+    response = pb.ResponseOptions(
+        input_text=draw(one_in(6)),
+        input_tokens=draw(one_in(4)),
+        generated_tokens=details,
+        token_logprobs=details and draw(st.booleans()),
+        token_ranks=details and draw(st.booleans()),
+        top_n_tokens=draw(st.integers(0, 3)) if details else 0,
+    )
+    sampling = pb.SamplingParameters(
+        temperature=draw(st.sampled_from((0.0, 0.7, 1.0, 1.5))),
+        top_k=draw(st.sampled_from((0, 1, 5, 50))),
+        top_p=draw(st.sampled_from((0.0, 0.5, 0.95, 1.0))),
+        typical_p=draw(st.sampled_from((0.0, 0.5, 1.0))),
+        seed=draw(_optional(uint64s())),
+    )
+    decoding = pb.DecodingParameters(repetition_penalty=draw(st.sampled_from((0.0, 1.0, 1.3))))
+    name, value = draw(guided_fields())
+    if name == "choice":
+        decoding.choice.choices.extend(value)
+    else:
+        setattr(decoding, name, value)
+    return pb.Parameters(
+        method=draw(st.sampled_from((pb.GREEDY, pb.SAMPLE))),
+        sampling=sampling,
+        stopping=stopping,
+        response=response,
+        decoding=decoding,
+    )
+
+
+@functools.cache
+def _guided_texts() -> st.SearchStrategy[str]:
+    pieces = st.sampled_from((*fuzz_guided.SPECIAL_TEXTS, "The answer, as JSON:", "Pick one:"))
+    return weighted((3, st.text(alphabet="abcdefgh XYZ.,!?\n", max_size=30)), (1, pieces))
+
+
+@st.composite
+def guided_requests(draw: st.DrawFn, rpc: str) -> Any:
+    """A ``Generate`` (1-3 inputs) or ``GenerateStream`` request of :func:`guided_parameters`."""
+    params = draw(guided_parameters())
+    if rpc == "GenerateStream":
+        request = pb.GenerationRequest(text=draw(_guided_texts()))
+        return pb.SingleGenerationRequest(request=request, params=params)
+    inputs = draw(st.lists(_guided_texts(), min_size=1, max_size=3))
+    requests = [pb.GenerationRequest(text=t) for t in inputs]
+    return pb.BatchedGenerationRequest(requests=requests, params=params)
+
+
+@functools.cache
 def request_messages(huge: bool = True) -> st.SearchStrategy[tuple[str, Any]]:
-    """(RPC, request message) with the RPCs weighted by how much they have to fuzz."""
+    """(RPC, request message) with the RPCs weighted by how much they have to fuzz; the
+    guided requests of :func:`guided_requests` beside the hostile ones."""
     return weighted(
         (40, st.tuples(st.just("Generate"), batched_generation_requests(huge))),
         (30, st.tuples(st.just("GenerateStream"), single_generation_requests(huge))),
         (20, st.tuples(st.just("Tokenize"), batched_tokenize_requests(huge))),
         (3, st.tuples(st.just("ModelInfo"), model_info_requests())),
+        (20, st.tuples(st.just("Generate"), guided_requests("Generate"))),
+        (15, st.tuples(st.just("GenerateStream"), guided_requests("GenerateStream"))),
     )
 
 
@@ -506,6 +632,8 @@ class Case:
 
     ``oversize`` > 0: the bytes are built when sent (a text that big is not kept around).
     ``inputs``: how many results a successful reply must carry (None: not checked).
+    ``expect``: what a guided output that ended on EOS must be (None: not checked).
+    ``token_count``: the reply's generated tokens must number its ``generated_token_count``.
     """
 
     rpc: str
@@ -513,6 +641,8 @@ class Case:
     summary: str
     oversize: int = 0
     inputs: int | None = None
+    expect: Expect | None = None
+    token_count: bool = False
 
     def body(self) -> bytes:
         if not self.oversize:
@@ -557,6 +687,23 @@ def _inputs_of(rpc: str, message: Any) -> int | None:
     return None
 
 
+def _reply_checks(rpc: str, message: Any) -> dict[str, Any]:
+    """What an OK reply to a generation ``message`` must hold beyond its shape: a guided
+    output that ended on EOS is what its constraint allows (not checked when the input text
+    is echoed before it), and the token details number ``generated_token_count``."""
+    if rpc not in ("Generate", "GenerateStream") or not message.HasField("params"):
+        return {}
+    params = message.params
+    checks: dict[str, Any] = {"token_count": params.response.generated_tokens}
+    guided = params.decoding.WhichOneof("guided")
+    if guided is not None and not params.response.input_text:
+        value = getattr(params.decoding, guided)
+        if guided == "choice":
+            value = list(value.choices)
+        checks["expect"] = expectation(guided, value)
+    return checks
+
+
 @st.composite
 def cases(draw: st.DrawFn, huge: bool = True, undecodable: bool = True) -> Case:
     """A request as sent: mostly a valid message, else one made odd on the wire (appended
@@ -578,7 +725,8 @@ def cases(draw: st.DrawFn, huge: bool = True, undecodable: bool = True) -> Case:
     data = message.SerializeToString()
     summary = summarize(message)
     if kind == "message":
-        return Case(rpc, data, summary, inputs=_inputs_of(rpc, message))
+        checks = _reply_checks(rpc, message)
+        return Case(rpc, data, summary, inputs=_inputs_of(rpc, message), **checks)
     if kind == "invalid utf-8":
         bad = draw(st.sampled_from(INVALID_UTF8))
         slot = draw(st.integers(0, 1000))
@@ -622,7 +770,8 @@ class FuzzReport:
     requests: int = 0
     wall_s: float = 0.0
     statuses: dict[str, dict[str, int]] = field(default_factory=dict)
-    """RPC -> status name -> count."""
+    """RPC (``Generate``) or route (``POST /v1/completions``) -> status -> count (gRPC status
+    names; HTTP status codes, ``200 + error event`` for a stream that ended with one)."""
     disallowed: list[Finding] = field(default_factory=list)
     health: int | None = None
     """``/health``'s HTTP status after the run (None: not checked)."""
@@ -665,7 +814,7 @@ class _Client:
             if streaming:
                 call = self.channel.unary_stream(method, None, response_type.FromString)
                 replies = list(call(case.body(), timeout=CALL_TIMEOUT_S))
-                return "OK", _check_stream(replies)
+                return "OK", _check_stream(case, replies)
             unary = self.channel.unary_unary(method, None, response_type.FromString)
             reply = unary(case.body(), timeout=CALL_TIMEOUT_S)
             return "OK", _check_unary(case, reply)
@@ -680,14 +829,31 @@ def _check_unary(case: Case, reply: Any) -> str:
     """ "" when a unary result is well-formed, else what is wrong with it."""
     if case.inputs is not None and len(reply.responses) != case.inputs:
         return f"{len(reply.responses)} results for {case.inputs} inputs"
+    if case.rpc != "Generate":
+        return ""
+    for result in reply.responses:
+        problem = _check_result(case, result.text, len(result.tokens), result)
+        if problem:
+            return problem
     return ""
 
 
-def _check_stream(replies: list[Any]) -> str:
+def _check_stream(case: Case, replies: list[Any]) -> str:
     if not replies:
         return "a stream without messages"
-    if replies[-1].stop_reason == pb.NOT_FINISHED:
+    final = replies[-1]
+    if final.stop_reason == pb.NOT_FINISHED:
         return "a stream ended without a stop reason"
+    text = "".join(r.text for r in replies)
+    return _check_result(case, text, sum(len(r.tokens) for r in replies), final)
+
+
+def _check_result(case: Case, text: str, tokens: int, final: Any) -> str:
+    """One input's result: its token details and, when it ended on EOS, its guided output."""
+    if case.token_count and tokens != final.generated_token_count:
+        return f"{tokens} tokens for generated_token_count {final.generated_token_count}"
+    if case.expect is not None and final.stop_reason == pb.EOS_TOKEN:
+        return case.expect.violation(text)
     return ""
 
 
@@ -697,7 +863,7 @@ def _is_allowed(status: str, message: str) -> bool:
     return status in ALLOWED_STATUSES and bool(message.strip())
 
 
-def _drive(strategy: st.SearchStrategy[Case], count: int, seed: int | None, on_case: Any) -> None:
+def _drive(strategy: st.SearchStrategy[Any], count: int, seed: int | None, on_case: Any) -> None:
     """Draw ``count`` cases from ``strategy`` with hypothesis (generation only: nothing to
     shrink, failures are collected, not raised) and hand each to ``on_case``."""
 
@@ -711,7 +877,7 @@ def _drive(strategy: st.SearchStrategy[Case], count: int, seed: int | None, on_c
         report_multiple_bugs=False,
     )
     @given(strategy)
-    def body(case: Case) -> None:
+    def body(case: Any) -> None:
         on_case(case)
 
     if seed is not None:
@@ -728,17 +894,18 @@ def run_fuzz(
     huge: bool = True,
     undecodable: bool = True,
     http: str | None = None,
+    openai: bool = True,
     settle_s: float = 60.0,
 ) -> FuzzReport:
-    """Send ``count`` hostile requests to the gRPC server at ``target`` from ``threads``
-    threads and classify the replies.
+    """Send ``count`` hostile requests to the server at ``target`` (gRPC) and ``http``
+    (``host:port`` of its HTTP port) from ``threads`` threads and classify the replies.
 
     ``seed``: hypothesis' seed (None: derandomized, the same cases every run). ``huge``:
     also 1 MB texts and oversized messages (slow on a CPU: the tokenizer takes seconds per
     MB). ``undecodable``: also requests that do not parse (invalid UTF-8 strings, corrupt or
-    truncated bytes). ``http``
-    (``host:port`` of the HTTP server): afterwards check ``/health`` and wait up to
-    ``settle_s`` for the :data:`GAUGES` to be 0.
+    truncated bytes). ``openai`` (with ``http``): :data:`OPENAI_SHARE` percent of the
+    requests are OpenAI bodies (:mod:`fuzz_openai`). With ``http``, afterwards check
+    ``/health`` and wait up to ``settle_s`` for the :data:`GAUGES` to be 0.
     """
     report = FuzzReport(target=target)
     counts: Counter[tuple[str, str]] = Counter()
@@ -746,25 +913,40 @@ def run_fuzz(
     in_flight = threading.BoundedSemaphore(threads * 2)
     client = _Client(target)
 
-    def send(case: Case) -> None:
+    def send(case: Case | HttpCase) -> None:
         try:
-            status, message = client.send(case)
-            with lock:
-                counts[case.rpc, status] += 1
-                if not _is_allowed(status, message):
-                    report.disallowed.append(Finding(case.rpc, status, message, case.summary))
+            if isinstance(case, HttpCase):
+                assert http is not None
+                name = f"POST {case.route}"
+                reply = fuzz_openai.send(http, case, CALL_TIMEOUT_S)
+                status, allowed, message = reply.status, not reply.problem, reply.problem
+            else:
+                name = case.rpc
+                status, message = client.send(case)
+                allowed = _is_allowed(status, message)
+        except Exception as err:  # a fault of the fuzzer's own checks: reported, not lost
+            status, allowed, message = "fuzzer error", False, repr(err)
         finally:
             in_flight.release()
+        with lock:
+            counts[name, status] += 1
+            if not allowed:
+                report.disallowed.append(Finding(name, status, message, case.summary))
 
+    strategy = cases(huge=huge, undecodable=undecodable)
+    if openai and http is not None:
+        strategy = weighted(
+            (100 - OPENAI_SHARE, strategy), (OPENAI_SHARE, fuzz_openai.http_cases(huge=huge))
+        )
     started = time.monotonic()
     with ThreadPoolExecutor(threads, thread_name_prefix="fuzz") as pool:
 
-        def submit(case: Case) -> None:
+        def submit(case: Case | HttpCase) -> None:
             in_flight.acquire()
             report.requests += 1
             pool.submit(send, case)
 
-        _drive(cases(huge=huge, undecodable=undecodable), count, seed, submit)
+        _drive(strategy, count, seed, submit)
     report.wall_s = round(time.monotonic() - started, 2)
     client.close()
     for (rpc, status), n in sorted(counts.items()):
@@ -808,16 +990,25 @@ def settled_gauges(metrics_url: str, wait_s: float) -> dict[str, float]:
         time.sleep(0.5)
 
 
+CHAT_TEMPLATE = ROOT / "tests" / "data" / "chat_templates" / "llama3_instruct.jinja"
+"""The chat template the fuzzed server renders ``/v1/chat/completions`` with."""
+
+
+def server_args(model: Path) -> list[str]:
+    """The launcher's arguments for a fuzzed server of ``model``."""
+    return ["--model-name", str(model), "--chat-template", str(CHAT_TEMPLATE)]
+
+
 @contextmanager
 def tiny_server(log_dir: Path) -> Iterator[tuple[str, str]]:
-    """A launcher serving a tiny random Llama (``tests/e2e/models.py``) from ``log_dir``;
-    yields (gRPC target, HTTP host:port)."""
+    """A launcher serving a tiny random Llama (``tests/e2e/models.py``, the embedded
+    tokenizer) with a chat template from ``log_dir``; yields (gRPC target, HTTP host:port)."""
     from tests.e2e.models import save_tiny_llama
     from tgis.launcher.local_process import start_launcher
 
     model = log_dir / "model"
     save_tiny_llama(model)
-    launcher = start_launcher(log_dir, ["--model-name", str(model)], log_name="launcher.log")
+    launcher = start_launcher(log_dir, server_args(model), log_name="launcher.log")
     try:
         launcher.wait_healthy()
         yield launcher.grpc_target, f"127.0.0.1:{launcher.http_port}"
@@ -834,11 +1025,11 @@ def format_report(report: FuzzReport) -> str:
         f"requests: {report.requests} in {report.wall_s:.1f} s "
         f"({report.requests / max(report.wall_s, 1e-9):.0f}/s)",
         "",
-        f"{'RPC':<16}{'status':<20}{'count':>8}",
+        f"{'RPC or route':<28}{'status':<20}{'count':>8}",
     ]
     for rpc, statuses in report.statuses.items():
         for status, n in sorted(statuses.items(), key=lambda kv: -kv[1]):
-            lines.append(f"{rpc:<16}{status:<20}{n:>8}")
+            lines.append(f"{rpc:<28}{status:<20}{n:>8}")
     lines.append("")
     lines.append(f"disallowed replies: {len(report.disallowed)}")
     for finding in report.disallowed[:20]:
@@ -858,10 +1049,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--requests", type=int, default=1000, help="how many requests to send")
     parser.add_argument("--target", help="gRPC HOST:PORT (default: start a tiny-model server)")
-    parser.add_argument("--http", help="HTTP HOST:PORT of --target, for /health and /metrics")
+    parser.add_argument(
+        "--http", help="HTTP HOST:PORT of --target: the OpenAI routes, /health and /metrics"
+    )
     parser.add_argument("--threads", type=int, default=8, help="requests in parallel")
     parser.add_argument("--seed", type=int, help="hypothesis seed (default: derandomized)")
     parser.add_argument("--no-huge", action="store_true", help="no 1 MB texts, no oversize")
+    parser.add_argument(
+        "--no-openai", action="store_true", help="gRPC only (no bodies to the OpenAI routes)"
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser.parse_args(argv)
 
@@ -877,6 +1073,7 @@ def main(argv: list[str] | None = None) -> int:
             threads=args.threads,
             huge=not args.no_huge,
             http=http,
+            openai=not args.no_openai,
         )
 
     if args.target:
