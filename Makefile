@@ -20,10 +20,13 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# HF's text-generation client (tests/e2e/test_tgi_e2e.py) pins huggingface-hub<1.0, which
+# transformers cannot take: it is installed without its dependencies (the dev extra has them).
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py tgis/shard/native/attention/csrc/cpu_attention.c \
 		tgis/shard/native/linear/csrc/cpu_quant.c
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps "text-generation==0.7.0"
 	touch $@
 
 tgis/pb/generation_pb2.py: $(VENV)/.installed protos/generation.proto protos/shard.proto scripts/gen_protos.py
