@@ -10,6 +10,7 @@ stream frees its permits at once.
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +22,7 @@ import grpc
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from tests.e2e.server import LauncherProcess, healthy_launcher
 from tgis.embedded_model import MODEL_DIR
@@ -181,9 +182,9 @@ def test_chat_renders_the_template_as_transformers_does(
     ("extra", "param"),
     [
         ({"n": 2}, "n"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"extra_body": {"guided_whatever": 1}}, "guided_whatever"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"logit_bias": {"5": 1000}}, "logit_bias"),
         ({"temperature": 0.01}, None),  # TGIS's own rule, its message
     ],
 )
@@ -310,3 +311,95 @@ def test_a_complete_schema_ends_the_chat_reply_before_min_tokens(client: openai.
     assert reply.choices[0].message.content == '"x</s>y"'
     assert reply.choices[0].finish_reason == "stop"
     assert reply.usage is not None and reply.usage.completion_tokens < 20
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence/frequency penalties and logit bias, for transformers' generate():
+    the test's own reference, over the tokens generated after ``prompt_len``."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float, bias: dict[int, float]):
+        self.prompt_len, self.presence, self.frequency, self.bias = (
+            prompt_len, presence, frequency, bias,
+        )  # fmt: skip
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores = scores.clone()
+        for row, ids in enumerate(input_ids.tolist()):
+            for token in set(ids[self.prompt_len :]):
+                count = ids[self.prompt_len :].count(token)
+                scores[row, token] -= self.presence + self.frequency * count
+            for token, value in self.bias.items():
+                scores[row, token] += value
+        return scores  # type: ignore[return-value]
+
+
+def test_penalties_and_logit_bias_equal_a_reference_generate(client: openai.OpenAI) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    plain = model.generate(torch.tensor([ids]), max_new_tokens=1, do_sample=False, pad_token_id=0)
+    first = int(plain[0, len(ids)])
+    cases = [
+        (0.0, 1.5, {}),
+        (1.0, 0.5, {first: -100.0}),
+        (-0.5, 0.0, {first: -100.0, 300: 3.0}),
+    ]
+    for presence, frequency, bias in cases:
+        processor = OpenAIPenalties(len(ids), presence, frequency, bias)
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+            logits_processor=LogitsProcessorList([processor]),
+        )  # fmt: skip
+        expected = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+        got = client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+            presence_penalty=presence, frequency_penalty=frequency,
+            logit_bias={str(t): v for t, v in bias.items()},
+        )  # fmt: skip
+        assert got.choices[0].text == expected, (presence, frequency, bias)
+
+
+def test_vllm_fields_benchmark_tools_and_agents_send(
+    client: openai.OpenAI, server: LauncherProcess
+) -> None:
+    # ignore_eos (guidellm, vLLM's benchmark_serving): exactly max_tokens
+    long = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=40, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert long.usage is not None and long.usage.completion_tokens == 40
+    assert long.choices[0].finish_reason == "length"
+    # stop_token_ids: the output ends at the first such token, its text kept
+    want = grpc_generate(server, PROMPTS[:1], greedy(20))[0]
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    generated = tokenizer(want.text, add_special_tokens=False)["input_ids"]
+    stop_id = generated[3]
+    stopped = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0,
+        extra_body={"stop_token_ids": [stop_id]},
+    )  # fmt: skip
+    assert stopped.choices[0].finish_reason == "stop"
+    cut = generated[: generated.index(stop_id) + 1]
+    assert stopped.choices[0].text == tokenizer.decode(cut)
+    # min_p 1 keeps only the most likely token: sampling becomes greedy
+    sampled = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=1.0, seed=3,
+        extra_body={"min_p": 1.0},
+    )  # fmt: skip
+    assert sampled.choices[0].text == want.text
+    # guided decoding by vLLM's fields, and "model": "" meaning the served model
+    choice = client.completions.create(
+        model="", prompt=PROMPTS[0], max_tokens=8, extra_body={"guided_choice": ["yes", "no"]}
+    )
+    assert choice.choices[0].text in ("yes", "no")
+    regex = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
+    )  # fmt: skip
+    assert re.fullmatch("[0-9]{3}", regex.choices[0].text)
+
+
+def test_top_p_zero_is_refused_with_a_clear_message(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="x", top_p=0, temperature=1)
+    assert "top_p must be greater than 0" in str(refused.value)

@@ -60,6 +60,9 @@ class StoppingParams:
     deadline: float | None = None
     # True when max_new_tokens was lowered to fit max_sequence_length (-> TOKEN_LIMIT).
     truncated_to_fit: bool = False
+    # vLLM's stop_token_ids (OpenAI routes): these ids end the request as EOS does (after
+    # min_new_tokens), their text kept unless they are special tokens.
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,8 @@ class ResponseOptions:
     token_logprobs: bool = False
     token_ranks: bool = False
     top_n_tokens: int = 0
+    # vLLM's skip_special_tokens for this request (None: the server's --output-special-tokens).
+    skip_special_tokens: bool | None = None
 
 
 class GuidedKind(enum.Enum):

@@ -53,6 +53,15 @@ def test_a_guided_request_ends_at_eos_before_min_new_tokens() -> None:
     assert checker(max_new_tokens=9, min_new_tokens=5).check(EOS, 2) is None  # unguided
 
 
+def test_stop_token_ids_end_as_eos_after_min_new_tokens() -> None:
+    c = StopChecker(
+        StoppingParams(max_new_tokens=9, min_new_tokens=2, stop_token_ids=(40, 41)), {EOS}
+    )
+    assert c.check(40, 1) is None
+    assert c.check(41, 2) == StopDecision(StopReason.EOS_TOKEN)
+    assert c.check(42, 3) is None
+
+
 def test_eos_is_a_set() -> None:
     c = checker(max_new_tokens=5)
     for eos in (EOS, OTHER_EOS):

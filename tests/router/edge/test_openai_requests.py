@@ -75,15 +75,33 @@ def test_chat_renders_and_adds_no_special_tokens() -> None:
     ("body", "param"),
     [
         ({"n": 2}, "n"),
-        ({"presence_penalty": 0.1}, "presence_penalty"),
-        ({"frequency_penalty": -1}, "frequency_penalty"),
-        ({"logit_bias": {"1": 2}}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"1": "a"}}, "logit_bias"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),
+        ({"top_p": 0}, "top_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"stop_token_ids": [1, -2]}, "stop_token_ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"skip_special_tokens": 1}, "skip_special_tokens"),
+        ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+        ({"guided_choice": "a"}, "guided_choice"),
+        ({"guided_json": 3}, "guided_json"),
+        ({"guided_regex": ["a"]}, "guided_regex"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex, guided_choice"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"structured_outputs": "json"}, "structured_outputs"),
+        ({"structured_outputs": {"regex": 1}}, "structured_outputs.regex"),
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 2}, "best_of"),
         ({"bogus": 1}, "bogus"),
         ({"prompt": [1, 2]}, "prompt"),
         ({"prompt": None}, "prompt"),
-        ({"model": ""}, "model"),
         ({"model": 3}, "model"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": 3}, "temperature"),
@@ -153,3 +171,75 @@ def test_a_schema_too_deep_to_serialize_is_refused() -> None:
         chat(response_format=fmt)
     assert refused.value.status == 400 and refused.value.param == "response_format"
     assert "nested too deeply" in refused.value.message
+
+
+def test_openai_penalties_bias_and_vllm_sampling_fields() -> None:
+    request = completion(
+        temperature=0.7,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"7": -100, " 3": 2.5},
+        min_p=0.1,
+        top_p=0.9,
+    )
+    sampling = request.call.params.sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -0.25)
+    assert sampling.logit_bias == ((3, 2.5), (7, -100.0))
+    assert (sampling.min_p, sampling.top_p) == (0.1, 0.9)
+    assert completion().call.params.sampling == completion(logit_bias={}).call.params.sampling
+
+
+def test_ignore_eos_masks_eos_up_to_max_tokens_without_asking_for_them() -> None:
+    """The shard masks EOS to the end; the request's own min_new_tokens (checked against
+    the context length) stays what min_tokens says."""
+    params = completion(max_tokens=50, ignore_eos=True, min_tokens=3).call.params
+    assert params.sampling.min_new_tokens == 50
+    assert params.stopping.min_new_tokens == 3 and params.stopping.max_new_tokens == 50
+
+
+def test_vllm_output_fields() -> None:
+    params = completion(
+        stop_token_ids=[5, 9],
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+        spaces_between_special_tokens=True,
+        stop=["x"],
+    ).call.params
+    assert params.stopping.stop_token_ids == (5, 9)
+    assert params.stopping.include_stop_sequence
+    assert params.response.skip_special_tokens is False
+    assert completion().call.params.response.skip_special_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("body", "kind", "text", "choices"),
+    [
+        ({"guided_json": {"type": "object"}}, GuidedKind.JSON_SCHEMA, '{"type": "object"}', ()),
+        ({"guided_json": '{"type": "integer"}'}, GuidedKind.JSON_SCHEMA, '{"type": "integer"}', ()),
+        ({"guided_regex": "[a-z]+"}, GuidedKind.REGEX, "[a-z]+", ()),
+        ({"guided_choice": ["a", "b"]}, GuidedKind.CHOICE, "", ("a", "b")),
+        ({"guided_grammar": "root ::= x"}, GuidedKind.GRAMMAR, "root ::= x", ()),
+        (
+            {"guided_regex": "a+", "guided_decoding_backend": "xgrammar"},
+            GuidedKind.REGEX,
+            "a+",
+            (),
+        ),
+        ({"structured_outputs": {"json": {}}}, GuidedKind.JSON_SCHEMA, "{}", ()),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, GuidedKind.CHOICE, "", ("x", "y")),
+        ({"structured_outputs": {"json_object": True}}, GuidedKind.JSON_OBJECT, "", ()),
+    ],
+)
+def test_vllm_guided_fields(
+    body: dict[str, Any], kind: GuidedKind, text: str, choices: tuple[str, ...]
+) -> None:
+    for request in (completion(**body), chat(**body)):
+        guided = request.call.params.guided
+        assert guided is not None and guided.kind is kind
+        assert (guided.text, guided.choices) == (text, choices)
+
+
+def test_an_empty_or_absent_model_is_the_served_model() -> None:
+    assert completion(model="").model is None
+    assert chat(model="").model is None
+    assert completion(model="other").model == "other"

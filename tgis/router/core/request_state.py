@@ -199,13 +199,14 @@ class OutputRules:
         correlation_id: str | None = None,
     ) -> RequestState:
         """A queued request's state, with its own detokenizer and stop checker."""
+        skip = request.params.response.skip_special_tokens
         return RequestState(
             request_id=request_id,
             request=request,
             arrival=arrival,
             detokenizer=IncrementalDetokenizer(
                 self.tokenizer,
-                skip_special_tokens=self.skip_special_tokens,
+                skip_special_tokens=self.skip_special_tokens if skip is None else skip,
                 hold_back_bytes=stream_hold_back_bytes(request.stopping),
                 eos_token_ids=self.eos_token_ids,
                 continuation=self.continuation,

@@ -94,7 +94,7 @@ class StopChecker:
         constrained: the request is guided (an EOS ends it whatever min_new_tokens says).
     """
 
-    __slots__ = ("_constrained", "_encoded", "_eos", "_stopping")
+    __slots__ = ("_constrained", "_encoded", "_eos", "_stop_ids", "_stopping")
 
     def __init__(
         self,
@@ -105,6 +105,7 @@ class StopChecker:
     ) -> None:
         self._stopping = stopping
         self._eos = frozenset(eos_token_ids)
+        self._stop_ids = frozenset(stopping.stop_token_ids)
         self._constrained = constrained
         self._encoded = tuple(ss.encode("utf-8") for ss in stopping.stop_sequences)
 
@@ -144,7 +145,7 @@ class StopChecker:
         ):
             # Stop sequences are not searched in this phase (their bytes are never "new" again).
             return None
-        if token_id in self._eos:
+        if token_id in self._eos or token_id in self._stop_ids:
             return _EOS
         if generated_count >= st.max_new_tokens:
             return _TOKEN_LIMIT if st.truncated_to_fit else _MAX_TOKENS
