@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import openai
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -194,3 +195,31 @@ def test_guided_decoding_with_an_adapter(
     for response in stub.Generate(request, timeout=120).responses:
         assert response.stop_reason == pb.EOS_TOKEN
         assert re.fullmatch(regex, response.text), response.text
+
+
+def test_openai_model_names_an_adapter(
+    server: LauncherProcess, model: tuple[Path, Any], cache: Path
+) -> None:
+    """vLLM's convention: ``model`` names a LoRA or prompt-tuning adapter of the store; the
+    answer is PEFT's (the oracle, as for adapter_id), the reply names the adapter, and
+    /v1/models lists it with the served model as its parent; an unknown name is 404."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="-", max_retries=0
+    )
+    tokenizer = Tokenizer.from_file(str(model[0] / "tokenizer.json"))
+    served = client.models.list().data[0].id
+    for adapter_id in ("sql-lora", "prompt"):
+        reply = client.completions.create(
+            model=adapter_id, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        want = expected(model, cache, adapter_id)
+        assert reply.model == adapter_id
+        assert reply.choices[0].text == tokenizer.decode([tokenizer.token_to_id(t) for t in want])
+    cards = {card.id: card for card in client.models.list().data}
+    assert {"sql-lora", "prompt"} <= set(cards)
+    assert getattr(cards["sql-lora"], "parent", None) == served
+    for unknown in ("nonexistent", "ia3", "../escape"):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model=unknown, prompt=PROMPT, max_tokens=2)
+        assert f"The model `{unknown}` does not exist." in str(missing.value)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import openai
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -260,3 +261,24 @@ def test_guided_decoding_with_a_prefix(stub: pb_grpc.GenerationServiceStub) -> N
     for response in stub.Generate(request, timeout=120).responses:
         assert response.stop_reason == pb.EOS_TOKEN
         assert response.text in choices
+
+
+def test_openai_model_names_a_prompt_prefix(
+    server: LauncherProcess, model: tuple[Path, Any], store: Path
+) -> None:
+    """Without an adapter store, ``model`` may name a prompt-tuning prefix of the prefix
+    store (TGIS's prefix_id): transformers' answer with that prefix; unknown: 404."""
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="-", max_retries=0
+    )
+    tokenizer = Tokenizer.from_file(str(model[0] / "tokenizer.json"))
+    reply = client.completions.create(
+        model="sentiment/v1", prompt=PROMPTS[0], max_tokens=NEW_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    want = expected_tokens(model, prefix_of(store, "sentiment/v1"), PROMPTS[0])
+    assert reply.choices[0].text == tokenizer.decode([tokenizer.token_to_id(t) for t in want])
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(PROMPTS[0]).ids)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="sentiment/v9", prompt="Hi", max_tokens=2)

@@ -50,6 +50,7 @@ class _Stream:
     created: int
     obj: str
     include_usage: bool
+    model: str  # the name the client asked for (the served model, or an adapter's)
 
 
 @dataclass
@@ -92,7 +93,7 @@ class OpenAIReplies:
             }
             for i, c in enumerate(choices)
         ]
-        return self._envelope("cmpl", "text_completion", body, usage=_usage(choices))
+        return self._envelope(request, "cmpl", "text_completion", body, usage=_usage(choices))
 
     async def chat(
         self, request: OpenAIRequest, state: RequestState, arrival: float
@@ -110,7 +111,7 @@ class OpenAIReplies:
                 "finish_reason": finish_reason(_final(choice).stop_reason),
             }
         ]
-        return self._envelope("chatcmpl", "chat.completion", body, usage=_usage([choice]))
+        return self._envelope(request, "chatcmpl", "chat.completion", body, usage=_usage([choice]))
 
     async def _collect(
         self, choice: _Choice, kind: str, arrival: float, index: int, count: int
@@ -135,7 +136,13 @@ class OpenAIReplies:
         self, request: OpenAIRequest, states: Sequence[RequestState], arrival: float
     ) -> AsyncIterator[dict[str, Any]]:
         """The chunks of a streamed completion (several prompts: interleaved)."""
-        head = _Stream(_ident("cmpl"), int(time.time()), "text_completion", request.include_usage)
+        head = _Stream(
+            _ident("cmpl"),
+            int(time.time()),
+            "text_completion",
+            request.include_usage,
+            request.model or self.model,
+        )
         choices = [_Choice(s) for s in states]
         if request.echo:
             for i, c in enumerate(choices):
@@ -162,7 +169,11 @@ class OpenAIReplies:
     ) -> AsyncIterator[dict[str, Any]]:
         """The chunks of a streamed chat completion: the role first, then the content."""
         head = _Stream(
-            _ident("chatcmpl"), int(time.time()), "chat.completion.chunk", request.include_usage
+            _ident("chatcmpl"),
+            int(time.time()),
+            "chat.completion.chunk",
+            request.include_usage,
+            request.model or self.model,
         )
         choice = _Choice(state)
         yield self._chunk(head, 0, delta={"role": "assistant", "content": ""})
@@ -184,13 +195,18 @@ class OpenAIReplies:
     # ---- bodies ------------------------------------------------------------------------------
 
     def _envelope(
-        self, prefix: str, obj: str, choices: list[dict[str, Any]], **extra: Any
+        self,
+        request: OpenAIRequest,
+        prefix: str,
+        obj: str,
+        choices: list[dict[str, Any]],
+        **extra: Any,
     ) -> dict[str, Any]:
         return {
             "id": _ident(prefix),
             "object": obj,
             "created": int(time.time()),
-            "model": self.model,
+            "model": request.model or self.model,
             "choices": choices,
             **extra,
         }
@@ -225,7 +241,7 @@ class OpenAIReplies:
             "id": head.ident,
             "object": head.obj,
             "created": head.created,
-            "model": self.model,
+            "model": head.model,
             "choices": choices,
         }
 

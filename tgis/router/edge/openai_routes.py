@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, NoReturn
 
 from aiohttp import web
@@ -87,6 +88,8 @@ class OpenAIRoutes:
         self.api_key = api_key
         self.metrics = admission.metrics
         self.created = int(time.time())
+        self.named_models: dict[str, None] = {}
+        """Adapters and prefixes named by ``model`` that resolved, in order (a set)."""
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self._guarded(self.models))
@@ -96,15 +99,24 @@ class OpenAIRoutes:
     # ---- handlers ----------------------------------------------------------------------------
 
     async def models(self, _: web.Request) -> web.StreamResponse:
+        """The served model, then each adapter or prompt prefix requests have named by
+        ``model`` since the start (their ``parent`` the served model, as vLLM lists LoRA
+        modules); the router cannot list the adapter store's directory itself."""
         limits = self.admission.limits
-        card = {
-            "id": self.replies.model,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "tgis",
-            "max_model_len": limits.max_sequence_length,
-        }
-        return web.json_response({"object": "list", "data": [card]})
+        served = self.replies.model
+        cards = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "tgis",
+                "root": served if name == served else name,
+                "parent": None if name == served else served,
+                "max_model_len": limits.max_sequence_length,
+            }
+            for name in [served, *self.named_models]
+        ]
+        return web.json_response({"object": "list", "data": cards})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, self._parse_completion)
@@ -152,8 +164,7 @@ class OpenAIRoutes:
         span: RequestSpan | None,
     ) -> web.StreamResponse:
         try:
-            parsed = parse(await _json_body(request))
-            self._check_model(parsed.model)
+            parsed = await self._for_model(parse(await _json_body(request)))
         except OpenAIError:
             self.metrics.request_received("single", 1)
             self.metrics.request_failure("validation")
@@ -197,14 +208,26 @@ class OpenAIRoutes:
             chunks = self.replies.completion_chunks(parsed, states, arrival)
         return await _send_events(request, chunks, self.metrics)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.replies.model:
-            raise OpenAIError(
-                404,
-                f"The model `{model}` does not exist.",
-                param="model",
-                code="model_not_found",
-            )
+    async def _for_model(self, parsed: OpenAIRequest) -> OpenAIRequest:
+        """``parsed`` for the model it names: the served model as is; another name is a
+        LoRA or prompt-tuning adapter of the adapter store (vLLM's convention), else a
+        prompt-tuning prefix of the prefix store (TGIS's ``prefix_id``); else 404."""
+        name = parsed.model
+        if name is None or name == self.replies.model:
+            return parsed
+        candidates = [replace(parsed.call, prefix_id=name)]
+        if self.admission.adapters is not None:
+            candidates.insert(0, replace(parsed.call, adapter_id=name))
+        for call in candidates:
+            try:
+                await self.admission.resolve_adapters(call.prefix_id, call.adapter_id)
+            except ValidationError:
+                continue
+            self.named_models[name] = None
+            return replace(parsed, call=call)
+        raise OpenAIError(
+            404, f"The model `{name}` does not exist.", param="model", code="model_not_found"
+        )
 
     # ---- authorization and errors ------------------------------------------------------------
 
