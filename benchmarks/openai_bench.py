@@ -1,11 +1,13 @@
-"""The OpenAI streaming route against gRPC streaming, on one launched server and one load.
+"""The OpenAI and TGI streaming routes against gRPC streaming, on one launched server and
+one load.
 
 Starts ``text-generation-launcher`` once (default: the embedded tiny model, where the
 router's own cost per token weighs most) and builds ``serve.py``'s fixed request list
 (``--input-tokens`` prompt tokens calibrated with the Tokenize RPC, ``--output-tokens``
 generated, greedy, the output length forced). Then, for ``--rounds`` rounds, it sends that
-list at every ``--concurrency`` level through both APIs, the order alternating by round
-(gRPC then OpenAI, OpenAI then gRPC, ...) so a slow drift of the shared host hits both:
+list at every ``--concurrency`` level through each API of ``--apis`` (default: all three),
+the order alternating by round (gRPC, OpenAI, TGI, then TGI, OpenAI, gRPC, ...) so a slow
+drift of the shared host hits them all:
 
 * **gRPC**: ``GenerateStream`` (grpc.aio), as ``serve.py`` sends it;
 * **OpenAI**: ``POST /v1/completions`` with ``stream: true`` and
@@ -14,19 +16,27 @@ list at every ``--concurrency`` level through both APIs, the order alternating b
   ``min_tokens`` extra, which tgis accepts, so EOS cannot end a request early).
   ``--chat`` sends ``/v1/chat/completions`` with the prompt as one user message instead
   (the model needs a chat template; the embedded one has none).
+* **TGI**: ``POST /generate_stream`` (HF TGI's REST API; aiohttp, one event per token),
+  ``max_new_tokens`` = the request's output length, greedy, ``details: true`` for the counts
+  on the last event. TGI's API has no minimum length: a request that meets EOS first ends
+  there and counts as having the wrong length, so the prompt's word must be one whose greedy
+  continuation outlasts the output length (on the embedded model, ``--word a`` at 64 prompt
+  tokens runs past 64 output tokens; ``the`` meets EOS within 30).
 
 Every request's prompt and output token counts are checked (the gRPC stream's counts, the
-OpenAI stream's ``usage``): the script exits 1 when one failed or had the wrong length.
+OpenAI stream's ``usage``, the TGI stream's last ``details``): the script exits 1 when one
+failed or had the wrong length.
 
 Reported per level and API (medians over rounds): output tokens/s, TTFT and TPOT p50, the
 messages (gRPC) or chunks (OpenAI) per request, and the CPU time per output token of the
-router, the shard and this client (``/proc``); then the ratio OpenAI / gRPC of the
-throughput and of the router's CPU per token. The issue's goal: OpenAI throughput ≥ 0.9×
-gRPC's at 1 and 32 streams.
+router, the shard and this client (``/proc``); then the ratios OpenAI / gRPC and TGI / gRPC
+of the throughput and of the router's CPU per token. The issue's goal: OpenAI and TGI
+throughput ≥ 0.9× gRPC's at 1 and 32 streams.
 
 Example::
 
     .venv/bin/python benchmarks/openai_bench.py --concurrency 1,32 --rounds 3
+    .venv/bin/python benchmarks/openai_bench.py --apis grpc,tgi --word a
     .venv/bin/python benchmarks/openai_bench.py --json out.json -- --max-batch-size 64
 
 Arguments after ``--`` go to the launcher unchanged.
@@ -36,13 +46,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +83,10 @@ from serve import (
 from tgis.launcher.local_process import LauncherProcess, start_launcher
 from tgis.pb import generation_pb2_grpc as pb_grpc
 
-APIS = ("grpc", "openai")
+APIS = ("grpc", "openai", "tgi")
+
+SendOne = Callable[[RequestSpec, float, RequestResult], Awaitable[None]]
+"""Send one streaming request over an HTTP route and fill in its result."""
 
 
 @dataclass(frozen=True)
@@ -157,14 +171,70 @@ def _carries_tokens(chunk: dict[str, Any]) -> bool:
     return delta is None or "role" not in delta
 
 
-async def run_openai_level(
-    client: OpenAIClient, specs: list[RequestSpec], level: Level, timeout: float
+@dataclass(frozen=True)
+class TGIClient:
+    """What one TGI streaming request needs: the session and the server."""
+
+    session: aiohttp.ClientSession
+    base_url: str
+
+    def body(self, spec: RequestSpec) -> dict[str, Any]:
+        """The streaming request for ``spec``: greedy (TGI's default), its output length as
+        ``max_new_tokens``, details for the counts."""
+        return {
+            "inputs": spec.prompt,
+            "parameters": {"max_new_tokens": spec.output_tokens, "details": True},
+        }
+
+
+async def tgi_stream_one(
+    client: TGIClient, spec: RequestSpec, timeout: float, result: RequestResult
+) -> None:
+    """Send one ``/generate_stream`` request, time its first and last event (one per token,
+    ``result.messages``) and read the counts from the last event's details."""
+    sent = time.perf_counter()
+    first = last = 0.0
+    details: dict[str, Any] | None = None
+    try:
+        async with client.session.post(
+            client.base_url + "/generate_stream",
+            json=client.body(spec),
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    result.error = f"{event.get('error_type')}: {event['error']}"
+                    return
+                last = time.perf_counter()
+                if not result.messages:
+                    first = last
+                result.messages += 1
+                details = event.get("details") or details
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as err:
+        result.error = f"{type(err).__name__}: {err}"
+        return
+    if details is None:
+        result.error = "no details event" if result.messages else "no tokens generated"
+        return
+    result.ttft, result.e2el = first - sent, last - sent
+    result.input_tokens = details["input_length"]
+    result.output_tokens = details["generated_tokens"]
+
+
+async def run_http_level(
+    send_one: SendOne, specs: list[RequestSpec], level: Level, timeout: float
 ) -> tuple[list[RequestResult], float, int]:
-    """``serve.run_level`` over the OpenAI route: (results, wall seconds, peak in flight)."""
+    """``serve.run_level`` over an HTTP route: (results, wall seconds, peak in flight)."""
     results = [RequestResult(s.input_tokens, s.output_tokens) for s in specs]
 
     async def send(index: int) -> None:
-        await sse_stream_one(client, specs[index], timeout, results[index])
+        await send_one(specs[index], timeout, results[index])
 
     duration, peak = await drive_arrivals(send, len(specs), level, 0)
     return results, duration, peak
@@ -218,23 +288,28 @@ async def benchmark(args: argparse.Namespace, server: LauncherProcess) -> list[M
             specs = await build_workload(stub, args)
             async with session.get(base_url + "/v1/models") as resp:
                 model = (await resp.json())["data"][0]["id"]
-            client = OpenAIClient(session, base_url, model, args.chat)
+            senders: dict[str, SendOne] = {
+                "openai": functools.partial(
+                    sse_stream_one, OpenAIClient(session, base_url, model, args.chat)
+                ),
+                "tgi": functools.partial(tgi_stream_one, TGIClient(session, base_url)),
+            }
             for spec in specs[: max(1, args.warmup)]:
-                for error in (
-                    (await stream_one(stub, spec.to_pb(), args.request_timeout)).error,
-                    await _warm_openai(client, spec, args.request_timeout),
-                ):
+                errors = [(await stream_one(stub, spec.to_pb(), args.request_timeout)).error]
+                for api in args.apis[1:]:
+                    errors.append(await _warm(senders[api], api, spec, args.request_timeout))
+                for error in errors:
                     if error:
                         raise SystemExit(f"warm-up request failed: {error}")
             runs: list[Measured] = []
             for round_index in range(args.rounds):
-                order = APIS if round_index % 2 == 0 else APIS[::-1]
+                order = args.apis if round_index % 2 == 0 else args.apis[::-1]
                 for api in order:
                     for level in args.levels:
                         run = (
                             run_level(stubs, specs, level, args.request_timeout, 0)
                             if api == "grpc"
-                            else run_openai_level(client, specs, level, args.request_timeout)
+                            else run_http_level(senders[api], specs, level, args.request_timeout)
                         )
                         runs.append(await measured(api, run, level, server, round_index))
             return runs
@@ -243,12 +318,12 @@ async def benchmark(args: argparse.Namespace, server: LauncherProcess) -> list[M
                 await channel.close()
 
 
-async def _warm_openai(client: OpenAIClient, spec: RequestSpec, timeout: float) -> str:
+async def _warm(send_one: SendOne, api: str, spec: RequestSpec, timeout: float) -> str:
     result = RequestResult(spec.input_tokens, spec.output_tokens)
-    await sse_stream_one(client, spec, timeout, result)
+    await send_one(spec, timeout, result)
     if not result.error and result.wrong_length:
         return (
-            f"the OpenAI stream counted {result.input_tokens} prompt / {result.output_tokens} "
+            f"the {api} stream counted {result.input_tokens} prompt / {result.output_tokens} "
             f"output tokens, expected {spec.input_tokens} / {spec.output_tokens}"
         )
     return result.error
@@ -260,22 +335,25 @@ def median_of(runs: list[Measured], pick: Callable[[Measured], float | None]) ->
     return statistics.median(values) if values else None
 
 
-def report(runs: list[Measured], levels: list[Level]) -> str:
-    """One row per level and API, medians over rounds, and the OpenAI / gRPC ratios."""
+def report(runs: list[Measured], levels: list[Level], apis: Sequence[str] = APIS) -> str:
+    """One row per level and API, medians over rounds, and each HTTP API's ratios to gRPC."""
     roles = sorted({role for r in runs for role in r.stats.cpu_ms_per_token})
     lines = [
         "| level | API | out tok/s | TTFT p50 ms | TPOT p50 ms | msgs/req |"
         + "".join(f" {role} CPU ms/tok |" for role in roles),
         "|---|---|" + "---:|" * (4 + len(roles)),
     ]
+    others = [api for api in apis if api != "grpc"]
     ratios = [
         "",
-        "| level | out tok/s OpenAI / gRPC | router CPU/tok OpenAI / gRPC |",
-        "|---|---:|---:|",
+        "| level |"
+        + "".join(f" out tok/s {_NAMES[a]} / gRPC |" for a in others)
+        + "".join(f" router CPU/tok {_NAMES[a]} / gRPC |" for a in others),
+        "|---|" + "---:|" * (2 * len(others)),
     ]
     for level in levels:
         medians: dict[str, dict[str, float | None]] = {}
-        for api in APIS:
+        for api in apis:
             mine = [r for r in runs if r.api == api and r.stats.label == level.label]
             row = {
                 "out": median_of(mine, lambda r: r.stats.output_throughput),
@@ -292,14 +370,18 @@ def report(runs: list[Measured], levels: list[Level]) -> str:
                 + "".join(f" {fmt(row[role], 3)} |" for role in roles)
             )
         ratios.append(
-            f"| {level.label} | {fmt(_ratio(medians, 'out'), 3)} | "
-            f"{fmt(_ratio(medians, 'router'), 3)} |"
+            f"| {level.label} |"
+            + "".join(f" {fmt(_ratio(medians, a, 'out'), 3)} |" for a in others)
+            + "".join(f" {fmt(_ratio(medians, a, 'router'), 3)} |" for a in others)
         )
     return "\n".join(lines + ratios)
 
 
-def _ratio(medians: dict[str, dict[str, float | None]], key: str) -> float | None:
-    theirs, ours = medians["grpc"].get(key), medians["openai"].get(key)
+_NAMES = {"openai": "OpenAI", "tgi": "TGI"}
+
+
+def _ratio(medians: dict[str, dict[str, float | None]], api: str, key: str) -> float | None:
+    theirs, ours = medians["grpc"].get(key), medians[api].get(key)
     return ours / theirs if ours is not None and theirs else None
 
 
@@ -319,6 +401,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--word", default="the", help="word repeated to build prompts (the)")
     parser.add_argument("--chat", action="store_true", help="/v1/chat/completions instead")
     parser.add_argument(
+        "--apis", default=",".join(APIS), help="the APIs measured, gRPC first (grpc,openai,tgi)"
+    )
+    parser.add_argument(
         "--grpc-channels",
         type=int,
         default=1,
@@ -337,6 +422,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("stream counts, --rounds, --num-requests and --grpc-channels must be positive")
     if args.output_tokens < 2 or args.input_tokens < 1:
         parser.error("--output-tokens must be >= 2 and --input-tokens >= 1")
+    args.apis = [a.strip() for a in args.apis.split(",") if a.strip()]
+    if args.apis[:1] != ["grpc"] or not set(args.apis) <= set(APIS) or len(args.apis) < 2:
+        parser.error("--apis: grpc first, then openai and/or tgi")
     args.levels = [Level(f"c={c}", concurrency=c) for c in counts]
     args.launcher_args = launcher_args
     # What serve.build_workload reads: fixed lengths, one shared prompt per length.
@@ -368,12 +456,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.num_requests} requests per level, {args.input_tokens} prompt / "
             f"{args.output_tokens} output tokens, greedy, output length forced; "
             f"{args.rounds} rounds, API order alternating; {args.grpc_channels} gRPC "
-            "connection(s); " + ("/v1/chat/completions" if args.chat else "/v1/completions")
+            "connection(s); " + ", ".join(_routes(args))
         ),
         "launcher exit code": code,
     }
     print("## Environment\n\n" + header_lines(env) + "\n\n## Results\n")
-    print(report(runs, args.levels))
+    print(report(runs, args.levels, args.apis))
     if args.json:
         payload = {"environment": env, "runs": [asdict(r) for r in runs]}
         args.json.write_text(json.dumps(json_safe(payload), indent=2, default=str))
@@ -381,6 +469,15 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"{failed} request(s) failed or had the wrong length", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _routes(args: argparse.Namespace) -> list[str]:
+    routes = {
+        "grpc": "GenerateStream",
+        "openai": "/v1/chat/completions" if args.chat else "/v1/completions",
+        "tgi": "/generate_stream",
+    }
+    return [routes[api] for api in args.apis]
 
 
 if __name__ == "__main__":
