@@ -107,22 +107,43 @@ class TGIReplies:
 
     async def events(
         self, request: TGIRequest, state: RequestState, arrival: float
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The stream's events: one per generated token, the last with the text."""
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """The stream's events, one per generated token, the last with the text; the events
+        of tokens already queued behind one come with it (one write for them all)."""
         out = _Output()
         while out.final is None:
+            batch: list[dict[str, Any]] = []
             event = await state.events.get()
-            if isinstance(event, BaseException):
-                raise event
-            if not isinstance(event, TokenEvent):
-                continue
-            count = len(out.tokens)
-            self._add(out, event)
-            if not event.tokens:  # no token (none is generated after a time limit)
-                out.tokens.append({"id": -1, "text": "", "logprob": None, "special": True})
-                out.top_tokens.append([])
-            for index in range(count, len(out.tokens)):
-                yield self._stream_event(request, state, out, index, arrival)
+            while True:
+                if isinstance(event, BaseException):
+                    if batch:
+                        yield batch  # what came before the failure, then the failure
+                    raise event
+                if isinstance(event, TokenEvent):
+                    batch += self._token_events(request, state, out, event, arrival)
+                if out.final is not None or state.events.empty():
+                    break
+                event = state.events.get_nowait()
+            if batch:
+                yield batch
+
+    def _token_events(
+        self,
+        request: TGIRequest,
+        state: RequestState,
+        out: _Output,
+        event: TokenEvent,
+        arrival: float,
+    ) -> list[dict[str, Any]]:
+        count = len(out.tokens)
+        self._add(out, event)
+        if not event.tokens:  # no token (none is generated after a time limit)
+            out.tokens.append({"id": -1, "text": "", "logprob": None, "special": True})
+            out.top_tokens.append([])
+        return [
+            self._stream_event(request, state, out, index, arrival)
+            for index in range(count, len(out.tokens))
+        ]
 
     def _stream_event(
         self, request: TGIRequest, state: RequestState, out: _Output, index: int, arrival: float

@@ -160,13 +160,12 @@ class TGIRoutes:
         response = web.StreamResponse(headers=_EVENT_HEADERS)
         await response.prepare(request)
         try:
-            async for event in self.replies.events(parsed, state, arrival):
-                await response.write(b"data:" + json.dumps(event).encode() + b"\n\n")
+            async for events in self.replies.events(parsed, state, arrival):
+                await response.write(b"".join(map(_event, events)))
         except RouterError as err:
             if isinstance(err, GenerationError):
                 self.metrics.request_failure("generate")
-            error = tgi_error(err).body()
-            await response.write(b"data:" + json.dumps(error).encode() + b"\n\n")
+            await response.write(_event(tgi_error(err).body()))
         await response.write_eof()
         return response
 
@@ -184,6 +183,11 @@ class TGIRoutes:
                 return web.json_response(err.body(), status=err.status)
 
         return guarded
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    """One server-sent event, as TGI writes it (``data:`` and the JSON, no space)."""
+    return b"data:" + json.dumps(data).encode() + b"\n\n"
 
 
 def tgi_error(err: RouterError) -> TGIError:
