@@ -25,7 +25,7 @@ from tgis.router.edge.http_server import build_app
 from tgis.router.edge.replies import Replies
 from tgis.router.edge.tgi_replies import TGIReplies
 from tgis.router.edge.tgi_routes import TGIRoutes
-from tgis.router.errors import GenerationError
+from tgis.router.errors import GenerationError, UnavailableError
 from tgis.router.intake.admission import Admission
 from tgis.router.intake.concurrency import ConcurrencyLimiter
 from tgis.router.intake.tokenization import RouterTokenizer
@@ -48,6 +48,7 @@ class ScriptedEngine:
         self.rules = OutputRules(tokenizer, (EOS,))
         self.ids = [*tokenizer.encode_batch([TEXT], add_special_tokens=False)[0], EOS]
         self.fail_after: int | None = None
+        self.failure: Exception = GenerationError("the shard fell over")
         self.aborted: list[RequestState] = []
         self.submitted: list[ValidatedRequest] = []
 
@@ -62,7 +63,7 @@ class ScriptedEngine:
             state.emit(InputTokensEvent(tuple(prompt)))
         for n, token_id in enumerate(self.ids):
             if n == self.fail_after:
-                state.emit(GenerationError("the shard fell over"))
+                state.emit(self.failure)
                 return state
             tops = tuple(TopToken(t, -0.5 - k) for k, t in enumerate((token_id, 5, 6)))
             detail = TokenDetail(token_id, -0.25 * (n + 1), 0, tops[: response.top_n_tokens])
@@ -302,6 +303,15 @@ def test_refusals_have_tgis_statuses_and_shape() -> None:
         assert [e["index"] for e in events[:-1]] == [1, 2]
         assert events[-1] == body
         assert server.failures("generate") == 2
+        # The drain's end (Engine.close) ends a live stream with an event saying why.
+        server.engine.failure = UnavailableError("Server is shutting down: ended")
+        events = await server.events("/generate_stream", {"inputs": "Hi"})
+        assert events[-1] == {
+            "error": "Server is shutting down: ended",
+            "error_type": "unavailable",
+        }
+        status, body, _ = await server.post("/generate", {"inputs": "Hi"})
+        assert (status, body["error_type"]) == (503, "unavailable")
         server.engine.fail_after = None
         # No permit left: 429; draining: 503 (and /info is still answered).
         assert server.admission.limiter.try_acquire(4)
