@@ -201,6 +201,7 @@ def test_runtime_contract() -> None:
     env = runtime_env()
     assert env["HF_HUB_OFFLINE"] == "1"
     assert env["MODEL_NAME"] == "/mnt/models/"
+    assert env["TGIS_REQUIRE_MODEL"] == "true"  # never the embedded demo model
     assert (env["PORT"], env["GRPC_PORT"]) == ("3000", "8033")
     assert "TRANSFORMERS_CACHE" not in env
     writable = ("/tmp", env["HOME"])
@@ -321,3 +322,33 @@ def test_missing_model_is_one_line_in_the_termination_log(image_dirs: dict[str, 
     assert message.count("\n") == 1 and str(unmounted) in message, message
     assert "not found" in message
     assert result.stderr.splitlines()[-1] == "error: " + message.strip(), result.stderr
+
+
+@pytest.mark.parametrize("model_args", [[], ["--model-name", ""]])
+def test_no_model_named_is_refused_not_the_demo_model(
+    image_dirs: dict[str, Path], model_args: list[str]
+) -> None:
+    """MODEL_NAME emptied (or --model-name ""): the image's TGIS_REQUIRE_MODEL stops the
+    start with one line in the termination log, where the launcher alone would serve the
+    embedded demo model."""
+    termination_log = image_dirs["base"] / "termination-log"
+    termination_log.touch()
+    termination_log.chmod(0o666)
+    env = image_environment(image_dirs, "")
+    env["TGIS_TERMINATION_LOG"] = str(termination_log)
+    result = subprocess.run(
+        [str(BIN_DIR / "text-generation-launcher"), *model_args, "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=image_dirs["home"],
+        **run_as(),  # type: ignore[call-overload]
+    )
+    assert result.returncode != 0, result.stdout
+    message = termination_log.read_text()
+    assert message.count("\n") == 1, message
+    assert message.startswith("no model named, and TGIS_REQUIRE_MODEL"), message
+    assert "--model-name / MODEL_NAME (or TGI's --model-id / MODEL_ID)" in message
+    assert "Router:" not in result.stdout

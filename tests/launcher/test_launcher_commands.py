@@ -35,8 +35,8 @@ def test_default_command_lines(model_dir: Path) -> None:
         "--master-shard-uds-path", "/tmp/text-generation-server-0",
         "--shutdown-grace-period", "25.0", "--port", "3000", "--grpc-port", "8033",
         "--max-concurrent-requests", "512", "--max-sequence-length", "256",
-        "--max-new-tokens", "1024", "--max-prefill-padding", "0.2",
-        "--default-include-stop-seqs", "true",
+        "--max-new-tokens", "1024", "--max-stop-sequences", "6", "--max-best-of", "1",
+        "--max-prefill-padding", "0.2", "--default-include-stop-seqs", "true",
     ]  # fmt: skip
 
 

@@ -25,7 +25,9 @@ def test_defaults_are_tgis_defaults() -> None:
     config, dry_run = parse_args([])
     assert not dry_run
     assert asdict(config) == {
-        "model_name": None,
+        "model_name": None,  # the embedded demo model, with a warning
+        "require_model": False,  # the image sets it: no model named is an error
+        "trust_remote_code": False,
         "revision": None,
         "deployment_framework": "hf_transformers",
         "dtype": None,
@@ -44,6 +46,10 @@ def test_defaults_are_tgis_defaults() -> None:
         "max_batch_total_tokens": None,
         "max_client_batch_size": None,
         "max_input_tokens": None,
+        "max_stop_sequences": 6,  # TGIS's limit (TGI: 4)
+        "max_top_n_tokens": None,  # no limit, as TGIS (TGI: 5)
+        "max_best_of": 1,  # one sequence per choice (TGI: 2)
+        "hostname": None,  # every interface
         "port": 3000,
         "grpc_port": 8033,
         "shard_uds_path": "/tmp/text-generation-server",
@@ -58,6 +64,7 @@ def test_defaults_are_tgis_defaults() -> None:
         "served_model_name": None,
         "chat_template": None,
         "api_key": None,
+        "cors_allow_origin": (),  # no CORS headers
         "http_tls": False,
         "speculate": 0,
         "speculator_name": None,
@@ -72,6 +79,7 @@ def test_defaults_are_tgis_defaults() -> None:
         "load_format": "auto",
         "shutdown_grace_period": 25.0,  # TGIS has no such flag
         "adapter_cache": None,  # vllm-tgis-adapter's flag; unset: adapter_id refused
+        "lora_adapters": None,  # TGI's: none loaded at start
         "max_loras": 8,
         "max_lora_rank": 64,
     }

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from typing import Any
 import click
 import pytest
 
+import tgis
 from tgis.launcher import cli as launcher_cli
 from tgis.launcher.commands import router_values, shard_values
 from tgis.launcher.config import LauncherConfig
@@ -98,12 +101,16 @@ def test_a_setting_is_declared_once() -> None:
         catalogue._check_declared_once((*SETTINGS, alias))
 
 
+# Options that are no setting: the launcher's --dry-run, and -V / --version.
+NOT_SETTINGS = frozenset({"dry_run", "version"})
+
+
 @pytest.mark.parametrize("process", list(Process))
 def test_each_program_has_exactly_the_options_of_the_settings_it_reads(process: Process) -> None:
-    params = {p.name for p in COMMANDS[process].params} - {"dry_run"}
+    params = {p.name for p in COMMANDS[process].params} - NOT_SETTINGS
     assert params == {s.name for s in read_by(process)}
     for param in COMMANDS[process].params:
-        if isinstance(param, click.Option) and param.name != "dry_run":
+        if isinstance(param, click.Option) and param.name not in NOT_SETTINGS:
             s = catalogue.of(param.name or "")
             assert set(param.opts) | set(param.secondary_opts) == set(s.flags)
             assert param.envvar == list(s.env)
@@ -236,6 +243,9 @@ def test_the_launchers_own_values_are_what_it_hands_on(child: Process, tmp_path:
         "model_name": str(model), "speculate": 2, "adapter_cache": str(tmp_path),
         "otlp_endpoint": "http://o:4317",
     }  # fmt: skip
+    adapter = tmp_path / sample(catalogue.of("lora_adapters"))  # an adapter to load at start
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA"}')
     for s in read_by(child):
         if not s.reads(L) or s.name in HANDED_ON_ELSEWHERE:
             continue
@@ -257,3 +267,25 @@ def test_the_readme_documents_every_setting_a_user_sets() -> None:
         names = [*s.env, *(f for f in s.flags if f.startswith("--") and s.reads(L))]
         for name in names:
             assert any(f"`{name}`" in row for row in rows), f"{s.name}: {name}"
+
+
+@pytest.mark.parametrize(
+    ("program", "argv"),
+    [
+        ("text-generation-launcher", ["-V"]),
+        ("text-generation-launcher", ["--version"]),
+        ("text-generation-router", ["-V"]),
+        ("text-generation-router", ["--version"]),
+        ("text-generation-server", ["-V"]),
+        ("text-generation-server", ["--version"]),
+    ],
+)
+def test_every_program_prints_its_version(program: str, argv: list[str]) -> None:
+    """-V / --version, as TGI's programs have: the package's version, exit status 0, before
+    anything else is looked at (no model, no shard)."""
+    script = Path(sys.executable).parent / program
+    result = subprocess.run(
+        [str(script), *argv], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"{program} {tgis.__version__}\n"

@@ -76,7 +76,7 @@ def _prepare(
     cfg = resolve(flags, os.environ, log)
     shard_program = find_program(SHARD_PROGRAM)
     router_program = find_program(ROUTER_PROGRAM)
-    tokenizer = prepare_tokenizer(cfg.model_dir, log)
+    tokenizer = prepare_tokenizer(cfg.model_dir, log, trust_remote_code=flags.trust_remote_code)
     sockets = [shard_socket_path(flags.shard_uds_path, rank) for rank in range(cfg.num_shard)]
     argv = shard_argv(shard_program, cfg)
     shards = [

@@ -18,7 +18,7 @@ from click.core import ParameterSource
 from tgis.launcher.config import LauncherConfig
 from tgis.log import one_line
 from tgis.settings.declaration import Process
-from tgis.settings.options import BOOL_HINT, setting_options
+from tgis.settings.options import BOOL_HINT, setting_options, version_option
 from tgis.termination import fail_startup
 
 
@@ -36,6 +36,7 @@ from tgis.termination import fail_startup
     is_flag=True,
     help="Validate, print the shard and router command lines, and exit.",
 )
+@version_option()
 def command(dry_run: bool, **values: Any) -> tuple[LauncherConfig, bool]:
     """Start one shard per rank and the router, and supervise them (TGIS-compatible)."""
     return LauncherConfig(**values), dry_run

@@ -58,7 +58,9 @@ class LauncherConfig:
     """The launcher's flags as given (command line, else env, else the defaults of
     ``tgis/settings``: one field per setting the launcher reads)."""
 
-    model_name: str | None = _d("model_name")
+    model_name: str | None = _d("model_name")  # None: the embedded demo model
+    require_model: bool = _d("require_model")  # the image: no model named is an error
+    trust_remote_code: bool = _d("trust_remote_code")
     revision: str | None = _d("revision")
     deployment_framework: str = _d("deployment_framework")
     dtype: str | None = _d("dtype")
@@ -73,6 +75,7 @@ class LauncherConfig:
     master_port: int = _d("master_port")
     shard_startup_timeout: float = _d("shard_startup_timeout")
     shutdown_grace_period: float = _d("shutdown_grace_period")
+    hostname: str | None = _d("hostname")  # None: every interface
     port: int = _d("port")
     grpc_port: int = _d("grpc_port")
     tls_cert_path: str | None = _d("tls_cert_path")
@@ -91,6 +94,9 @@ class LauncherConfig:
     max_new_tokens: int = _d("max_new_tokens")
     max_input_tokens: int | None = _d("max_input_tokens")  # default: max_sequence_length - 1
     max_client_batch_size: int | None = _d("max_client_batch_size")  # default: no limit
+    max_stop_sequences: int = _d("max_stop_sequences")
+    max_top_n_tokens: int | None = _d("max_top_n_tokens")  # default: no limit
+    max_best_of: int = _d("max_best_of")
     max_batch_size: int | None = _d("max_batch_size")  # default: by capacity
     max_prefill_padding: float = _d("max_prefill_padding")
     max_waiting_tokens: int | None = _d("max_waiting_tokens")
@@ -108,6 +114,7 @@ class LauncherConfig:
     prompt_lookup_min: int = _d("prompt_lookup_min")
     prompt_lookup_max: int = _d("prompt_lookup_max")
     adapter_cache: str | None = _d("adapter_cache")  # PEFT adapters (none: refused)
+    lora_adapters: str | None = _d("lora_adapters")  # ids to load at start, comma-separated
     max_loras: int = _d("max_loras")
     max_lora_rank: int = _d("max_lora_rank")
 

@@ -9,10 +9,33 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tgis.launcher.config import ConfigError
+from tgis.launcher.config import ConfigError, LauncherConfig
 from tgis.model_files import MAX_SEQUENCE_LENGTH_KEYS, ModelNotFoundError, resolve_model_dir
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 2048
+
+NAME_THE_MODEL = (
+    "--model-name / MODEL_NAME (or TGI's --model-id / MODEL_ID): a directory with "
+    "config.json, or a model id in the local Hugging Face cache"
+)
+EMBEDDED_MODEL_WARNING = (
+    "No model named: serving the embedded demo model, a 4M-parameter toy that writes "
+    f"English-like noise. To serve a model, name it with {NAME_THE_MODEL}"
+)
+NO_MODEL_MESSAGE = (
+    "no model named, and TGIS_REQUIRE_MODEL (--require-model) refuses to serve the embedded "
+    f"demo model: name the model with {NAME_THE_MODEL}"
+)
+
+
+def check_model_named(flags: LauncherConfig, log: logging.Logger) -> None:
+    """Without a model named, the embedded demo model is served: a warning, or (with
+    ``--require-model``, which the container image sets) a ConfigError."""
+    if flags.model_name:
+        return
+    if flags.require_model:
+        raise ConfigError(NO_MODEL_MESSAGE)
+    log.warning(EMBEDDED_MODEL_WARNING)
 
 
 def find_model_dir(model_name: str | None, revision: str | None) -> Path:

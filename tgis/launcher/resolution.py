@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from tgis.launcher.config import EMBEDDED_MODEL_NAME, LauncherConfig, ResolvedConfig
 from tgis.launcher.environment import resolve_hf_hub_cache, resolve_num_shard
 from tgis.launcher.model_config import (
+    check_model_named,
     find_model_dir,
     read_model_config,
     resolve_max_sequence_length,
@@ -38,10 +39,17 @@ def resolve(
     load_format = resolve_load_format(flags.load_format)
     validate_quantize(flags.quantize)
     validate_limits(flags)
+    if flags.max_best_of > 1:
+        log.warning(
+            "max_best_of is %d, but each choice is one generated sequence here: requests "
+            "asking for best_of above 1 are refused",
+            flags.max_best_of,
+        )
     validate_tls(flags)
     num_shard = resolve_num_shard(flags.num_shard, environ)
     validate_shard_uds_path(flags.shard_uds_path, num_shard)
     hf_hub_cache = resolve_hf_hub_cache(environ, log)
+    check_model_named(flags, log)
     model_dir = find_model_dir(flags.model_name, flags.revision)
     model_config = read_model_config(model_dir)
     max_sequence_length = resolve_max_sequence_length(flags.max_sequence_length, model_config, log)

@@ -23,7 +23,9 @@ CONVERSION_TIMEOUT_S = 300.0
 _CONVERT_SCRIPT = (
     "import sys\n"
     "from transformers import AutoTokenizer\n"
-    "tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)\n"
+    "tokenizer = AutoTokenizer.from_pretrained(\n"
+    "    sys.argv[1], local_files_only=True, trust_remote_code=sys.argv[3] == 'trust'\n"
+    ")\n"
     "tokenizer.save_pretrained(sys.argv[2])\n"
 )
 
@@ -41,12 +43,16 @@ class TokenizerFile:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def convert_tokenizer(model_dir: Path, out_dir: Path, timeout: float) -> str | None:
-    """Run the conversion in a subprocess; None on success, else a short reason."""
+def convert_tokenizer(
+    model_dir: Path, out_dir: Path, timeout: float, trust_remote_code: bool = False
+) -> str | None:
+    """Run the conversion in a subprocess (``trust_remote_code``: the model repository's
+    tokenizer code may run, ``--trust-remote-code``); None on success, else a short reason."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    trust = "trust" if trust_remote_code else "no"
     try:
         result = subprocess.run(
-            [sys.executable, "-c", _CONVERT_SCRIPT, str(model_dir), str(out_dir)],
+            [sys.executable, "-c", _CONVERT_SCRIPT, str(model_dir), str(out_dir), trust],
             env=env,
             stdin=subprocess.DEVNULL,
             capture_output=True,
@@ -65,7 +71,10 @@ def convert_tokenizer(model_dir: Path, out_dir: Path, timeout: float) -> str | N
 
 
 def prepare_tokenizer(
-    model_dir: Path, log: logging.Logger, timeout: float = CONVERSION_TIMEOUT_S
+    model_dir: Path,
+    log: logging.Logger,
+    timeout: float = CONVERSION_TIMEOUT_S,
+    trust_remote_code: bool = False,
 ) -> TokenizerFile:
     """`<model_dir>/tokenizer.json` if present, else a converted one; ConfigError if neither."""
     existing = model_dir / TOKENIZER_FILE
@@ -73,7 +82,7 @@ def prepare_tokenizer(
         return TokenizerFile(existing)
     log.info("No %s in %s, converting the tokenizer with transformers", TOKENIZER_FILE, model_dir)
     out_dir = Path(tempfile.mkdtemp(prefix="tgis-tokenizer-"))
-    reason = convert_tokenizer(model_dir, out_dir, timeout)
+    reason = convert_tokenizer(model_dir, out_dir, timeout, trust_remote_code)
     converted = out_dir / TOKENIZER_FILE
     if reason is None and converted.is_file():
         log.info("Converted tokenizer written to %s", converted)

@@ -22,6 +22,9 @@ from tgis.launcher.config import (
 )
 from tgis.router.config import TlsConfig, check_batching
 from tgis.router.edge.tls import TlsError, load_material
+from tgis.router.errors import ValidationError
+from tgis.router.intake.validation import check_adapter_id
+from tgis.settings.features import adapter_ids
 from tgis.settings.serving import LOAD_FORMATS
 
 # Linux limit on the path of a Unix socket (sizeof(sun_path) - 1).
@@ -85,6 +88,7 @@ def validate_limits(flags: LauncherConfig) -> None:
     """Numeric flags, in this order: sizes, adapter limits, batch margins, the batching flags,
     the GPU memory fraction, ports, timeouts."""
     _validate_sizes(flags)
+    _validate_request_limits(flags)
     _validate_adapter_limits(flags)
     _validate_speculation(flags)
     _validate_batch_margins(flags)
@@ -110,14 +114,51 @@ def _validate_sizes(flags: LauncherConfig) -> None:
         raise ConfigError(f"max_batch_size ({flags.max_batch_size}) must be at least 1")
 
 
+def _validate_request_limits(flags: LauncherConfig) -> None:
+    """TGI's limits on what one request asks for: stop sequences and top-n tokens not
+    negative, best_of at least 1."""
+    if flags.max_stop_sequences < 0:
+        raise ConfigError(f"max_stop_sequences ({flags.max_stop_sequences}) must not be negative")
+    if flags.max_top_n_tokens is not None and flags.max_top_n_tokens < 0:
+        raise ConfigError(f"max_top_n_tokens ({flags.max_top_n_tokens}) must not be negative")
+    if flags.max_best_of < 1:
+        raise ConfigError(f"max_best_of ({flags.max_best_of}) must be at least 1")
+
+
 def _validate_adapter_limits(flags: LauncherConfig) -> None:
-    """LoRA count and rank at least 1; the adapter cache, when given, a directory."""
+    """LoRA count and rank at least 1; the adapter cache, when given, a directory; the
+    adapters to load at start valid ids of adapters in it."""
     if flags.max_loras < 1:
         raise ConfigError(f"max_loras ({flags.max_loras}) must be at least 1")
     if flags.max_lora_rank < 1:
         raise ConfigError(f"max_lora_rank ({flags.max_lora_rank}) must be at least 1")
     if flags.adapter_cache and not Path(flags.adapter_cache).is_dir():
         raise ConfigError(f"adapter_cache {flags.adapter_cache} is not a directory")
+    _validate_lora_adapters(flags.lora_adapters, flags.adapter_cache)
+
+
+def _validate_lora_adapters(value: str | None, adapter_cache: str | None) -> None:
+    """Each id of ``--lora-adapters`` a valid id with an ``adapter_config.json`` in the
+    adapter cache (the shard loads them and says why one cannot be used)."""
+    ids = adapter_ids(value)
+    if not ids:
+        return
+    if not adapter_cache:
+        raise ConfigError(
+            "lora_adapters needs adapter_cache: the adapters are read from --adapter-cache "
+            "(ADAPTER_CACHE), each id a directory there"
+        )
+    for adapter_id in ids:
+        try:
+            check_adapter_id(adapter_id)
+        except ValidationError as e:
+            raise ConfigError(f"lora_adapters: {e}") from None
+        config = Path(adapter_cache) / adapter_id / "adapter_config.json"
+        if not config.is_file():
+            raise ConfigError(
+                f"lora_adapters: no adapter '{adapter_id}' in adapter_cache {adapter_cache} "
+                f"({config} not found)"
+            )
 
 
 def _validate_speculation(flags: LauncherConfig) -> None:

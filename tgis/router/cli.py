@@ -14,7 +14,7 @@ import click
 from tgis.log import setup_logging
 from tgis.router.config import RouterConfig, TlsConfig, TracingConfig
 from tgis.settings.declaration import Process
-from tgis.settings.options import setting_options
+from tgis.settings.options import setting_options, version_option
 from tgis.termination import fail_startup
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ def _default_tokenization_workers() -> int:
 
 @click.command(context_settings={"show_default": True, "max_content_width": 100})
 @setting_options(Process.ROUTER)
+@version_option()
 def main(**flags: Any) -> None:
     """Serve fmaas.GenerationService, /health and /metrics in front of a running shard."""
     setup_logging(flags["json_output"], "router")

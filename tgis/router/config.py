@@ -87,6 +87,14 @@ class RouterConfig:
     """Most inputs in one Generate call; None: no limit."""
     max_input_tokens: int | None = _d("max_input_tokens")
     """Longest input (after truncation); None: only max_sequence_length limits it."""
+    max_stop_sequences: int = _d("max_stop_sequences")
+    """Most stop sequences one request may give (TGIS: 6)."""
+    max_top_n_tokens: int | None = _d("max_top_n_tokens")
+    """Largest top_n_tokens a request may ask for; None: no limit (TGIS)."""
+    max_best_of: int = _d("max_best_of")
+    """TGI's limit on best_of (above 1 is refused whatever it says: one sequence a choice)."""
+    hostname: str | None = _d("hostname")
+    """The address both ports listen on; None: every interface, IPv4 and IPv6."""
     port: int = _d("port")
     grpc_port: int = _d("grpc_port")
     master_shard_uds_path: str = _d("master_shard_uds_path")

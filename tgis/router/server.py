@@ -89,7 +89,7 @@ class Router:
         calls = CallGate(self.drain, self.tracing)
         self.grpc = PublicGrpc(self._servicer(engine, admission, replies, calls))
         await self.grpc.set_serving(False)
-        self.grpc.bind(config.grpc_port, config.tls)
+        self.grpc.bind(config.grpc_port, config.tls, config.hostname)
         engine_task = engine.start()
         await self.grpc.server.start()
         log.info(
@@ -101,6 +101,7 @@ class Router:
         routes = self._http_routes(engine, admission, replies, calls, info)
         http = await start_http_server(
             config.port,
+            config.hostname,
             health_check,
             metrics,
             self.drain,
@@ -159,6 +160,9 @@ class Router:
                 config.max_new_tokens,
                 max_input_tokens=config.max_input_tokens,
                 max_client_batch_size=config.max_client_batch_size,
+                max_stop_sequences=config.max_stop_sequences,
+                max_top_n_tokens=config.max_top_n_tokens,
+                max_best_of=config.max_best_of,
             ),
             limiter=ConcurrencyLimiter(config.max_concurrent_requests),
             metrics=metrics,

@@ -7,6 +7,11 @@ from tgis.settings.declaration import setting as _s
 
 L, R, S = Process.LAUNCHER, Process.ROUTER, Process.SHARD
 
+MAX_STOP_SEQUENCES = 6
+"""TGIS's limit on the stop sequences of one request (TGI's is 4)."""
+MAX_BEST_OF = 1
+"""Each choice is one generated sequence (TGI's default limit is 2)."""
+
 LIMITS = (
     _s("max_concurrent_requests", ("--max-concurrent-requests",), ("MAX_CONCURRENT_REQUESTS",),
        Kind.INT, 512,
@@ -19,11 +24,21 @@ LIMITS = (
        aliases={"--max-total-tokens": "TGI", "MAX_TOTAL_TOKENS": "TGI"}),
     _s("max_new_tokens", ("--max-new-tokens",), ("MAX_NEW_TOKENS",), Kind.INT, 1024,
        "Largest max_new_tokens a request may ask for.", {L, R, S}),
-    _s("max_input_tokens", ("--max-input-tokens",), ("MAX_INPUT_TOKENS",), Kind.INT, None,
+    _s("max_input_tokens", ("--max-input-tokens", "--max-input-length"),
+       ("MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"), Kind.INT, None,
        "Longest input in tokens, after truncation (default: max-sequence-length - 1).",
-       {L, R}),
+       {L, R}, aliases={"--max-input-length": "TGI", "MAX_INPUT_LENGTH": "TGI"}),
     _s("max_client_batch_size", ("--max-client-batch-size",), ("MAX_CLIENT_BATCH_SIZE",),
        Kind.INT, None, "Most inputs in one Generate call (default: no limit).", {L, R}),
+    _s("max_stop_sequences", ("--max-stop-sequences",), ("MAX_STOP_SEQUENCES",), Kind.INT,
+       MAX_STOP_SEQUENCES, "Most stop sequences one request may give (TGIS's limit: 6).",
+       {L, R}, minimum=0),
+    _s("max_top_n_tokens", ("--max-top-n-tokens",), ("MAX_TOP_N_TOKENS",), Kind.INT, None,
+       "Largest top_n_tokens (OpenAI: top_logprobs, logprobs) a request may ask for "
+       "(default: no limit, as TGIS).", {L, R}, minimum=0),
+    _s("max_best_of", ("--max-best-of",), ("MAX_BEST_OF",), Kind.INT, MAX_BEST_OF,
+       "Largest best_of a request may ask for; one sequence is generated per choice, so "
+       "best_of above 1 is refused whatever the limit.", {L, R}, minimum=1),
 )  # fmt: skip
 
 BATCHING = (

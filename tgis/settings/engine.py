@@ -36,8 +36,6 @@ SETTINGS = (
        "Compile the step with torch.compile at start-up: auto (on CUDA only), 1, 0.", {S}),
     _s("cuda_graphs", ("--cuda-graphs",), ("TGIS_CUDA_GRAPHS",), Kind.STR, "auto",
        "Replay decode steps from CUDA graphs: auto, 1 (a failure stops start-up), 0.", {S}),
-    _s("trust_remote_code", ("--trust-remote-code",), ("TRUST_REMOTE_CODE",), Kind.FLAG, False,
-       "Let the transformers fallback run the model repository's own code.", {S}),
     _s("transformers_attn_impl", ("--transformers-attn-impl",), ("TRANSFORMERS_ATTN_IMPL",),
        Kind.STR, None, "attn_implementation of the transformers fallback's model.", {S}),
 )  # fmt: skip

@@ -48,6 +48,10 @@ ADAPTERS = (
        "Directory of PEFT adapters (LoRA or prompt tuning, each a directory with "
        "adapter_config.json) that requests name with adapter_id; loaded on first use. Unset: "
        "adapter_id is refused.", {L, S}),
+    _s("lora_adapters", ("--lora-adapters",), ("LORA_ADAPTERS",), Kind.STR, None,
+       "Adapters of --adapter-cache to load at start, comma-separated ids (LoRA or prompt "
+       "tuning), so that no request waits for their loading; one that cannot be loaded stops "
+       "the start.", {L, S}, aliases={"--lora-adapters": "TGI", "LORA_ADAPTERS": "TGI"}),
     _s("max_loras", ("--max-loras",), ("MAX_LORAS",), Kind.INT, DEFAULT_MAX_LORAS,
        "Most different LoRA adapters in one step (requests for others wait); also how many "
        "stay loaded when unused.", {L, S}, minimum=1),
@@ -67,3 +71,10 @@ ADAPTERS = (
 )  # fmt: skip
 
 SETTINGS = (*OUTPUT, *CACHING_AND_SPECULATION, *ADAPTERS)
+
+
+def adapter_ids(value: str | None) -> tuple[str, ...]:
+    """The ids of ``--lora-adapters``: comma-separated, blanks around them and empty ones
+    dropped, each once, in order."""
+    ids = (part.strip() for part in (value or "").split(","))
+    return tuple(dict.fromkeys(i for i in ids if i))

@@ -17,10 +17,11 @@ from typing import Any, TypeVar
 import click
 from click.core import ParameterSource
 
+from tgis import __version__
 from tgis.settings.catalogue import read_by
 from tgis.settings.declaration import UNSET, Kind, Process, Setting
 
-__all__ = ["BOOL_HINT", "StrictBool", "parse_bool", "setting_options"]
+__all__ = ["BOOL_HINT", "StrictBool", "parse_bool", "setting_options", "version_option"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -134,3 +135,11 @@ def setting_options(process: Process) -> Callable[[F], F]:
         return command
 
     return decorate
+
+
+def version_option() -> Callable[[F], F]:
+    """``-V`` / ``--version``: print the program's name and the package's version, exit 0
+    (every program has it, as TGI's do)."""
+    return click.version_option(
+        __version__, "-V", "--version", message="%(prog)s %(version)s", help="Print the version."
+    )

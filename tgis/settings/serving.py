@@ -28,9 +28,16 @@ random from config.json alone (vLLM's name; for benchmarks without the real weig
 
 
 MODEL = (
-    _s("model_name", ("--model-name",), ("MODEL_NAME",), Kind.STR, None,
+    _s("model_name", ("--model-name", "--model-id"), ("MODEL_NAME", "MODEL_ID"), Kind.STR, None,
        "Model id in the local HF cache, or a directory with config.json (default: the "
-       "embedded tiny model).", {L, S}, defaults={S: ""}, positional={S}),
+       "embedded demo model, with a warning).", {L, S}, defaults={S: ""}, positional={S},
+       aliases={"--model-id": "TGI", "MODEL_ID": "TGI"}),
+    _s("require_model", ("--require-model",), ("TGIS_REQUIRE_MODEL",), Kind.FLAG, False,
+       "Refuse to start when no model is named, instead of serving the embedded demo model "
+       "(the container image sets it).", {L}),
+    _s("trust_remote_code", ("--trust-remote-code",), ("TRUST_REMOTE_CODE",), Kind.FLAG, False,
+       "Let transformers run the model repository's own code (the transformers fallback's "
+       "model, and a tokenizer the launcher converts).", {L, S}),
     _s("revision", ("--revision",), ("REVISION",), Kind.STR, None,
        "Hub revision/branch of the model.", {L, S}),
     _s("deployment_framework", ("--deployment-framework",), ("DEPLOYMENT_FRAMEWORK",), Kind.STR,
@@ -103,6 +110,10 @@ PROCESSES = (
 )  # fmt: skip
 
 NETWORK = (
+    _s("hostname", ("--hostname",), (), Kind.STR, None,
+       "The address the HTTP and gRPC ports listen on (default: every interface, IPv4 and "
+       "IPv6). No variable: HOSTNAME, TGI's, is every container's own name.", {L, R},
+       aliases={"--hostname": "TGI"}),
     _s("port", ("-p", "--port"), ("PORT",), Kind.INT, 3000,
        "HTTP port (/health, /metrics, the /v1 routes).", {L, R}),
     _s("grpc_port", ("-g", "--grpc-port"), ("GRPC_PORT",), Kind.INT, 8033, "gRPC port.",

@@ -13,7 +13,7 @@ import click
 
 from tgis.log import setup_logging
 from tgis.settings.declaration import Process
-from tgis.settings.options import setting_options
+from tgis.settings.options import setting_options, version_option
 from tgis.shard.config import (
     EngineSettings,
     ShardConfig,
@@ -26,6 +26,7 @@ from tgis.termination import fail_startup
 
 
 @click.group()
+@version_option()
 def main() -> None:
     """The tgis model shard."""
 
@@ -101,7 +102,9 @@ def shard_config(options: Mapping[str, Any]) -> ShardConfig:
     )
 
 
-_BLANK_IS_NONE = frozenset({"quantize", "adapter_cache", "speculator_name", "prefix_store_path"})
+_BLANK_IS_NONE = frozenset(
+    {"quantize", "adapter_cache", "lora_adapters", "speculator_name", "prefix_store_path"}
+)
 """Options where an empty value means unset."""
 
 

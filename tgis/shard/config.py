@@ -127,6 +127,7 @@ class ShardConfig:
     # PEFT adapters (vllm-tgis-adapter's ADAPTER_CACHE / --adapter-cache, `adapter_id`):
     # LoRA and prompt-tuning directories; no path refuses every adapter_id.
     adapter_cache: str | None = _d("adapter_cache")
+    lora_adapters: str | None = _d("lora_adapters")  # loaded at start (comma-separated ids)
     max_loras: int = _d("max_loras")
     max_lora_rank: int = _d("max_lora_rank")
     # The router may reuse cached KV blocks (--disable-prefix-caching turns it off): the
@@ -177,6 +178,8 @@ class ShardConfig:
         ):
             if value is not None and value < 1:
                 raise StartupError(f"{name} must be at least 1")
+        if self.lora_adapters and self.lora_adapters.strip(" ,") and not self.adapter_cache:
+            raise StartupError("--lora-adapters needs --adapter-cache (ADAPTER_CACHE)")
         if self.load_format not in LOAD_FORMATS:
             raise StartupError(
                 f"unknown --load-format '{self.load_format}' "

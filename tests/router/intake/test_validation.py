@@ -263,6 +263,39 @@ def test_valid_params(params: pb.Parameters) -> None:
     assert error_of(params) is None
 
 
+def test_max_stop_sequences_changes_the_limit_not_the_message() -> None:
+    """--max-stop-sequences (TGI's flag): TGIS's rule and message, with the flag's number."""
+    two = ServerLimits.from_args(200, 169, max_stop_sequences=2)
+    message = "can specify at most 2 non-empty stop sequences, each not more than 240 UTF8 bytes"
+    assert error_of(stopping(stop_sequences=["a", "b", "c"]), two) == message
+    assert error_of(stopping(stop_sequences=["a", "b"]), two) is None
+    assert error_of(stopping(stop_sequences=["a", ""]), two) == message  # rule 11 too
+    nine = ServerLimits.from_args(200, 169, max_stop_sequences=9)
+    assert error_of(stopping(stop_sequences=list("abcdefghi")), nine) is None
+    assert error_of(
+        stopping(stop_sequences=["a"]), ServerLimits.from_args(200, 169, max_stop_sequences=0)
+    ) == ("can specify at most 0 non-empty stop sequences, each not more than 240 UTF8 bytes")
+    assert ServerLimits.from_args(200, 169).max_stop_sequences == 6  # TGIS's
+
+
+def test_max_top_n_tokens_is_no_limit_unless_set() -> None:
+    """TGIS forwards any top_n_tokens (its proto comment's 5 is not checked); TGI's
+    --max-top-n-tokens sets a limit, checked after rule 11."""
+    asked = detail(generated_tokens=True, top_n_tokens=6)
+    assert error_of(asked) is None
+    five = ServerLimits.from_args(200, 169, max_top_n_tokens=5)
+    assert error_of(asked, five) == "top_n_tokens (6) must be <= 5"
+    assert error_of(detail(generated_tokens=True, top_n_tokens=5), five) is None
+    zero = ServerLimits.from_args(200, 169, max_top_n_tokens=0)
+    assert error_of(detail(input_tokens=True, top_n_tokens=1), zero) == (
+        "top_n_tokens (1) must be <= 0"
+    )
+    # the earlier rules first
+    assert error_of(detail(top_n_tokens=6), five) == DETAIL_MSG
+    both = _combined(asked, stopping(stop_sequences=[""]))
+    assert error_of(both, five) == SS_MSG
+
+
 def test_default_max_new_tokens_fails_a_low_server_limit() -> None:
     assert error_of(None, ServerLimits(200, 10)) == "max_new_tokens must be <= 10"
     assert error_of(make(), ServerLimits(200, 10)) == "max_new_tokens must be <= 10"

@@ -61,12 +61,13 @@ class PublicGrpc:
         """NOT_SERVING from now on, whatever ``set_serving`` is asked later."""
         await self.health.enter_graceful_shutdown()
 
-    def bind(self, port: int, tls: TlsConfig | None) -> None:
-        """Bind every interface, IPv6 and IPv4; TLS when configured (then no plaintext).
+    def bind(self, port: int, tls: TlsConfig | None, hostname: str | None = None) -> None:
+        """Bind ``hostname`` (``--hostname``), else every interface, IPv6 and IPv4; TLS when
+        configured (then no plaintext).
 
         Raises:
             StartupError: the certificate files are unusable, or the port cannot be bound
-                on any interface.
+                on any interface (on ``hostname``).
         """
         credentials = None
         if tls is not None:
@@ -74,7 +75,8 @@ class PublicGrpc:
                 credentials = CertificateReloader(tls).credentials()
             except TlsError as err:
                 raise StartupError(str(err)) from err
-        for host in ("[::]", "0.0.0.0"):
+        hosts = ("[::]", "0.0.0.0") if not hostname else (_address_host(hostname),)
+        for host in hosts:
             address = f"{host}:{port}"
             try:
                 bound = (
@@ -86,4 +88,12 @@ class PublicGrpc:
                 bound = 0
             if bound:
                 return
-        raise StartupError(f"gRPC server could not bind port {port}")
+        where = f" on {hostname}" if hostname else ""
+        raise StartupError(f"gRPC server could not bind port {port}{where}")
+
+
+def _address_host(hostname: str) -> str:
+    """``hostname`` as the host part of a gRPC address (an IPv6 address in brackets)."""
+    if ":" in hostname and not hostname.startswith("["):
+        return f"[{hostname}]"
+    return hostname

@@ -65,6 +65,7 @@ def build_app(
 
 async def start_http_server(
     port: int,
+    host: str | None,
     health: GenerationHealth,
     metrics: Metrics,
     drain: Drain | None = None,
@@ -72,14 +73,16 @@ async def start_http_server(
     ssl_context: ssl.SSLContext | None = None,
     stop_timeout: float = 1.0,
 ) -> web.AppRunner:
-    """Listen on every interface, IPv4 and IPv6 (TGIS binds 0.0.0.0 only). A handler is
-    cancelled when its client disconnects, which frees its requests at once, and when it
-    is still running ``stop_timeout`` seconds into the runner's ``cleanup``."""
+    """Listen on ``host`` (``--hostname``), else on every interface, IPv4 and IPv6 (TGIS
+    binds 0.0.0.0 only). A handler is cancelled when its client disconnects, which frees
+    its requests at once, and when it is still running ``stop_timeout`` seconds into the
+    runner's ``cleanup``."""
     app = build_app(health, metrics, drain, routes)
     runner = web.AppRunner(
         app, access_log=None, handler_cancellation=True, shutdown_timeout=stop_timeout
     )
     await runner.setup()
-    site = web.TCPSite(runner, host=None, port=port, ssl_context=ssl_context)
+    host = host.strip("[]") if host else None  # an IPv6 address may come in brackets
+    site = web.TCPSite(runner, host=host, port=port, ssl_context=ssl_context)
     await site.start()
     return runner

@@ -42,6 +42,7 @@ from tgis.router.request_types import (
     StoppingParams,
     ValidatedRequest,
 )
+from tgis.settings.batching import MAX_BEST_OF, MAX_STOP_SEQUENCES
 
 __all__ = [
     "ADAPTERS_DISABLED_MESSAGE",
@@ -62,7 +63,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_NEW_TOKENS = 20
-MAX_STOP_SEQUENCES = 6
 MAX_STOP_SEQUENCE_BYTES = 240
 
 
@@ -96,6 +96,11 @@ class ServerLimits:
     """``--max-input-tokens``: longer inputs (after truncation) are refused; None: no limit."""
     max_client_batch_size: int | None = None
     """``--max-client-batch-size``: most inputs per Generate (``limits.py``); None: no limit."""
+    max_top_n_tokens: int | None = None
+    """``--max-top-n-tokens``: the largest ``top_n_tokens``; None: no limit (TGIS)."""
+    max_best_of: int = MAX_BEST_OF
+    """``--max-best-of``: the largest ``best_of``; one sequence is generated per choice, so
+    a ``best_of`` above 1 is refused whatever it says."""
 
     @classmethod
     def from_args(
@@ -105,14 +110,20 @@ class ServerLimits:
         *,
         max_input_tokens: int | None = None,
         max_client_batch_size: int | None = None,
+        max_stop_sequences: int = MAX_STOP_SEQUENCES,
+        max_top_n_tokens: int | None = None,
+        max_best_of: int = MAX_BEST_OF,
     ) -> ServerLimits:
         """Limits from the router flags; ``max_new_tokens`` is capped at ``max_sequence_length - 1``
         (TGIS logs ``adjusting max_new_tokens (..) down to max_sequence_length - 1 (..)``)."""
         return cls(
             max_sequence_length=max_sequence_length,
             max_new_tokens=min(max_new_tokens, max_sequence_length - 1),
+            max_stop_sequences=max_stop_sequences,
             max_input_tokens=max_input_tokens,
             max_client_batch_size=max_client_batch_size,
+            max_top_n_tokens=max_top_n_tokens,
+            max_best_of=max_best_of,
         )
 
 
@@ -202,6 +213,11 @@ def _check_stops_and_details(st: StoppingParams, r: ResponseOptions, limits: Ser
         for ss in st.stop_sequences
     ):
         raise ValidationError(_stop_sequences_message(limits))
+    # 11b (not in TGIS, which forwards any top_n_tokens): --max-top-n-tokens, when set
+    if limits.max_top_n_tokens is not None and r.top_n_tokens > limits.max_top_n_tokens:
+        raise ValidationError(
+            f"top_n_tokens ({r.top_n_tokens}) must be <= {limits.max_top_n_tokens}"
+        )
 
 
 def prefix_lookup_error(prefix_id: str, message: str) -> ValidationError:

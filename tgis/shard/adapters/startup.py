@@ -5,19 +5,23 @@ adapter cache (``ADAPTER_CACHE``), and the id that stands for a prefix's virtual
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from tgis.settings.features import adapter_ids
 from tgis.shard.adapters.adapter_cache import AdapterCache
 from tgis.shard.adapters.lora_layout import LoraSite
 from tgis.shard.adapters.prefix_store import PrefixLoad, PrefixStore
 from tgis.shard.adapters.request_adapters import Adapters
+from tgis.shard.adapters.store_paths import StoreError
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.config import ShardConfig
 from tgis.shard.errors import StartupError
-from tgis.shard_api.messages import ShardInfo
+from tgis.shard_api.messages import AdapterKind, ShardInfo
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +34,7 @@ def build_adapters(
     dtype: torch.dtype,
 ) -> Adapters:
     """The adapter cache of ``ADAPTER_CACHE`` (LoRA onto ``sites``, prompt tuning through
-    ``prompt_tuning``)."""
+    ``prompt_tuning``), with the adapters of ``--lora-adapters`` loaded."""
     assert config.adapter_cache
     root = Path(config.adapter_cache)
     if not root.is_dir():
@@ -51,7 +55,33 @@ def build_adapters(
         max_cached=config.max_loras,
         prefix_store=prompt_tuning,
     )
+    preload_adapters(cache, adapter_ids(config.lora_adapters), config.max_loras)
     return Adapters(cache, max_loras=config.max_loras if sites else 0)
+
+
+def preload_adapters(cache: AdapterCache, ids: Sequence[str], max_loras: int) -> None:
+    """Load the adapters of ``--lora-adapters`` now, so that no request waits for them;
+    StartupError naming the first that cannot be used, or when more LoRA adapters are named
+    than the cache keeps loaded (``--max-loras``)."""
+    loras = 0
+    for adapter_id in ids:
+        started = time.monotonic()
+        try:
+            info = cache.lookup(adapter_id)
+        except StoreError as e:
+            raise StartupError(f"--lora-adapters: {e.message}") from None
+        loras += info.kind is AdapterKind.LORA
+        if loras > max_loras:
+            raise StartupError(
+                f"--lora-adapters names more LoRA adapters than --max-loras ({max_loras}) "
+                "keeps loaded: raise --max-loras or name fewer"
+            )
+        log.info(
+            "Preloaded adapter %s (%s) in %.3f s",
+            adapter_id,
+            info.kind.name,
+            time.monotonic() - started,
+        )
 
 
 def with_adapters(info: ShardInfo, adapters: Adapters) -> ShardInfo:
