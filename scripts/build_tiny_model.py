@@ -31,7 +31,9 @@ exactly and ``<unk>`` is never produced), ByteLevel decoder, ``VOCAB_SIZE`` toke
 Special tokens, in Llama's order: ``<unk>`` = 0, ``<s>`` (BOS) = 1, ``</s>`` (EOS) = 2,
 ``<pad>`` = 3. A TemplateProcessing post-processor puts BOS in front of every encoding made
 with ``add_special_tokens=True``. Written as ``tokenizer.json`` plus ``tokenizer_config.json``
-(``PreTrainedTokenizerFast``) and ``special_tokens_map.json`` for ``transformers``.
+(``PreTrainedTokenizerFast``) and ``special_tokens_map.json`` for ``transformers``, with a
+chat template in Llama 2's chat format (``chat_template.jinja``, ``CHAT_TEMPLATE``), so
+``/v1/chat/completions`` serves the embedded model.
 
 Architecture
 ------------
@@ -117,6 +119,33 @@ STDLIB_MODULES: tuple[str, ...] = tuple(sorted(_MODULE_NAMES.split()))
 VOCAB_SIZE = 4096
 UNK, BOS, EOS, PAD = "<unk>", "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (UNK, BOS, EOS, PAD)  # ids 0, 1, 2, 3
+# The chat template (chat_template.jinja, which transformers and the router read), in Llama
+# 2's chat format, since the tokenizer has Llama's special tokens and no chat tokens: a user
+# turn (or any role but assistant) is "<s>[INST] text [/INST]", an assistant turn
+# " text </s>"; a leading system message goes inside the first turn between <<SYS>> lines
+# (in a turn of its own when no user turn comes first).
+# Any order of roles is taken (tool answers, several user turns); the model was not trained
+# on chats, so its replies are its usual English-like prose.
+CHAT_TEMPLATE = r"""{#- The embedded demo model's chat template: Llama 2's chat format. -#}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- set system = '<<SYS>>\n' + messages[0]['content'] | trim + '\n<</SYS>>\n\n' -%}
+    {%- set turns = messages[1:] -%}
+{%- else -%}
+    {%- set system = '' -%}
+    {%- set turns = messages -%}
+{%- endif -%}
+{%- if not turns or turns[0]['role'] == 'assistant' -%}
+    {{- bos_token + ('[INST] ' + system + '[/INST]' if system else '') -}}
+{%- endif -%}
+{%- for message in turns -%}
+    {%- set text = message['content'] | trim -%}
+    {%- if message['role'] == 'assistant' -%}
+        {{- ' ' + text + ' ' + eos_token -}}
+    {%- else -%}
+        {{- bos_token + '[INST] ' + (system if loop.first else '') + text + ' [/INST]' -}}
+    {%- endif -%}
+{%- endfor -%}
+"""
 
 # Model.
 HIDDEN_SIZE = 256
@@ -254,6 +283,7 @@ def save_tokenizer(tokenizer: Tokenizer, output: Path) -> None:
     }
     write_json(output / "tokenizer_config.json", config)
     write_json(output / "special_tokens_map.json", special)
+    (output / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ def test_expected_files_and_size() -> None:
         "tokenizer.json",
         "tokenizer_config.json",
         "special_tokens_map.json",
+        "chat_template.jinja",
     } <= names
     total = sum(p.stat().st_size for p in MODEL_DIR.rglob("*") if p.is_file())
     assert total <= MAX_BYTES, f"{MODEL_DIR} holds {total} bytes"
@@ -143,3 +144,81 @@ def test_greedy_generation_is_english() -> None:
     assert len(words) >= 8, text
     assert len(english) >= 0.7 * len(words), text
     assert len(set(english)) >= 5, text
+
+
+# Conversations as the OpenAI chat route hands them to the template (text contents).
+CONVERSATIONS = [
+    [{"role": "user", "content": "Say hello"}],
+    [{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi"}],
+    [
+        {"role": "system", "content": "You answer in one line."},
+        {"role": "user", "content": "What is a list?"},
+        {"role": "assistant", "content": "A sequence."},
+        {"role": "user", "content": "And a tuple?\n"},
+    ],
+    [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": ""},
+        {"role": "tool", "content": '{"sunny": true}'},
+    ],
+    [{"role": "system", "content": "Only a system message"}],
+    [{"role": "assistant", "content": "I start."}, {"role": "user", "content": "Go on"}],
+    [
+        {"role": "system", "content": "Sys"},
+        {"role": "assistant", "content": "I start."},
+        {"role": "user", "content": "Go on"},
+    ],
+]
+
+
+def test_the_shipped_chat_template_is_the_build_scripts() -> None:
+    """make tiny-model writes chat_template.jinja from CHAT_TEMPLATE."""
+    shipped = (MODEL_DIR / "chat_template.jinja").read_text(encoding="utf-8")
+    assert shipped == build_script().CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_the_chat_template_renders_as_transformers_renders_it(
+    messages: list[dict[str, str]],
+) -> None:
+    """The router finds the template in the model directory and renders what transformers'
+    apply_chat_template renders; the prompt is Llama 2's chat format, one BOS per user turn
+    (the template writes them: the chat route adds none)."""
+    from transformers import AutoTokenizer
+
+    from tgis.router.intake.chat_template import load_chat_template
+
+    template = load_chat_template(None, MODEL_DIR)
+    assert template is not None
+    assert template.origin == "chat_template.jinja in the model directory"
+    hf = AutoTokenizer.from_pretrained(MODEL_DIR)
+    for generation_prompt in (True, False):
+        want = hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+        assert template.render(messages, add_generation_prompt=generation_prompt) == want
+    prompt = template.render(messages)
+    assert prompt.startswith("<s>") and prompt.endswith(("[/INST]", " </s>"))
+    ids = tokenizer().encode(prompt, add_special_tokens=False).ids
+    turns = messages[1:] if messages[0]["role"] == "system" else messages
+    lead = not turns or turns[0]["role"] == "assistant"  # a BOS (and the system) of its own
+    bos = sum(m["role"] != "assistant" for m in turns) + lead
+    assert ids.count(config()["bos_token_id"]) == bos
+
+
+def test_the_chat_template_layout() -> None:
+    from tgis.router.intake.chat_template import load_chat_template
+
+    template = load_chat_template(None, MODEL_DIR)
+    assert template is not None
+    assert template.render(CONVERSATIONS[2]) == (
+        "<s>[INST] <<SYS>>\nYou answer in one line.\n<</SYS>>\n\nWhat is a list? [/INST]"
+        " A sequence. </s><s>[INST] And a tuple? [/INST]"
+    )
+    assert template.render(CONVERSATIONS[4]) == (
+        "<s>[INST] <<SYS>>\nOnly a system message\n<</SYS>>\n\n[/INST]"
+    )
+    assert template.render(CONVERSATIONS[5]) == "<s> I start. </s><s>[INST] Go on [/INST]"
+    assert template.render(CONVERSATIONS[6]) == (
+        "<s>[INST] <<SYS>>\nSys\n<</SYS>>\n\n[/INST] I start. </s><s>[INST] Go on [/INST]"
+    )
