@@ -69,6 +69,7 @@ class LauncherConfig:
     load_format: str = _d("load_format")  # "dummy": random weights from config.json
     served_model_name: str | None = _d("served_model_name")  # default: model_name
     chat_template: str | None = _d("chat_template")  # a file or the text
+    tool_call_parser: str | None = _d("tool_call_parser")  # None: from the chat template
     num_shard: int | None = _d("num_shard")
     shard_uds_path: str = _d("shard_uds_path")
     master_addr: str = _d("master_addr")

@@ -25,6 +25,8 @@ DEFAULT_STREAM_STALL_TIMEOUT_S = 60.0
 LOAD_FORMATS = ("auto", "dummy")
 """How the weights are obtained: read from the model's safetensors files, or created at
 random from config.json alone (vLLM's name; for benchmarks without the real weights)."""
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "granite")
+"""The tool-call formats the OpenAI routes read (``router/edge/openai_tool_parsers.py``)."""
 
 
 MODEL = (
@@ -64,6 +66,11 @@ MODEL = (
     _s("chat_template", ("--chat-template",), ("CHAT_TEMPLATE",), Kind.STR, None,
        "The chat template of /v1/chat/completions: a file, or the template itself (default: "
        "chat_template.jinja or tokenizer_config.json in the model directory).", {L, R}),
+    _s("tool_call_parser", ("--tool-call-parser",), ("TOOL_CALL_PARSER",), Kind.STR, None,
+       "The format of the model's own tool calls on /v1/chat/completions (tool_choice "
+       "auto): hermes, llama3_json or granite (default: the one the chat template asks "
+       "for, else hermes).", {L, R}, choices=TOOL_CALL_PARSERS,
+       aliases={"--tool-call-parser": "vLLM"}),
 )  # fmt: skip
 
 PROCESSES = (
