@@ -104,9 +104,9 @@ class RouterConfig:
     model_dir: str | None = _d("model_dir")
     """The model's directory: its chat_template.jinja and tokenizer_config.json."""
     chat_template: str | None = _d("chat_template")
+    """The OpenAI chat route's template: a file, or the template itself (None: the model's)."""
     tool_call_parser: str | None = _d("tool_call_parser")
     """The model's tool-call format (hermes, llama3_json, granite); None: from the template."""
-    """The OpenAI chat route's template: a file, or the template itself (None: the model's)."""
     api_key: str | None = _d("api_key")
     """A bearer token the /v1 routes and TGI's generation routes require (None: none)."""
     cors_allow_origin: tuple[str, ...] = _d("cors_allow_origin")
