@@ -456,6 +456,15 @@ class HttpReply:
 
 def send(address: str, case: HttpCase, timeout: float) -> HttpReply:
     """POST ``case`` to ``address`` (``host:port``) and check the reply."""
+    try:
+        status, content_type, data = exchange(address, case, timeout)
+    except (OSError, http.client.HTTPException) as err:
+        return HttpReply(f"connection error: {type(err).__name__}", f"no reply: {err}")
+    return check_reply(case, status, content_type, data)
+
+
+def exchange(address: str, case: HttpCase, timeout: float) -> tuple[int, str, bytes]:
+    """POST ``case`` to ``address``: the reply's status, Content-Type and body."""
     host, port = address.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
@@ -464,13 +473,9 @@ def send(address: str, case: HttpCase, timeout: float) -> HttpReply:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             conn.request("POST", case.route, case.body(), headers)
         response = conn.getresponse()
-        data = response.read()
-        content_type = response.getheader("Content-Type") or ""
-    except (OSError, http.client.HTTPException) as err:
-        return HttpReply(f"connection error: {type(err).__name__}", f"no reply: {err}")
+        return response.status, response.getheader("Content-Type") or "", response.read()
     finally:
         conn.close()
-    return check_reply(case, response.status, content_type, data)
 
 
 def check_reply(case: HttpCase, status: int, content_type: str, data: bytes) -> HttpReply:

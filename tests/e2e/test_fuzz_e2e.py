@@ -1,10 +1,13 @@
-"""Hostile requests against a real launched server (tiny random Llama): a bounded,
-reproducible sample of ``benchmarks/fuzz.py``'s cases, then the nastiest inputs one by one
-with the exact status each must get. Afterwards the server must be healthy and idle.
+"""Hostile requests against a real launched server (tiny random Llama, the embedded
+tokenizer, a chat template): a bounded, reproducible sample of ``benchmarks/fuzz.py``'s
+cases on both APIs (gRPC and the OpenAI routes), then the nastiest inputs one by one with
+the exact status each must get, guided decoding's edges and OpenAI bodies included.
+Afterwards the server must be healthy and idle.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Iterator
@@ -20,6 +23,8 @@ from tgis.pb import generation_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import fuzz  # benchmarks/fuzz.py: the strategies and the runner
+import fuzz_guided
+import fuzz_openai
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +38,7 @@ BIG_RPC_LIMIT = fuzz.ROUTER_MAX_MESSAGE_BYTES
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LauncherProcess]:
     model = tmp_path_factory.mktemp("tiny-llama")
     save_tiny_llama(model)
-    with healthy_launcher(
-        tmp_path_factory.mktemp("fuzz"), ["--model-name", str(model)]
-    ) as launcher:
+    with healthy_launcher(tmp_path_factory.mktemp("fuzz"), fuzz.server_args(model)) as launcher:
         yield launcher
 
 
@@ -84,9 +87,11 @@ def test_random_sample_gets_only_documented_statuses(server: LauncherProcess) ->
     )
     assert not report.disallowed, findings
     assert report.requests >= SAMPLE_REQUESTS * 0.9
-    # every RPC got results and refusals, not only one or the other
+    # every RPC and route got results and refusals, not only one or the other
     for rpc in ("Generate", "GenerateStream", "Tokenize"):
         assert {"OK", "INVALID_ARGUMENT"} <= set(report.statuses[rpc]), report.statuses
+    for route in fuzz_openai.ROUTES:
+        assert {"200", "400"} <= set(report.statuses[f"POST {route}"]), report.statuses
     assert report.health == 200
     assert report.gauges == dict.fromkeys(fuzz.GAUGES, 0.0)
 
@@ -269,6 +274,230 @@ def test_huge_repeated_fields(channel: grpc.Channel) -> None:
     )
     tokenize = pb.BatchedTokenizeRequest(requests=[pb.TokenizeRequest(text="a b")] * 10_000)
     assert call(channel, "Tokenize", tokenize.SerializeToString()) == ("OK", "")
+
+
+# ---- guided decoding's edges (gRPC) ----------------------------------------------------------
+
+D = pb.DecodingParameters
+CHOICES_5000 = fuzz_guided.large_choices(5000, False, "-", "o")
+TOO_DEEP = "json_schema is nested too deeply for the grammar compiler"
+
+
+def guided_call(
+    channel: grpc.Channel, rpc: str, decoding: pb.DecodingParameters, **stopping: Any
+) -> tuple[str, str, Any]:
+    """A greedy guided call with token details: (status, message, the result: text, stop
+    reason, generated_token_count and how many tokens the details hold)."""
+    request = text_request(
+        rpc,
+        "Pick one:",
+        stopping=pb.StoppingCriteria(**{"max_new_tokens": 12, **stopping}),
+        response=pb.ResponseOptions(generated_tokens=True),
+        decoding=decoding,
+    ).SerializeToString()
+    _, response_type, streaming = fuzz.RPCS[rpc]
+    method = fuzz.SERVICE + rpc
+    try:
+        if streaming:
+            replies = list(
+                channel.unary_stream(method, None, response_type.FromString)(request, timeout=60)
+            )
+            final = replies[-1]
+            text, tokens = "".join(r.text for r in replies), sum(len(r.tokens) for r in replies)
+        else:
+            call = channel.unary_unary(method, None, response_type.FromString)
+            final = call(request, timeout=60).responses[0]
+            text, tokens = final.text, len(final.tokens)
+    except grpc.RpcError as err:
+        assert isinstance(err, grpc.Call)
+        return err.code().name, err.details() or "", None
+    result = (text, pb.StopReason.Name(final.stop_reason), final.generated_token_count, tokens)
+    return "OK", "", result
+
+
+@pytest.mark.parametrize("rpc", ["Generate", "GenerateStream"])
+@pytest.mark.parametrize("regex", ["x</s>y", "<s>", "a<s>b", "<unk>x<pad>"])
+def test_regex_spelling_special_tokens_is_served_as_text(
+    channel: grpc.Channel, rpc: str, regex: str
+) -> None:
+    status, _, result = guided_call(channel, rpc, D(regex=regex))
+    assert status == "OK"
+    text, reason, count, tokens = result
+    assert (text, reason) == (regex, "EOS_TOKEN")
+    assert count == tokens
+
+
+@pytest.mark.parametrize("rpc", ["Generate", "GenerateStream"])
+@pytest.mark.parametrize(
+    "choices",
+    [["a</s>b", "</s>"], CHOICES_5000, [*CHOICES_5000, *CHOICES_5000, ""]],
+    ids=["special", "5000", "5000-twice-and-empty"],
+)
+def test_choices_are_served(channel: grpc.Channel, rpc: str, choices: list[str]) -> None:
+    decoding = D(choice=D.StringChoices(choices=choices))
+    status, _, result = guided_call(channel, rpc, decoding)
+    assert status == "OK"
+    text, reason, count, tokens = result
+    assert reason == "EOS_TOKEN" and text in choices
+    assert count == tokens
+
+
+@pytest.mark.parametrize("lark", [False, True], ids=["gbnf", "lark"])
+def test_wide_alternation_is_served(channel: grpc.Channel, lark: bool) -> None:
+    grammar = fuzz_guided.wide_grammar(2001, lark)
+    status, _, result = guided_call(channel, "Generate", D(grammar=grammar))
+    assert status == "OK"
+    assert result[1] == "EOS_TOKEN"
+    assert result[0] in {f"w{i}" for i in range(2001)}
+
+
+@pytest.mark.parametrize("rpc", ["Generate", "GenerateStream"])
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ("false", "json_schema false allows no JSON document"),
+        ("[1]", "json_schema must be a JSON object, true or false"),
+        ('"x"', "json_schema must be a JSON object, true or false"),
+        (fuzz_guided.properties_chain(600), TOO_DEEP),
+        (fuzz_guided.raw_arrays(3000), TOO_DEEP),
+        (fuzz_guided.items_chain(200), TOO_DEEP),
+        ("{", "json_schema is not valid JSON: Expecting property name enclosed in double "
+         "quotes: line 1 column 2 (char 1)"),
+    ],
+    ids=["false", "array", "string", "properties-600", "raw-3000", "items-200", "invalid"],
+)  # fmt: skip
+def test_schema_refusals(channel: grpc.Channel, rpc: str, schema: str, message: str) -> None:
+    assert guided_call(channel, rpc, D(json_schema=schema))[:2] == ("INVALID_ARGUMENT", message)
+
+
+@pytest.mark.parametrize("schema", ["true", "{}", fuzz_guided.items_chain(10)])
+def test_schemas_served(channel: grpc.Channel, schema: str) -> None:
+    status, _, result = guided_call(channel, "GenerateStream", D(json_schema=schema))
+    assert status == "OK"
+    if result[1] == "EOS_TOKEN":
+        json.loads(result[0])
+
+
+def test_grammar_complete_before_min_new_tokens(channel: grpc.Channel) -> None:
+    """The output ends at EOS, with real counts: no end tokens pad it to min_new_tokens."""
+    for rpc in ("Generate", "GenerateStream"):
+        status, _, result = guided_call(channel, rpc, D(regex="ab"), min_new_tokens=10)
+        assert status == "OK"
+        text, reason, count, tokens = result
+        assert (text, reason) == ("ab", "EOS_TOKEN")
+        assert count == tokens < 10
+
+
+# ---- OpenAI bodies ---------------------------------------------------------------------------
+
+
+def post(
+    server: LauncherProcess, route: str, body: Any, headers: tuple[tuple[str, str], ...] = ()
+) -> tuple[int, Any]:
+    """POST ``body`` (JSON with :class:`fuzz_openai.Raw` spliced in, or bytes) to ``route``;
+    the reply must pass the fuzzer's checks. Its status and JSON body (a stream: its
+    events' JSON)."""
+    data = body if isinstance(body, bytes) else fuzz_openai.encode(body)
+    case = fuzz_openai.HttpCase(route, data, "", headers)
+    status, content_type, content = fuzz_openai.exchange(f"127.0.0.1:{server.http_port}", case, 60)
+    reply = fuzz_openai.check_reply(case, status, content_type, content)
+    assert reply.problem == "", reply
+    if "text/event-stream" in content_type:
+        events = [e[len("data: ") :] for e in content.decode().split("\n\n") if e]
+        return status, [json.loads(e) for e in events if e != "[DONE]"]
+    return status, json.loads(content)
+
+
+COMPLETIONS, CHAT = fuzz_openai.ROUTES
+USER_X = {"role": "user", "content": "x"}
+
+
+def schema_format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "message"),
+    [
+        (CHAT, {"messages": [{"role": "user", "content": None}]},
+         "message content must be a string or a list of text parts "
+         "(null only in an assistant message)"),
+        (CHAT, {"messages": [{"role": "user", "content": 3}]},
+         "message content must be a string or a list of text parts"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+         "a text content part's text must be a string"),
+        (CHAT, {"messages": [{"content": "x"}]}, "each message must be an object with a role"),
+        (COMPLETIONS, {"x": fuzz_openai.nested(5000)}, "the request body is nested too deeply"),
+        (CHAT, {"messages": [USER_X], "stop": fuzz_openai.nested(100_000)},
+         "the request body is nested too deeply"),
+        (CHAT, {"messages": [USER_X], "response_format": schema_format(False)},
+         "response_format.json_schema.schema must be an object"),
+        (COMPLETIONS, {"prompt": "x", "response_format": schema_format(
+            fuzz_openai.Raw(fuzz_guided.properties_chain(200)))},
+         TOO_DEEP),
+        (COMPLETIONS, {"prompt": "x", "response_format": schema_format(
+            fuzz_openai.Raw(fuzz_guided.properties_chain(600)))},
+         "the request body is nested too deeply"),
+        (COMPLETIONS, {"prompt": "x", "response_format": schema_format(
+            fuzz_openai.Raw(fuzz_guided.properties_chain(3000)))},
+         "the request body is nested too deeply"),
+        (COMPLETIONS, {"prompt": "x", "response_format": schema_format({"enum": []})},
+         "Invalid json_schema: Unsatisfiable schema: anyOf is empty"),
+        (COMPLETIONS, {"prompt": "x", "top_k": 1 << 32},
+         "top_k must be between -1 and 2147483647"),
+        (COMPLETIONS, {"prompt": "x", "temperature": fuzz_openai.Raw("NaN")},
+         "temperature must be a number"),
+    ],
+    ids=[
+        "content-null", "content-number", "part-text-number", "no-role", "body-5000-deep",
+        "stop-100000-deep", "schema-false", "schema-200-deep", "schema-600-deep",
+        "schema-3000-deep", "schema-unsatisfiable", "top_k-2^32", "temperature-NaN",
+    ],
+)  # fmt: skip
+def test_openai_refusals(server: LauncherProcess, route: str, body: Any, message: str) -> None:
+    status, reply = post(server, route, body)
+    assert (status, reply["error"]["message"]) == (400, message)
+    assert reply["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_content_encoding(server: LauncherProcess, compressed: bool) -> None:
+    import gzip
+
+    data = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    status, reply = post(
+        server, COMPLETIONS, gzip.compress(data) if compressed else data,
+        (("Content-Encoding", "gzip"),),
+    )  # fmt: skip
+    if compressed:
+        assert status == 200 and reply["usage"]["completion_tokens"] == 1
+    else:
+        assert status == 400
+        assert reply["error"]["message"] == (
+            "the request body could not be read: Can not decode content-encoding: gzip"
+        )
+
+
+def test_openai_guided_edges_are_served(server: LauncherProcess) -> None:
+    """Special-token text in an enum, min_tokens past what the schema can produce: served,
+    the output what the schema allows, the usage real; streamed too. Schema {}: served."""
+    enum = schema_format({"enum": ["a</s>b", "<s>"]})
+    body = {
+        "messages": [USER_X], "response_format": enum, "min_tokens": 10, "max_tokens": 16,
+        "temperature": 0,
+    }  # fmt: skip
+    status, reply = post(server, CHAT, {**body, "logprobs": True})
+    assert status == 200
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert json.loads(choice["message"]["content"]) in ("a</s>b", "<s>")
+    assert reply["usage"]["completion_tokens"] == len(choice["logprobs"]["content"]) < 10
+    status, chunks = post(server, CHAT, {**body, "stream": True})
+    assert status == 200
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert streamed == choice["message"]["content"]
+    prompt = {"prompt": "x", "max_tokens": 4, "response_format": schema_format({})}
+    assert post(server, COMPLETIONS, prompt)[0] == 200
 
 
 def test_healthy_and_idle_afterwards(server: LauncherProcess) -> None:
