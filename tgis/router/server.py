@@ -33,6 +33,7 @@ from tgis.router.edge.health import LIVENESS_TEXT, GenerationHealth
 from tgis.router.edge.http_server import Routes, start_http_server
 from tgis.router.edge.openai_replies import OpenAIReplies
 from tgis.router.edge.openai_routes import OpenAIRoutes
+from tgis.router.edge.openai_tool_parsers import guess_tool_call_parser
 from tgis.router.edge.replies import Replies
 from tgis.router.edge.servicer import GenerationServicer
 from tgis.router.edge.tgi_replies import TGIReplies, server_info
@@ -225,10 +226,13 @@ class Router:
             template = load_chat_template(config.chat_template, model_dir)
         except ChatTemplateError as err:
             raise StartupError(f"chat template: {err}") from None
+        parser = config.tool_call_parser or guess_tool_call_parser(
+            None if template is None else template.source
+        )
         if template is None:
             log.info("No chat template: /v1/chat/completions refuses requests")
         else:
-            log.info("Chat template from %s", template.origin)
+            log.info("Chat template from %s; tool calls read as %s", template.origin, parser)
         return OpenAIRoutes(
             admission=admission,
             engine=engine,
@@ -236,6 +240,7 @@ class Router:
             gate=calls,
             chat_template=template,
             api_key=config.api_key or None,
+            tool_call_parser=parser,
         )
 
     def _http_ssl(self) -> ssl.SSLContext | None:

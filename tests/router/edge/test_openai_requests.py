@@ -8,8 +8,13 @@ from typing import Any
 
 import pytest
 
-from tgis.router.edge.openai_requests import OpenAIError, parse_chat, parse_completion
-from tgis.router.request_types import GuidedKind
+from tgis.router.edge.openai_requests import (
+    OpenAIError,
+    choice_seeds,
+    parse_chat,
+    parse_completion,
+)
+from tgis.router.request_types import GuidedKind, ValidatedRequest
 
 LIMIT = 1000
 
@@ -18,13 +23,19 @@ def completion(**body: Any) -> Any:
     return parse_completion({"model": "m", "prompt": "hi", **body}, max_new_tokens=LIMIT)
 
 
-def chat(**body: Any) -> Any:
+def chat(parser: str = "hermes", **body: Any) -> Any:
     messages = body.pop("messages", [{"role": "user", "content": "hi"}])
 
-    def render(msgs: list[Any]) -> str:
-        return "|".join(f"{m['role']}:{m.get('content')}" for m in msgs)
+    def render(msgs: list[Any], tools: list[Any] | None) -> str:
+        text = "|".join(f"{m['role']}:{m.get('content')}" for m in msgs)
+        return text if tools is None else f"{text}|tools:{json.dumps(tools)}"
 
-    return parse_chat({"model": "m", "messages": messages, **body}, render, max_new_tokens=LIMIT)
+    return parse_chat(
+        {"model": "m", "messages": messages, **body},
+        render,
+        max_new_tokens=LIMIT,
+        tool_call_parser=parser,
+    )
 
 
 def test_completion_defaults_and_sampling() -> None:
@@ -74,7 +85,9 @@ def test_chat_renders_and_adds_no_special_tokens() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": True}, "n"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty"),
         ({"logit_bias": {"1": 101}}, "logit_bias"),
@@ -103,11 +116,12 @@ def test_chat_renders_and_adds_no_special_tokens() -> None:
         ({"prompt": [1, 2]}, "prompt"),
         ({"prompt": None}, "prompt"),
         ({"model": 3}, "model"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),  # without echo
+        ({"max_tokens": -1, "echo": True}, "max_tokens"),
+        ({"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
         ({"temperature": 3}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
         ({"logprobs": 6}, "logprobs"),
-        ({"echo": True, "logprobs": 1}, "echo"),
         ({"stop": [1]}, "stop"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
@@ -125,6 +139,9 @@ def test_completion_refusals_name_the_field(body: dict[str, Any], param: str) ->
     [
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
+        ({"n": 200}, "n"),
         ({"messages": []}, "messages"),
         ({"messages": [{"content": "no role"}]}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
@@ -243,3 +260,51 @@ def test_an_empty_or_absent_model_is_the_served_model() -> None:
     assert completion(model="").model is None
     assert chat(model="").model is None
     assert completion(model="other").model == "other"
+
+
+def test_n_repeats_each_prompt_in_order() -> None:
+    request = completion(prompt=["a", "b"], n=3, temperature=0.5, seed=7)
+    assert request.n == 3
+    assert request.call.texts == ("a", "a", "a", "b", "b", "b")  # index = p * n + j
+    assert chat(n=2).call.texts == ("user:hi", "user:hi")
+    assert completion().n == 1
+
+
+def validated(request: Any) -> list[ValidatedRequest]:
+    """The call's inputs as admission gives them (each seeded as validation seeds it)."""
+    params = request.call.params
+    return [
+        ValidatedRequest(text, (1, 2), params, params.stopping, params.sampling.seeded())
+        for text in request.call.texts
+    ]
+
+
+def test_choice_seeds_follow_the_request_seed() -> None:
+    """Choice j of each prompt gets seed + j (mod 2^64), as vLLM seeds its n samples."""
+    request = completion(prompt=["a", "b"], n=3, temperature=0.5, seed=(1 << 64) - 2)
+    seeds = [v.sampling.seed for v in choice_seeds(request, validated(request))]
+    assert seeds == [(1 << 64) - 2, (1 << 64) - 1, 0] * 2
+    # No seed: each keeps the random one validation gave it; greedy: none at all.
+    unseeded = completion(n=4, temperature=0.5)
+    seeds = [v.sampling.seed for v in choice_seeds(unseeded, validated(unseeded))]
+    assert None not in seeds and len(set(seeds)) == 4
+    greedy = completion(n=2, temperature=0, seed=5)
+    assert [v.sampling.seed for v in choice_seeds(greedy, validated(greedy))] == [None, None]
+    single = completion(temperature=0.5, seed=5)
+    assert [v.sampling.seed for v in choice_seeds(single, validated(single))] == [5]
+
+
+def test_echo_with_logprobs_asks_for_the_prompts_details() -> None:
+    request = completion(echo=True, logprobs=2, max_tokens=4)
+    response = request.call.params.response
+    assert request.echo and request.logprobs == 2
+    assert response.input_tokens and response.generated_tokens and response.token_logprobs
+    assert response.top_n_tokens == 2
+    assert not completion(echo=True).call.params.response.input_tokens
+    assert not completion(logprobs=2).call.params.response.input_tokens
+
+
+def test_max_tokens_zero_with_echo_generates_one_token_and_drops_it() -> None:
+    request = completion(echo=True, logprobs=0, max_tokens=0)
+    assert request.drop_output and request.call.params.stopping.max_new_tokens == 1
+    assert not completion(echo=True, max_tokens=1).drop_output

@@ -15,8 +15,8 @@ What clients of vLLM's OpenAI server send beyond OpenAI's own fields (benchmark 
   ``guided_choice``, ``guided_grammar``; ``guided_decoding_backend`` and
   ``guided_whitespace_pattern`` accepted and not used: llguidance compiles everything, and
   JSON is compact) and its newer ``structured_outputs`` (``json``, ``regex``, ``choice``,
-  ``grammar``, ``json_object``). At most one constraint per request, ``response_format``
-  included.
+  ``grammar``, ``json_object``). At most one constraint per request, OpenAI's
+  ``response_format`` included (``body_constraint``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ __all__ = [
     "EXTRA_FIELDS",
     "MAX_LOGIT_BIAS_ENTRIES",
     "Extras",
+    "body_constraint",
     "guided_extra",
     "read_extras",
     "schema_text",
@@ -202,3 +203,37 @@ def schema_text(schema: object, name: str) -> str:
         return json.dumps(schema)
     except RecursionError:
         raise bad_request(f"{name} is nested too deeply", name) from None
+
+
+def body_constraint(fields: Mapping[str, Any]) -> GuidedRequest | None:
+    """The body's constraint: ``response_format`` or one of vLLM's guided fields (at
+    most one of them)."""
+    formatted = _response_format(fields.get("response_format"))
+    extra = guided_extra(fields)
+    if extra is None:
+        return formatted
+    if formatted is not None:
+        raise bad_request(f"response_format and {extra[0]} cannot be combined", extra[0])
+    return extra[1]
+
+
+def _response_format(value: object) -> GuidedRequest | None:
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GuidedRequest(GuidedKind.JSON_OBJECT)
+    if kind == "json_schema":
+        spec = value.get("json_schema") if isinstance(value, dict) else None
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format.json_schema.schema must be an object", "response_format"
+            )
+        text = schema_text(schema, "response_format")
+        return GuidedRequest(GuidedKind.JSON_SCHEMA, text=text)
+    raise bad_request(
+        "response_format.type must be text, json_object or json_schema", "response_format"
+    )

@@ -3,7 +3,7 @@
 its penalties and bias and vLLM's extra fields ``openai_extras.py``.
 
 Every field a body may hold is known here: a field that would change the output and that
-tgis cannot honour is refused with 400 naming it (``n`` other than 1, tools, ``suffix``...),
+tgis cannot honour is refused with 400 naming it (``suffix``, ``best_of``, functions...),
 never ignored; a field neither OpenAI nor vLLM defines is refused as OpenAI refuses it
 ("Unrecognized request argument supplied"). Fields that change nothing in the output
 (``user``, ``metadata``...) are accepted.
@@ -15,21 +15,26 @@ output, as OpenAI does); ``max_tokens`` (completions: 16 when absent, as OpenAI;
 ``max_completion_tokens``: the server's limit, lowered to fit the context); vLLM's
 ``min_tokens`` and ``repetition_penalty``; ``logprobs`` / ``top_logprobs`` as generated
 token details; ``response_format`` as guided decoding; ``model`` absent or "" is the
-served model.
+served model. ``n`` (1 to 128) repeats each prompt n times in the call (choice ``p * n +
+j`` is prompt p's j-th), each a sequence of its own: sampled ones get different seeds
+(:func:`choice_seeds`), greedy ones are alike. Completions' ``echo`` with ``logprobs``
+asks for the prompt's token details too (lm-eval's loglikelihood requests), and
+``max_tokens: 0`` is allowed with ``echo`` only: one token is generated (the engine always
+generates one) and dropped from the reply. Chat's ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` are ``openai_tools.py``'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tgis.router.edge.openai_extras import (
     EXTRA_FIELDS,
     Extras,
-    guided_extra,
+    body_constraint,
     read_extras,
-    schema_text,
 )
 from tgis.router.edge.openai_fields import (
     OpenAIError,
@@ -40,22 +45,33 @@ from tgis.router.edge.openai_fields import (
     optional_number,
     refuse_unless,
 )
+from tgis.router.edge.openai_tools import (
+    ToolChoice,
+    forced_constraint,
+    read_tools,
+    template_message,
+)
 from tgis.router.intake.admission import GenerationCall
 from tgis.router.request_types import (
     GenerationParams,
-    GuidedKind,
     GuidedRequest,
     ResponseOptions,
     SamplingParams,
     StoppingParams,
+    ValidatedRequest,
 )
 
-__all__ = ["OpenAIError", "OpenAIRequest", "parse_chat", "parse_completion"]
+__all__ = ["OpenAIError", "OpenAIRequest", "choice_seeds", "parse_chat", "parse_completion"]
+
+Render = Callable[[list[Mapping[str, Any]], list[dict[str, Any]] | None], str]
+"""The chat template: (messages, tools or None) to the prompt, raising OpenAIError."""
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs
 MAX_TOP_K = (1 << 31) - 1  # the gRPC API's largest top_k (its uint32 is read as an int32)
+MAX_N = 128  # OpenAI's limit
+SEED_SPACE = 1 << 64
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,21 @@ class OpenAIRequest:
     logprobs: int | None = None
     echo: bool = False  # completions: the prompt before the output
     chat: bool = False  # /v1/chat/completions (its prompt rendered by the chat template)
+    n: int = 1  # choices per prompt: the call's texts are each prompt n times
+    drop_output: bool = False  # max_tokens 0 (with echo): the token generated is left out
+    tools: ToolChoice | None = None  # chat: the tools and the tool choice
+    tool_call_parser: str = "hermes"  # chat, tool_choice auto: the model's call format
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What a body asks of the output beyond its text."""
+
+    logprobs: int | None = None
+    prompt_logprobs: bool = False  # echo with logprobs: the prompt's token details too
+    guided: GuidedRequest | None = None
+    skip_special_tokens: bool | None = None  # the default when the body does not say
+    chat: bool = False
 
 
 # Fields accepted and not used: they change nothing in the output.
@@ -119,7 +150,7 @@ _CHAT_FIELDS = (
 
 
 def parse_completion(body: object, *, max_new_tokens: int) -> OpenAIRequest:
-    """A ``/v1/completions`` body: ``prompt`` a string or a list of strings (one choice
+    """A ``/v1/completions`` body: ``prompt`` a string or a list of strings (``n`` choices
     each, as a gRPC batch)."""
     fields = fields_of(body, _COMPLETION_FIELDS)
     refuse_unless(fields, "suffix", lambda v: v in (None, ""), "suffix is not supported")
@@ -135,28 +166,34 @@ def parse_completion(body: object, *, max_new_tokens: int) -> OpenAIRequest:
         raise bad_request("prompt must be a string or a list of strings", "prompt")
     logprobs = optional_int(fields, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     echo = optional_bool(fields, "echo") or False
-    if echo and logprobs is not None:
-        raise bad_request("echo with logprobs is not supported", "echo")
-    max_tokens = optional_int(fields, "max_tokens", 1, None)
+    max_tokens = optional_int(fields, "max_tokens", 0, None)
+    if max_tokens == 0 and not echo:
+        raise bad_request(
+            "max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens"
+        )
+    if max_tokens == 0 and fields.get("min_tokens"):
+        raise bad_request("min_tokens must be at most max_tokens", "min_tokens")
     if max_tokens is None:
         max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, max_new_tokens)
-    return _request(fields, prompts, max_tokens, logprobs, echo=echo)
+    asked = _Asked(logprobs, echo and logprobs is not None, body_constraint(fields))
+    request = _request(fields, prompts, max(max_tokens, 1), asked)
+    return replace(request, echo=echo, drop_output=max_tokens == 0)
 
 
 def parse_chat(
     body: object,
-    render: Callable[[list[Mapping[str, Any]]], str],
+    render: Render,
     *,
     max_new_tokens: int,
+    tool_call_parser: str = "hermes",
 ) -> OpenAIRequest:
-    """A ``/v1/chat/completions`` body; ``render`` turns its messages into the prompt (the
-    chat template), raising OpenAIError."""
+    """A ``/v1/chat/completions`` body; ``render`` turns its messages (and tools) into the
+    prompt (the chat template)."""
     fields = fields_of(body, _CHAT_FIELDS)
-    for name in ("tools", "functions", "audio", "prediction", "web_search_options"):
-        refuse_unless(fields, name, lambda v: not v, f"{name} is not supported")
-    refuse_unless(fields, "tool_choice", lambda v: v in (None, "none"), "tools are not supported")
+    for name in ("functions", "audio", "prediction", "web_search_options"):
+        refuse_unless(fields, name, lambda v: not v, f"{name} is not supported (use tools)")
     refuse_unless(
-        fields, "function_call", lambda v: v in (None, "none"), "functions are not supported"
+        fields, "function_call", lambda v: v in (None, "none"), "function_call is not supported"
     )
     refuse_unless(
         fields, "modalities", lambda v: v in (None, ["text"]), "only text output is supported"
@@ -170,6 +207,7 @@ def parse_chat(
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request("each message must be an object with a role", "messages")
+    tools = read_tools(fields)
     logprobs = None
     if optional_bool(fields, "logprobs"):
         logprobs = optional_int(fields, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
@@ -178,9 +216,53 @@ def parse_chat(
     max_tokens = optional_int(fields, "max_completion_tokens", 1, None)
     if max_tokens is None:
         max_tokens = optional_int(fields, "max_tokens", 1, None)
-    prompt = render([_text_message(m) for m in messages])
+    asked = _Asked(
+        logprobs,
+        guided=_chat_guided(fields, tools),
+        # Hermes's tags may be special tokens (vLLM keeps them for its parser too)
+        skip_special_tokens=_hermes_keeps_tags(tools, tool_call_parser),
+        chat=True,
+    )
+    prompt = render(
+        [template_message(_text_message(m)) for m in messages],
+        None if tools is None else list(tools.tools),
+    )
     call_max = max_tokens if max_tokens is not None else max_new_tokens
-    return _request(fields, (prompt,), call_max, logprobs, chat=True)
+    request = _request(fields, (prompt,), call_max, asked)
+    return replace(request, chat=True, tools=tools, tool_call_parser=tool_call_parser)
+
+
+def _chat_guided(fields: Mapping[str, Any], tools: ToolChoice | None) -> GuidedRequest | None:
+    """The chat's constraint: the body's, or the one that forces its tool calls."""
+    guided = body_constraint(fields)
+    if tools is None or not tools.forced:
+        return guided
+    if guided is not None:
+        raise bad_request(
+            f"tool_choice {tools.mode} cannot be combined with another output constraint",
+            "tool_choice",
+        )
+    return forced_constraint(tools)
+
+
+def _hermes_keeps_tags(tools: ToolChoice | None, parser: str) -> bool | None:
+    return False if tools is not None and tools.mode == "auto" and parser == "hermes" else None
+
+
+def choice_seeds(
+    request: OpenAIRequest, validated: Sequence[ValidatedRequest]
+) -> list[ValidatedRequest]:
+    """The inputs of a call with ``n`` > 1 and a seed, choice j of each prompt seeded with
+    ``seed + j`` (mod 2^64; vLLM's rule), so that its choices differ and the same body
+    gives the same choices. Without a seed each sampled input has a random seed of its own
+    already (``SamplingParams.seeded``); greedy ones have none."""
+    seed = request.call.params.sampling.seed
+    if request.n == 1 or seed is None:
+        return list(validated)
+    return [
+        replace(v, sampling=replace(v.sampling, seed=(seed + i % request.n) % SEED_SPACE))
+        for i, v in enumerate(validated)
+    ]
 
 
 def _text_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -212,20 +294,14 @@ def _text_message(message: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _request(
-    fields: Mapping[str, Any],
-    prompts: tuple[str, ...],
-    max_tokens: int,
-    logprobs: int | None,
-    *,
-    echo: bool = False,
-    chat: bool = False,
+    fields: Mapping[str, Any], prompts: tuple[str, ...], max_tokens: int, asked: _Asked
 ) -> OpenAIRequest:
-    """The request; a chat's prompt carries its special tokens (the template wrote its BOS),
-    so none are added again."""
+    """The request, each prompt ``n`` times; a chat's prompt carries its special tokens
+    (the template wrote its BOS), so none are added again."""
     model = fields.get("model")  # absent or "": the served model, as vLLM and TGI take it
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be the served model's name", "model")
-    refuse_unless(fields, "n", lambda v: v in (None, 1), "n must be 1: one choice per prompt")
+    n = optional_int(fields, "n", 1, MAX_N) or 1
     extras = read_extras(fields)
     stream = optional_bool(fields, "stream") or False
     options = fields.get("stream_options")
@@ -236,6 +312,8 @@ def _request(
     # ignore_eos: the shard masks EOS all the way to max_tokens (as lowered to fit), while
     # the request's own min_new_tokens, checked against the context, stays min_tokens
     masked_until = max_tokens if extras.ignore_eos else min_tokens
+    logprobs = asked.logprobs
+    skip = extras.skip_special_tokens
     params = GenerationParams(
         sampling=_sampling(fields, masked_until, extras),
         stopping=StoppingParams(
@@ -247,14 +325,16 @@ def _request(
         ),
         response=ResponseOptions(
             generated_tokens=logprobs is not None,
+            input_tokens=asked.prompt_logprobs,
             token_logprobs=logprobs is not None,
             top_n_tokens=logprobs or 0,
-            skip_special_tokens=extras.skip_special_tokens,
+            skip_special_tokens=asked.skip_special_tokens if skip is None else skip,
         ),
-        guided=_guided(fields),
+        guided=asked.guided,
     )
-    call = GenerationCall(prompts, params, add_special_tokens=not chat)
-    return OpenAIRequest(model or None, call, stream, include_usage, logprobs, echo, chat)
+    texts = tuple(prompt for prompt in prompts for _ in range(n))
+    call = GenerationCall(texts, params, add_special_tokens=not asked.chat)
+    return OpenAIRequest(model or None, call, stream, include_usage, logprobs, n=n)
 
 
 def _sampling(fields: Mapping[str, Any], eos_masked_until: int, extras: Extras) -> SamplingParams:
@@ -293,36 +373,3 @@ def _stops(value: object) -> tuple[str, ...]:
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return tuple(value)
     raise bad_request("stop must be a string or a list of strings", "stop")
-
-
-def _guided(fields: Mapping[str, Any]) -> GuidedRequest | None:
-    """The request's constraint: ``response_format`` or one of vLLM's guided fields."""
-    formatted = _response_format(fields.get("response_format"))
-    extra = guided_extra(fields)
-    if extra is None:
-        return formatted
-    if formatted is not None:
-        raise bad_request(f"response_format and {extra[0]} cannot be combined", extra[0])
-    return extra[1]
-
-
-def _response_format(value: object) -> GuidedRequest | None:
-    if value is None:
-        return None
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return GuidedRequest(GuidedKind.JSON_OBJECT)
-    if kind == "json_schema":
-        spec = value.get("json_schema") if isinstance(value, dict) else None
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise bad_request(
-                "response_format.json_schema.schema must be an object", "response_format"
-            )
-        text = schema_text(schema, "response_format")
-        return GuidedRequest(GuidedKind.JSON_SCHEMA, text=text)
-    raise bad_request(
-        "response_format.type must be text, json_object or json_schema", "response_format"
-    )

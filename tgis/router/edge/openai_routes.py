@@ -28,11 +28,13 @@ from aiohttp import web
 from tgis.router.core.engine import Engine
 from tgis.router.core.request_state import RequestState
 from tgis.router.edge.calls import CallGate, end_requests
+from tgis.router.edge.openai_chat_replies import ChatReplies
 from tgis.router.edge.openai_replies import OpenAIReplies
 from tgis.router.edge.openai_requests import (
     OpenAIError,
     OpenAIRequest,
     bad_request,
+    choice_seeds,
     parse_chat,
     parse_completion,
 )
@@ -79,13 +81,17 @@ class OpenAIRoutes:
         gate: CallGate,
         chat_template: ChatTemplate | None,
         api_key: str | None = None,
+        tool_call_parser: str = "hermes",
     ) -> None:
         self.admission = admission
         self.engine = engine
         self.replies = replies
+        self.chat_replies = ChatReplies(replies)
         self.gate = gate
         self.chat_template = chat_template
         self.api_key = api_key
+        self.tool_call_parser = tool_call_parser
+        """The format of the model's own tool calls (``openai_tool_parsers.py``)."""
         self.metrics = admission.metrics
         self.created = int(time.time())
         self.named_models: dict[str, None] = {}
@@ -133,14 +139,16 @@ class OpenAIRoutes:
         if template is None:
             raise bad_request(NO_TEMPLATE_MESSAGE, "messages")
 
-        def render(messages: list[Mapping[str, Any]]) -> str:
+        def render(messages: list[Mapping[str, Any]], tools: list[dict[str, Any]] | None) -> str:
             try:
-                return template.render(messages, add_generation_prompt=True)
+                return template.render(messages, add_generation_prompt=True, tools=tools)
             except ChatTemplateError as err:
                 raise bad_request(str(err), "messages") from None
 
         limit = self.admission.limits.max_new_tokens
-        return parse_chat(body, render, max_new_tokens=limit)
+        return parse_chat(
+            body, render, max_new_tokens=limit, tool_call_parser=self.tool_call_parser
+        )
 
     # ---- one generation request --------------------------------------------------------------
 
@@ -177,6 +185,7 @@ class OpenAIRoutes:
             with self.admission.permits(count):
                 on_compile = None if span is None else span.guided_compiled
                 validated = await self.admission.validate(parsed.call, arrival, on_compile)
+                validated = choice_seeds(parsed, validated)
                 states = [self.engine.submit(v, arrival) for v in validated]
                 if span is not None:
                     span.validated(states, time.monotonic())
@@ -198,12 +207,12 @@ class OpenAIRoutes:
     ) -> web.StreamResponse:
         if not parsed.stream:
             if parsed.chat:
-                body = await self.replies.chat(parsed, states[0], arrival)
+                body = await self.chat_replies.chat(parsed, states, arrival)
             else:
                 body = await self.replies.completion(parsed, states, arrival)
             return web.json_response(body)
         if parsed.chat:
-            chunks = self.replies.chat_chunks(parsed, states[0], arrival)
+            chunks = self.chat_replies.chat_chunks(parsed, states, arrival)
         else:
             chunks = self.replies.completion_chunks(parsed, states, arrival)
         return await _send_events(request, chunks, self.metrics)
