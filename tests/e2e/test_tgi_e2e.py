@@ -233,8 +233,8 @@ def test_refusals_reach_the_clients_as_tgis_errors(
     with pytest.raises(text_generation.errors.ValidationError, match="max_new_tokens must be"):
         client.generate(PROMPT, max_new_tokens=100_000)  # TGIS's own rule
     hub = InferenceClient(model=server.http_base, timeout=60)
-    with pytest.raises(hub_errors.ValidationError, match="`top_n_tokens` must be"):
-        hub.text_generation(PROMPT, details=True, top_n_tokens=50)
+    with pytest.raises(hub_errors.ValidationError, match="`truncate` must be strictly"):
+        hub.text_generation(PROMPT, truncate=100_000)
     status, body = post(
         server,
         "/generate_stream",

@@ -128,7 +128,7 @@ def test_details_stop_truncate_grammar_and_adapter() -> None:
         ({"stop": "x"}, "`stop` must be a list of strings"),
         ({"truncate": 0}, "`truncate` must be strictly positive and at most 63"),
         ({"truncate": 64}, "Given: 64"),
-        ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
+        ({"top_n_tokens": -1}, "`top_n_tokens` must be >= 0. Given: -1"),
         ({"details": "yes"}, "`details` must be a boolean"),
         ({"grammar": {"type": "ebnf", "value": "x"}}, "`grammar.type` must be `json` or `regex`"),
         ({"grammar": {"type": "regex", "value": ""}}, "`value` must be a non-empty string"),

@@ -132,7 +132,7 @@ class running:
         metrics = Metrics(max_sequence_length=64, max_new_tokens=40, max_batch_size=4)
         admission = Admission(
             tokenizer=self.tokenizer,
-            limits=ServerLimits.from_args(64, 40),
+            limits=ServerLimits.from_args(64, 40, max_top_n_tokens=3),
             limiter=ConcurrencyLimiter(self.permits),
             metrics=metrics,
         )
@@ -283,6 +283,13 @@ def test_refusals_have_tgis_statuses_and_shape() -> None:
                 "error_type": "validation",
             },
         )
+        # --max-top-n-tokens, checked at admission as for every API.
+        top_n = {"inputs": "Hi", "parameters": {"details": True, "top_n_tokens": 4}}
+        status, body, _ = await server.post("/generate", top_n)
+        assert (status, body["error"]) == (
+            422,
+            "Input validation error: top_n_tokens (4) must be <= 3",
+        )
         response = await server.client.post("/generate", data=b"{not json")
         assert response.status == 422
         assert (await response.json())["error"].startswith(
@@ -291,7 +298,7 @@ def test_refusals_have_tgis_statuses_and_shape() -> None:
         response = await server.client.post("/generate", data=b"x" * (33 * 1024 * 1024))
         assert response.status == 413
         assert (await response.json())["error_type"] == "validation"
-        assert server.failures("validation") == 4
+        assert server.failures("validation") == 5
         # A failure during generation: 424 unary; an error event once a stream has begun.
         server.engine.fail_after = 2
         status, body, _ = await server.post("/generate", {"inputs": "Hi"})

@@ -28,7 +28,7 @@ from tgis import __version__
 from tgis.router.config import RouterConfig
 from tgis.router.core.request_state import InputTokensEvent, RequestState, TokenEvent
 from tgis.router.edge.replies import Replies
-from tgis.router.edge.tgi_requests import MAX_TOP_N_TOKENS, TGIRequest, TokenizeRequest
+from tgis.router.edge.tgi_requests import TGIRequest, TokenizeRequest
 from tgis.router.intake.tokenization import RouterTokenizer
 from tgis.router.intake.validation import ServerLimits
 from tgis.router.request_types import StopReason
@@ -242,8 +242,8 @@ def server_info(
     config: RouterConfig, shard: ShardInfo, limits: ServerLimits, kv_tokens: int
 ) -> dict[str, Any]:
     """``/info``: TGI's ``Info`` fields, from what the router knows (``kv_tokens``: the KV
-    capacity the scheduler holds, in tokens). ``max_best_of`` is 1 (``best_of`` > 1 is
-    refused); no commit or image label is known (``null``)."""
+    capacity the scheduler holds, in tokens). ``max_top_n_tokens`` is ``null`` without
+    ``--max-top-n-tokens`` (no limit); no commit or image label is known (``null``)."""
     max_input = limits.max_input_tokens or limits.max_sequence_length - 1
     return {
         "model_id": config.served_model_name,
@@ -252,13 +252,13 @@ def server_info(
         "model_device_type": shard.device.split(":")[0],
         "model_pipeline_tag": "text2text-generation" if shard.is_seq2seq else "text-generation",
         "max_concurrent_requests": config.max_concurrent_requests,
-        "max_best_of": 1,
+        "max_best_of": limits.max_best_of,
         "max_stop_sequences": limits.max_stop_sequences,
         "max_input_tokens": max_input,
         "max_input_length": max_input,  # TGI 1's name of it
         "max_total_tokens": limits.max_sequence_length,
         "max_new_tokens": limits.max_new_tokens,
-        "max_top_n_tokens": MAX_TOP_N_TOKENS,
+        "max_top_n_tokens": limits.max_top_n_tokens,
         "waiting_served_ratio": config.waiting_served_ratio,
         "max_batch_total_tokens": kv_tokens,
         "max_waiting_tokens": config.max_waiting_tokens,

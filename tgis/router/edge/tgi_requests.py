@@ -38,7 +38,6 @@ from tgis.router.request_types import (
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
-    "MAX_TOP_N_TOKENS",
     "TGIError",
     "TGIRequest",
     "TokenizeRequest",
@@ -48,7 +47,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's default when the body has no max_new_tokens
-MAX_TOP_N_TOKENS = 5  # TGI's --max-top-n-tokens default
 _MAX_TOP_K = (1 << 31) - 1  # the gRPC API's largest top_k (its uint32 is read as an int32)
 _MAX_SEED = (1 << 64) - 1
 
@@ -135,7 +133,7 @@ def parse_generate(
             "`decoder_input_details` == true is not supported when streaming tokens"
         )
     _refuse_unsupported(params, streaming)
-    top_n = _int(params, "top_n_tokens", 0, MAX_TOP_N_TOKENS) or 0
+    top_n = _int(params, "top_n_tokens", 0, None) or 0  # its limit: admission's
     tokens = streaming or details  # every streamed event carries its token
     response = ResponseOptions(
         generated_tokens=tokens,
