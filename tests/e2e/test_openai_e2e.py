@@ -181,7 +181,7 @@ def test_chat_renders_the_template_as_transformers_does(
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 129}, "n"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"extra_body": {"guided_whatever": 1}}, "guided_whatever"),
         ({"logit_bias": {"5": 1000}}, "logit_bias"),
