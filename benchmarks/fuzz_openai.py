@@ -41,8 +41,11 @@ from fuzz_guided import (
     SPECIAL_TEXTS,
     UNICODE_TEXTS,
     Expect,
+    choices,
     expectation,
+    grammars,
     one_in,
+    regexes,
     schemas,
     weighted,
 )
@@ -235,10 +238,10 @@ def messages(draw: st.DrawFn) -> Any:
 def message_lists() -> st.SearchStrategy[Any]:
     user = st.builds(lambda t: {"role": "user", "content": t}, texts())
     return weighted(
-        (12, st.lists(user, min_size=1, max_size=2)),
-        (12, st.lists(messages(), min_size=1, max_size=3)),
-        (2, st.just([])),
-        (2, any_json()),
+        (20, st.lists(user, min_size=1, max_size=2)),
+        (10, st.lists(messages(), min_size=1, max_size=3)),
+        (1, st.just([])),
+        (1, any_json()),
         (1, st.integers(1000, 3000).map(lambda n: [{"role": "user", "content": "x"}] * n)),
     )
 
@@ -251,13 +254,62 @@ def _floats(low: float, high: float) -> st.SearchStrategy[float]:
     return weighted((4, st.floats(low, high)), (1, st.sampled_from((low, high, -1.0, high * 2))))
 
 
+TOKEN_IDS = (0, 1, 2, 3, 4095, 4096, 5000, (1 << 31) - 1, (1 << 32) - 1, 1 << 32, -1)
+"""Token ids: the tiny model's special ones, its vocabulary's last (4095) and past it."""
+
+
+@functools.cache
+def logit_biases() -> st.SearchStrategy[Any]:
+    """OpenAI's ``logit_bias``: token ids (as strings) to -100..100, past both."""
+    key = weighted(
+        (4, st.sampled_from(TOKEN_IDS).map(str)),
+        (1, st.sampled_from(("a", " 5", "05", "", "1.5", "１"))),
+    )
+    value = weighted(
+        (6, st.sampled_from((-100, 100, 5, 0.5, -1))),
+        (1, st.sampled_from((101, -101, Raw("NaN"), "1", None))),
+    )
+    return weighted(
+        (3, st.dictionaries(key, value, max_size=3)),
+        (1, st.integers(299, 301).map(lambda n: {str(i): 1 for i in range(n)})),
+    )
+
+
+@functools.cache
+def tools() -> st.SearchStrategy[Any]:
+    """Chat's ``tools``: function tools whose ``parameters`` are the schemas of
+    :mod:`fuzz_guided` (deep, ``true``/``false``, non-objects...), odd tools, many."""
+    parameters = weighted((3, schemas().map(Raw)), (1, any_json()))
+    function = st.builds(
+        lambda name, params: {"type": "function", "function": {"name": name, "parameters": params}},
+        st.sampled_from(("f", "g", "", "</s>", "x" * 100)),
+        parameters,
+    )
+    return weighted(
+        (6, st.lists(function, min_size=1, max_size=3)),
+        (1, st.just([{"type": "function", "function": {"name": "f"}}] * 2)),
+        (
+            1,
+            st.integers(128, 129).map(
+                lambda n: [{"type": "function", "function": {"name": f"f{i}"}} for i in range(n)]
+            ),
+        ),
+        (1, st.sampled_from(([], [5], [{"type": "function"}], [{"type": "code_interpreter"}]))),
+    )
+
+
+TOOL_CHOICES = (
+    "none", "auto", "required", {"type": "function", "function": {"name": "f"}},
+    {"type": "function", "function": {"name": "nope"}}, {"type": "function"}, "any",
+)  # fmt: skip
+
 COMMON_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "model": st.sampled_from(("", "tiny", "gpt-4o")),
     "max_tokens": weighted((8, st.integers(1, 6)), (1, st.sampled_from((0, -1, 255, 256)))),
     "temperature": weighted((2, st.just(0)), (3, _floats(0.0, 2.0))),
     "top_p": _floats(0.0, 1.0),
     "top_k": weighted((3, st.integers(-1, 50)), (1, st.sampled_from(BIG_INTS))),
-    "n": st.sampled_from((1, 2)),
+    "n": weighted((4, st.integers(1, 4)), (1, st.sampled_from((0, 128, 129, -1)))),
     "stream": st.booleans(),
     "stream_options": st.sampled_from(({"include_usage": True}, {"include_usage": False}, {})),
     "stop": weighted(
@@ -265,14 +317,23 @@ COMMON_FIELDS: dict[str, st.SearchStrategy[Any]] = {
         (3, st.lists(st.sampled_from(("a", " ", "</s>", '"', "x" * 300, "")), max_size=8)),
     ),
     "seed": weighted((3, st.integers(0, 1000)), (1, st.sampled_from(BIG_INTS))),
-    "presence_penalty": st.sampled_from((0, 0.0, 0.5)),
-    "frequency_penalty": st.sampled_from((0, 0.5)),
-    "logit_bias": st.sampled_from(({}, {"1": 5}, None)),
+    "presence_penalty": _floats(-2.0, 2.0),
+    "frequency_penalty": _floats(-2.0, 2.0),
+    "logit_bias": logit_biases(),
     "response_format": response_formats(),
     "min_tokens": weighted((4, st.integers(0, 4)), (1, st.sampled_from((255, 10**30, -1)))),
     "repetition_penalty": st.sampled_from((1.0, 1.2, 0.0, 1e39, 1e-300, 2)),
     "user": texts(),
     "metadata": st.sampled_from(({}, {"a": "b"})),
+    # vLLM's extras
+    "min_p": _floats(0.0, 1.0),
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.sampled_from(TOKEN_IDS), max_size=3),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
+    "guided_decoding_backend": st.sampled_from(("xgrammar", "outlines", "")),
+    "guided_whitespace_pattern": st.sampled_from((r"\s*", "", "(")),
 }
 COMPLETION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     **COMMON_FIELDS,
@@ -286,12 +347,38 @@ CHAT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(0, 21),
     "max_completion_tokens": weighted((4, st.integers(1, 6)), (1, st.sampled_from((0, 256)))),
-    "tools": st.sampled_from(([], [{"type": "function", "function": {"name": "f"}}])),
-    "tool_choice": st.sampled_from(("none", "auto")),
+    "tools": tools(),
+    "tool_choice": st.sampled_from(TOOL_CHOICES),
     "parallel_tool_calls": st.booleans(),
     "modalities": st.sampled_from((["text"], ["audio"])),
     "reasoning_effort": st.sampled_from(("low", None)),
 }
+
+
+@functools.cache
+def guided_extras() -> st.SearchStrategy[dict[str, Any]]:
+    """vLLM's guided-decoding fields (``guided_*``, ``structured_outputs``) with the
+    constraint families of :mod:`fuzz_guided`."""
+    schema = weighted((3, schemas().map(Raw)), (1, schemas()), (1, any_json()))
+    one = weighted(
+        (4, schema.map(lambda v: ("json", v))),
+        (4, weighted((5, regexes()), (1, any_json())).map(lambda v: ("regex", v))),
+        (4, weighted((5, choices()), (1, any_json())).map(lambda v: ("choice", v))),
+        (3, weighted((5, grammars()), (1, any_json())).map(lambda v: ("grammar", v))),
+        (1, st.just(("json_object", True))),
+    )
+
+    def field(kind_value: tuple[str, Any], structured: bool) -> dict[str, Any]:
+        kind, value = kind_value
+        if structured or kind == "json_object":
+            return {"structured_outputs": {kind: value}}
+        return {f"guided_{kind}": value}
+
+    return weighted(
+        (6, st.builds(field, one, st.booleans())),
+        (1, st.builds(lambda a, b: {**field(a, False), **field(b, True)}, one, one)),
+        (1, any_json().map(lambda v: {"structured_outputs": v})),
+    )
 
 
 @functools.cache
@@ -317,13 +404,21 @@ def bodies(draw: st.DrawFn, chat: bool) -> dict[str, Any]:
     fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
     for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True)):
         body[name] = draw(field_values(fields[name]))
-    if draw(one_in(4)):  # guided, the constraint's edges
-        body["response_format"] = draw(response_formats())
+    if draw(one_in(3)):  # guided, the constraint's edges
+        if draw(st.booleans()):
+            body["response_format"] = draw(response_formats())
+        else:
+            body.update(draw(guided_extras()))
+        if chat and draw(one_in(4)):
+            body["tools"] = draw(tools())
+            body["tool_choice"] = draw(st.sampled_from(TOOL_CHOICES))
         if draw(st.booleans()):
             body["min_tokens"] = draw(st.integers(1, 12))
             body["max_tokens"] = body["min_tokens"] + draw(st.integers(0, 8))
     if draw(one_in(30)):
-        body[draw(st.sampled_from(("x", "guided_regex", "prompt_logprobs", "")))] = draw(any_json())
+        body[draw(st.sampled_from(("x", "guided_regexp", "prompt_logprobs", "")))] = draw(
+            any_json()
+        )
     return body
 
 
@@ -347,6 +442,8 @@ class HttpCase:
     """Completions: how many choices a 200 carries (None: not checked)."""
     expect: Expect | None = None
     """Guided, without stop or echo: what an output that ended on EOS must be."""
+    echo: bool = False
+    """Completions with the prompt before the output (and in the logprobs)."""
     oversize: int = 0
 
     def body(self) -> bytes:
@@ -355,21 +452,56 @@ class HttpCase:
         return b'{"prompt": "' + b"a" * (self.oversize - 14) + b'"}'
 
 
+_CUT_SHORT = (
+    "stop", "stop_token_ids", "ignore_eos", "echo", "include_stop_str_in_output", "tools",
+)  # fmt: skip
+"""Fields that change what an output that ended with finish_reason "stop" is."""
+
+
 def _reply_checks(route: str, body: dict[str, Any]) -> dict[str, Any]:
     """What a 200 to ``body`` must hold, where cheap to tell."""
     checks: dict[str, Any] = {"stream": body.get("stream") is True}
-    prompt = body.get("prompt")
-    if route == ROUTES[0]:
-        checks["prompts"] = len(prompt) if isinstance(prompt, list) else 1
-    rf = body.get("response_format")
-    if isinstance(rf, dict) and not body.get("stop") and not body.get("echo"):
-        if rf.get("type") == "json_object":
-            checks["expect"] = expectation("json_object", None)
-        spec = rf.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if rf.get("type") == "json_schema" and isinstance(schema, Raw):
-            checks["expect"] = expectation("json_schema", schema.text)
+    n = body.get("n", 1)
+    if route == ROUTES[0] and isinstance(n, int) and not isinstance(n, bool):
+        prompt = body.get("prompt")
+        checks["prompts"] = (len(prompt) if isinstance(prompt, list) else 1) * n
+    checks["echo"] = body.get("echo") is True
+    if not any(body.get(name) for name in _CUT_SHORT) and body.get("skip_special_tokens") in (
+        None,
+        True,
+    ):
+        checks["expect"] = _constraint_expectation(body)
     return checks
+
+
+def _constraint_expectation(body: dict[str, Any]) -> Expect | None:
+    """What the body's one constraint allows an output that ended on EOS to be."""
+    found: list[tuple[str, Any]] = []
+    rf = body.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") == "json_object":
+        found.append(("json_object", None))
+    if isinstance(rf, dict) and rf.get("type") == "json_schema":
+        spec = rf.get("json_schema")
+        found.append(("json_schema", spec.get("schema") if isinstance(spec, dict) else None))
+    for kind in ("json", "regex", "choice", "grammar"):
+        if f"guided_{kind}" in body:
+            found.append((kind, body[f"guided_{kind}"]))
+    structured = body.get("structured_outputs")
+    if isinstance(structured, dict):
+        found += [(k, v) for k, v in structured.items() if v is not None]
+    if len(found) != 1:
+        return None
+    kind, value = found[0]
+    if kind in ("json", "json_schema"):
+        text = value.text if isinstance(value, Raw) else value
+        return expectation("json_schema", text) if isinstance(text, str) else None
+    if kind == "choice" and not (
+        isinstance(value, list) and all(isinstance(c, str) for c in value)
+    ):
+        return None
+    if kind in ("regex", "grammar") and not isinstance(value, str):
+        return None
+    return expectation(kind, value)
 
 
 @st.composite
@@ -539,7 +671,7 @@ def _check_completion(case: HttpCase, reply: Any) -> str:
     if case.prompts is not None and len(choices) != case.prompts:
         return f"{len(choices)} choices for {case.prompts} prompts"
     usage = reply.get("usage") or {}
-    if any(c.get("logprobs") for c in choices):
+    if any(c.get("logprobs") for c in choices) and not case.echo:
         counted = sum(_logprob_tokens(c) for c in choices)
         if counted != usage.get("completion_tokens"):
             return (
