@@ -447,11 +447,16 @@ def schema_format(schema: Any) -> dict[str, Any]:
          "top_k must be between -1 and 2147483647"),
         (COMPLETIONS, {"prompt": "x", "temperature": fuzz_openai.Raw("NaN")},
          "temperature must be a number"),
+        (COMPLETIONS, {"prompt": "x", "logit_bias": {"4096": 1}},
+         "logit_bias token id 4096 is not in the model's vocabulary (size 4096)"),
+        (CHAT, {"messages": [USER_X], "logit_bias": {"1": 5, "4294967295": -1}},
+         "logit_bias token id 4294967295 is not in the model's vocabulary (size 4096)"),
     ],
     ids=[
         "content-null", "content-number", "part-text-number", "no-role", "body-5000-deep",
         "stop-100000-deep", "schema-false", "schema-200-deep", "schema-600-deep",
         "schema-3000-deep", "schema-unsatisfiable", "top_k-2^32", "temperature-NaN",
+        "logit_bias-4096", "logit_bias-2^32-1",
     ],
 )  # fmt: skip
 def test_openai_refusals(server: LauncherProcess, route: str, body: Any, message: str) -> None:

@@ -176,6 +176,7 @@ class Router:
                 if info.eos_token_ids
                 else None
             ),
+            vocab_size=info.vocab_size,
         )
 
     def _servicer(

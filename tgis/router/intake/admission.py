@@ -78,6 +78,18 @@ class GenerationCall:
     """False for texts that carry their special tokens already (a rendered chat template)."""
 
 
+def _check_token_ids(params: GenerationParams, vocab_size: int | None) -> None:
+    """Every ``logit_bias`` id is in the model's vocabulary: the shard checks it too, and
+    would fail the request during generation (a 500) where this refuses it (a 400)."""
+    if vocab_size is None:
+        return
+    bad = next((t for t, _ in params.sampling.logit_bias if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValidationError(
+            f"logit_bias token id {bad} is not in the model's vocabulary (size {vocab_size})"
+        )
+
+
 async def _no_prefixes(prefix_id: str) -> PrefixInfo:
     """The lookup of a router without a shard: no prefix exists (the shard's message)."""
     raise PrefixLookupError(f'prefix id "{prefix_id}" not found')
@@ -90,7 +102,9 @@ class Admission:
     for a router without a shard, which finds no prefix. ``adapters``: where adapters' kinds
     come from (the shard's adapter cache, through a cache); None when the shard has no
     adapter cache, so that every ``adapter_id`` is refused. ``grammars``: compiles guided
-    decoding constraints (None: every constrained request is refused).
+    decoding constraints (None: every constrained request is refused). ``vocab_size``: the
+    model's, which token ids a request names (the OpenAI routes' ``logit_bias``) must be
+    under (None: not checked).
     """
 
     def __init__(
@@ -103,8 +117,10 @@ class Admission:
         prefixes: PrefixInfos | None = None,
         adapters: AdapterKinds | None = None,
         grammars: GrammarCompiler | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
         self.limits = limits
         self.limiter = limiter
         self.metrics = metrics
@@ -165,6 +181,7 @@ class Admission:
         self, call: GenerationCall, on_compile: CompileObserver | None
     ) -> list[ValidatedRequest]:
         validate_params(call.params, self.limits)
+        _check_token_ids(call.params, self.vocab_size)
         adapters = await self.resolve_adapters(call.prefix_id, call.adapter_id)
         encoded = await self._encode(call.texts, call.add_special_tokens)
         validated = validate_inputs(
