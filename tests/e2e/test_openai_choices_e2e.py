@@ -274,7 +274,8 @@ def test_echo_logprobs_equal_grpc_input_details(
                 alternatives = [t.logprob for t in token.top_tokens]
                 assert all(min(abs(v - a) for a in alternatives) < 1e-5 for v in top.values())
             assert logprobs.text_offset is not None and logprobs.text_offset[0] == 0
-        assert reply.usage is not None and reply.usage.completion_tokens == len(PROMPTS) * max_tokens
+        assert reply.usage is not None
+        assert reply.usage.completion_tokens == len(PROMPTS) * max_tokens
 
 
 def test_lm_eval_loglikelihood(client: openai.OpenAI, server: LauncherProcess) -> None:
