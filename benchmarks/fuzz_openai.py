@@ -387,7 +387,9 @@ def prompts() -> st.SearchStrategy[Any]:
         (20, texts()),
         (5, st.lists(texts(), min_size=1, max_size=3)),
         (1, st.just([])),
-        (1, st.sampled_from(([1, 2, 3], [[1, 2]], ["a", 1]))),
+        (1, st.sampled_from(([1, 2, 3], [[1, 2]], ["a", 1], [[]], [[1], "a"], [1.5], [True]))),
+        (1, st.lists(st.lists(st.sampled_from(TOKEN_IDS), max_size=3), min_size=1, max_size=2)),
+        (1, st.lists(st.sampled_from(TOKEN_IDS), min_size=1, max_size=3)),
         (1, st.sampled_from((600, 5000)).map(lambda n: ["x"] * n)),
         (2, any_json()),
     )
@@ -464,7 +466,8 @@ def _reply_checks(route: str, body: dict[str, Any]) -> dict[str, Any]:
     n = body.get("n", 1)
     if route == ROUTES[0] and isinstance(n, int) and not isinstance(n, bool):
         prompt = body.get("prompt")
-        checks["prompts"] = (len(prompt) if isinstance(prompt, list) else 1) * n
+        one = not isinstance(prompt, list) or all(isinstance(t, int) for t in prompt)
+        checks["prompts"] = (1 if one else len(prompt)) * n  # a list of ids is one prompt
     checks["echo"] = body.get("echo") is True
     if not any(body.get(name) for name in _CUT_SHORT) and body.get("skip_special_tokens") in (
         None,
