@@ -8,7 +8,8 @@ Hermes-style chat template with tools), with the gRPC API and transformers as or
   tool turns go through the template as transformers renders them;
 * ``n`` sampled choices equal gRPC generations seeded ``seed + j``;
 * ``echo`` with ``logprobs`` (and ``max_tokens`` 0 or 1, lm-eval's loglikelihood requests)
-  gives gRPC's input token details, and lm-eval's sums and greedy checks agree with them.
+  gives gRPC's input token details, and lm-eval's sums and greedy checks agree with
+  transformers', the prompt given as text or as token ids.
 """
 
 from __future__ import annotations
@@ -307,3 +308,8 @@ def test_lm_eval_loglikelihood(client: openai.OpenAI, server: LauncherProcess) -
     expected = sum(float(scores[i - 1, ids[i]]) for i in rows)
     greedy = all(int(scores[i - 1].argmax()) == ids[i] for i in rows)
     assert math.isclose(got, expected, abs_tol=1e-4) and is_greedy == greedy
+    # lm-eval's default (tokenized_requests): the same request with the prompt as token ids
+    as_ids = client.completions.create(
+        model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    assert as_ids.choices[0].logprobs == logprobs

@@ -113,7 +113,13 @@ def test_chat_renders_and_adds_no_special_tokens() -> None:
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 2}, "best_of"),
         ({"bogus": 1}, "bogus"),
-        ({"prompt": [1, 2]}, "prompt"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt"),
+        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": [True]}, "prompt"),
+        ({"prompt": [[1], ["a"]]}, "prompt"),
+        ({"prompt": [1 << 32]}, "prompt"),
+        ({"prompt": []}, "prompt"),
         ({"prompt": None}, "prompt"),
         ({"model": 3}, "model"),
         ({"max_tokens": 0}, "max_tokens"),  # without echo
@@ -308,3 +314,14 @@ def test_max_tokens_zero_with_echo_generates_one_token_and_drops_it() -> None:
     request = completion(echo=True, logprobs=0, max_tokens=0)
     assert request.drop_output and request.call.params.stopping.max_new_tokens == 1
     assert not completion(echo=True, max_tokens=1).drop_output
+
+
+def test_prompts_as_token_ids_are_taken_as_they_are() -> None:
+    """lm-eval's local-completions sends token ids: no special tokens are added, and the
+    route decodes their texts (for echo) before admission."""
+    one = completion(prompt=[5, 6, 7])
+    assert one.call.token_ids == ((5, 6, 7),) and not one.call.add_special_tokens
+    many = completion(prompt=[[5, 6], [7]], n=2)
+    assert many.call.token_ids == ((5, 6), (5, 6), (7,), (7,))
+    assert len(many.call.texts) == 4
+    assert completion(prompt=["a"]).call.token_ids is None

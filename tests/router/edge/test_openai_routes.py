@@ -112,6 +112,7 @@ def serve(scenario: Callable[[Server], Awaitable[None]]) -> None:
             limiter=ConcurrencyLimiter(16),
             metrics=metrics,
             grammars=grammars,
+            vocab_size=4096,
         )
         engine = ScriptedEngine(tokenizer)
         drain = Drain()
@@ -279,5 +280,24 @@ def test_forced_calls_are_read_back() -> None:
         [choice] = reply["choices"]
         assert choice["finish_reason"] == "tool_calls"
         assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
+
+    serve(scenario)
+
+
+def test_prompts_as_token_ids() -> None:
+    async def scenario(server: Server) -> None:
+        ids = server.engine.tokenizer.encode_batch(["one two"], add_special_tokens=True)[0]
+        body = {"prompt": [ids, ids[1:]], "echo": True, "logprobs": 0, "max_tokens": 0}
+        reply = await server.post("/v1/completions", body)
+        assert [r.input_ids for r in server.engine.submitted] == [tuple(ids), tuple(ids[1:])]
+        texts = [c["text"] for c in reply["choices"]]
+        decode = server.engine.tokenizer.decode
+        assert texts == [decode(ids, skip_special_tokens=False), "one two"]
+        assert texts[0].startswith("<s>")  # the prompt's own BOS, no second one added
+        assert reply["usage"]["prompt_tokens"] == 2 * len(ids) - 1
+        response = await server.client.post("/v1/completions", json={"prompt": [5, 4096]})
+        assert response.status == 400
+        error = (await response.json())["error"]
+        assert "prompt token id 4096 is not in the model's vocabulary" in error["message"]
 
     serve(scenario)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tgis.router.edge.openai_fields import (
+    MAX_TOKEN_ID,
     bad_request,
     optional_bool,
     optional_number,
@@ -65,7 +66,6 @@ EXTRA_FIELDS = frozenset(
 ``repetition_penalty`` are read with the common ones)."""
 
 MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
-MAX_TOKEN_ID = (1 << 32) - 1  # the shard's ids are uint32
 
 
 @dataclass(frozen=True)

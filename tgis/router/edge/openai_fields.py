@@ -15,8 +15,11 @@ __all__ = [
     "optional_bool",
     "optional_int",
     "optional_number",
+    "read_prompt",
     "refuse_unless",
 ]
+
+MAX_TOKEN_ID = (1 << 32) - 1  # the shard's ids are uint32 (admission checks the vocabulary)
 
 
 class OpenAIError(Exception):
@@ -101,3 +104,28 @@ def optional_number(
         bounds = f"between {low:g} and {high:g}" if high is not None else f"at least {low:g}"
         raise bad_request(f"{name} must be {bounds}", name)
     return float(value)
+
+
+def read_prompt(value: object) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...] | None]:
+    """``prompt``'s texts, and its token ids when given as ids (a list of ids, or a list of
+    lists of them: their texts are decoded later, by the route)."""
+    if isinstance(value, str):
+        return (value,), None
+    if value is None:
+        raise bad_request("you must provide a prompt", "prompt")
+    if isinstance(value, list) and value:
+        if all(isinstance(p, str) for p in value):
+            return tuple(value), None
+        if all(_is_token_id(t) for t in value):
+            return ("",), (tuple(value),)
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in value):
+            return ("",) * len(value), tuple(tuple(p) for p in value)
+    raise bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of "
+        "non-empty lists of token ids",
+        "prompt",
+    )
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID

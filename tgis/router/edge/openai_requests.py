@@ -43,6 +43,7 @@ from tgis.router.edge.openai_fields import (
     optional_bool,
     optional_int,
     optional_number,
+    read_prompt,
     refuse_unless,
 )
 from tgis.router.edge.openai_tools import (
@@ -150,20 +151,12 @@ _CHAT_FIELDS = (
 
 
 def parse_completion(body: object, *, max_new_tokens: int) -> OpenAIRequest:
-    """A ``/v1/completions`` body: ``prompt`` a string or a list of strings (``n`` choices
-    each, as a gRPC batch)."""
+    """A ``/v1/completions`` body: ``prompt`` a string, a list of strings, a list of token
+    ids or a list of such lists (``n`` choices each, as a gRPC batch)."""
     fields = fields_of(body, _COMPLETION_FIELDS)
     refuse_unless(fields, "suffix", lambda v: v in (None, ""), "suffix is not supported")
     refuse_unless(fields, "best_of", lambda v: v in (None, 1), "best_of must be 1")
-    prompt = fields.get("prompt")
-    if isinstance(prompt, str):
-        prompts: tuple[str, ...] = (prompt,)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = tuple(prompt)
-    elif prompt is None:
-        raise bad_request("you must provide a prompt", "prompt")
-    else:
-        raise bad_request("prompt must be a string or a list of strings", "prompt")
+    prompts, token_ids = read_prompt(fields.get("prompt"))
     logprobs = optional_int(fields, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
     echo = optional_bool(fields, "echo") or False
     max_tokens = optional_int(fields, "max_tokens", 0, None)
@@ -177,6 +170,10 @@ def parse_completion(body: object, *, max_new_tokens: int) -> OpenAIRequest:
         max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, max_new_tokens)
     asked = _Asked(logprobs, echo and logprobs is not None, body_constraint(fields))
     request = _request(fields, prompts, max(max_tokens, 1), asked)
+    if token_ids is not None:  # used as they are: no special tokens added
+        repeated = tuple(ids for ids in token_ids for _ in range(request.n))
+        call = replace(request.call, token_ids=repeated, add_special_tokens=False)
+        request = replace(request, call=call)
     return replace(request, echo=echo, drop_output=max_tokens == 0)
 
 

@@ -173,6 +173,7 @@ class OpenAIRoutes:
     ) -> web.StreamResponse:
         try:
             parsed = await self._for_model(parse(await _json_body(request)))
+            parsed = await self._with_prompt_texts(parsed)
         except OpenAIError:
             self.metrics.request_received("single", 1)
             self.metrics.request_failure("validation")
@@ -216,6 +217,19 @@ class OpenAIRoutes:
         else:
             chunks = self.replies.completion_chunks(parsed, states, arrival)
         return await _send_events(request, chunks, self.metrics)
+
+    async def _with_prompt_texts(self, parsed: OpenAIRequest) -> OpenAIRequest:
+        """Prompts given as token ids get their texts (what ``echo`` shows, special tokens
+        included), decoded on the tokenizer's pool."""
+        token_ids = parsed.call.token_ids
+        if token_ids is None:
+            return parsed
+        tokenizer = self.admission.tokenizer
+
+        def decode() -> tuple[str, ...]:
+            return tuple(tokenizer.decode(ids, skip_special_tokens=False) for ids in token_ids)
+
+        return replace(parsed, call=replace(parsed.call, texts=await tokenizer.run_async(decode)))
 
     async def _for_model(self, parsed: OpenAIRequest) -> OpenAIRequest:
         """``parsed`` for the model it names: the served model as is; another name is a

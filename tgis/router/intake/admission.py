@@ -76,6 +76,9 @@ class GenerationCall:
     """vllm-tgis-adapter's ``adapter_id``: "" when absent or empty (no adapter)."""
     add_special_tokens: bool = True
     """False for texts that carry their special tokens already (a rendered chat template)."""
+    token_ids: tuple[tuple[int, ...], ...] | None = None
+    """The inputs as token ids (OpenAI's prompts given as ids), taken as they are instead of
+    tokenizing ``texts`` (which then hold their decoded text); None: tokenize."""
 
 
 def _check_token_ids(params: GenerationParams, vocab_size: int | None) -> None:
@@ -183,7 +186,10 @@ class Admission:
         validate_params(call.params, self.limits)
         _check_token_ids(call.params, self.vocab_size)
         adapters = await self.resolve_adapters(call.prefix_id, call.adapter_id)
-        encoded = await self._encode(call.texts, call.add_special_tokens)
+        if call.token_ids is None:
+            encoded = await self._encode(call.texts, call.add_special_tokens)
+        else:
+            encoded = self._given_ids(call.token_ids)
         validated = validate_inputs(
             call.texts,
             encoded,
@@ -224,6 +230,19 @@ class Admission:
         for ids in encoded:
             self.metrics.input_tokenized(len(ids))
         return encoded
+
+    def _given_ids(self, token_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Inputs given as token ids, each id in the vocabulary when its size is known;
+        their lengths recorded as tokenized inputs' are."""
+        for ids in token_ids:
+            self.metrics.input_tokenized(len(ids))
+            size = self.vocab_size
+            bad = next((t for t in ids if size is not None and not 0 <= t < size), None)
+            if bad is not None:
+                raise ValidationError(
+                    f"prompt token id {bad} is not in the model's vocabulary (size {size})"
+                )
+        return [list(ids) for ids in token_ids]
 
     # ---- adapters and prompt prefixes -----------------------------------------------------
 
