@@ -187,10 +187,14 @@ def parse_chat(
     """A ``/v1/chat/completions`` body; ``render`` turns its messages (and tools) into the
     prompt (the chat template)."""
     fields = fields_of(body, _CHAT_FIELDS)
-    for name in ("functions", "audio", "prediction", "web_search_options"):
-        refuse_unless(fields, name, lambda v: not v, f"{name} is not supported (use tools)")
+    for name in ("audio", "prediction", "web_search_options"):
+        refuse_unless(fields, name, lambda v: not v, f"{name} is not supported")
+    refuse_unless(fields, "functions", lambda v: not v, "functions is not supported: use tools")
     refuse_unless(
-        fields, "function_call", lambda v: v in (None, "none"), "function_call is not supported"
+        fields,
+        "function_call",
+        lambda v: v in (None, "none"),
+        "function_call is not supported: use tool_choice",
     )
     refuse_unless(
         fields, "modalities", lambda v: v in (None, ["text"]), "only text output is supported"
