@@ -63,6 +63,7 @@ def test_defaults_are_tgis_defaults() -> None:
         "disable_prefix_caching": False,
         "served_model_name": None,
         "chat_template": None,
+        "tool_call_parser": None,  # vLLM's flag; unset: the chat template's, else hermes
         "api_key": None,
         "cors_allow_origin": (),  # no CORS headers
         "http_tls": False,
