@@ -34,7 +34,7 @@ from tgis.router.errors import UnavailableError
 from tgis.router.intake.admission import Admission, GenerationCall
 from tgis.router.ops.drain import SHUTTING_DOWN_MESSAGE, Drain
 from tgis.router.ops.request_context import correlation_id
-from tgis.router.request_types import StopReason
+from tgis.router.request_types import StopReason, ValidatedRequest
 
 __all__ = ["CallGate", "OpenCall", "admitted", "end_requests"]
 
@@ -150,10 +150,13 @@ async def admitted(
     call: GenerationCall,
     arrival: float,
     span: RequestSpan | None,
+    adjust: Callable[[list[ValidatedRequest]], list[ValidatedRequest]] | None = None,
 ) -> AsyncIterator[list[RequestState]]:
     """``call``'s inputs admitted (``--max-client-batch-size``, one permit each, validation)
     and submitted to the engine, one state per input; when the block ends, however it ends
     (a client that disconnects cancels it), they are ended and their permits returned.
+    ``adjust`` may rewrite the validated requests before they are submitted (the OpenAI
+    routes' per-choice seeds).
 
     Raises:
         RouterError: a refusal (counted where it was found).
@@ -163,6 +166,8 @@ async def admitted(
     with admission.permits(count):
         on_compile = None if span is None else span.guided_compiled
         validated = await admission.validate(call, arrival, on_compile)
+        if adjust is not None:
+            validated = adjust(validated)
         states = [engine.submit(v, arrival) for v in validated]
         if span is not None:
             span.validated(states, time.monotonic())

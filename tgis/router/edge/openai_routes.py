@@ -15,19 +15,20 @@ for a failure during generation.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any, NoReturn
 
 from aiohttp import web
 
 from tgis.router.core.engine import Engine
 from tgis.router.core.request_state import RequestState
-from tgis.router.edge.calls import CallGate, end_requests
+from tgis.router.edge.calls import CallGate, admitted
+from tgis.router.edge.http_bodies import bearer_matches, read_json
 from tgis.router.edge.openai_chat_replies import ChatReplies
 from tgis.router.edge.openai_replies import OpenAIReplies
 from tgis.router.edge.openai_requests import (
@@ -53,12 +54,10 @@ from tgis.router.intake.chat_template import ChatTemplate, ChatTemplateError
 from tgis.router.ops.drain import SHUTTING_DOWN_MESSAGE
 from tgis.router.ops.metrics import Metrics
 
-__all__ = ["MAX_BODY_BYTES", "OpenAIRoutes"]
+__all__ = ["OpenAIRoutes"]
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 * 1024 * 1024
-"""The largest request body accepted (413 beyond)."""
 
 NO_TEMPLATE_MESSAGE = (
     "this model has no chat template: give one with --chat-template (a file or the template "
@@ -172,7 +171,7 @@ class OpenAIRoutes:
         span: RequestSpan | None,
     ) -> web.StreamResponse:
         try:
-            parsed = await self._for_model(parse(await _json_body(request)))
+            parsed = await self._for_model(parse(await read_json(request, OpenAIError)))
             parsed = await self._with_prompt_texts(parsed)
         except OpenAIError:
             self.metrics.request_received("single", 1)
@@ -182,18 +181,10 @@ class OpenAIRoutes:
         kind = "stream" if parsed.stream else ("single" if count == 1 else "batch")
         self.metrics.request_received(kind, count)
         try:
-            self.admission.check_batch_size(count)
-            with self.admission.permits(count):
-                on_compile = None if span is None else span.guided_compiled
-                validated = await self.admission.validate(parsed.call, arrival, on_compile)
-                validated = choice_seeds(parsed, validated)
-                states = [self.engine.submit(v, arrival) for v in validated]
-                if span is not None:
-                    span.validated(states, time.monotonic())
-                try:
-                    return await self._answer(request, parsed, states, arrival)
-                finally:
-                    end_requests(self.engine, self.admission, states)
+            seeded = partial(choice_seeds, parsed)
+            call = admitted(self.engine, self.admission, parsed.call, arrival, span, seeded)
+            async with call as states:
+                return await self._answer(request, parsed, states, arrival)
         except RouterError as err:
             if isinstance(err, GenerationError):
                 self.metrics.request_failure("generate")
@@ -267,12 +258,7 @@ class OpenAIRoutes:
         return guarded
 
     def _authorize(self, request: web.Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        expected = self.api_key.encode()
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        if self.api_key is not None and not bearer_matches(request, self.api_key):
             raise OpenAIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
@@ -285,25 +271,6 @@ def _describe_failure(error: BaseException | None) -> str | None:
     if isinstance(error, OpenAIError):
         return f"{error.status}: {error.message}"
     return describe_exception(error)
-
-
-async def _json_body(request: web.Request) -> object:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise OpenAIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes") from None
-    except web.RequestPayloadError as err:
-        # aiohttp could not decode the body as its headers describe it (a Content-Encoding
-        # of gzip or deflate over bytes that are not)
-        cause = err.__cause__ if err.__cause__ is not None else err
-        reason = " ".join(str(cause).split()).removeprefix("400, message: ")
-        raise bad_request(f"the request body could not be read: {reason}") from None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise bad_request(f"the request body is not valid JSON: {err}") from None
-    except RecursionError:
-        raise bad_request("the request body is nested too deeply") from None
 
 
 def _openai_error(err: RouterError) -> OpenAIError:
