@@ -6,23 +6,9 @@ import dataclasses
 
 import pytest
 
+from tests.router.core.scripted_shard import INFO
 from tgis.router.core.speculation import SpeculationConfig
 from tgis.router.startup import log_speculation
-from tgis.shard_api.messages import ModelKind, ShardInfo
-
-INFO = ShardInfo(
-    model_kind=ModelKind.CAUSAL_LM,
-    eos_token_ids=(2,),
-    vocab_size=100,
-    block_size=16,
-    num_blocks=100,
-    world_size=1,
-    max_position_embeddings=0,
-    model_type="llama",
-    dtype="float32",
-    device="cpu",
-    attention_backend="x",
-)
 
 
 @pytest.mark.parametrize(

@@ -207,12 +207,17 @@ def test_a_stop_found_one_step_late_drops_the_token_computed_meanwhile() -> None
     assert scheduler.schedule(0.0).plan.finished_request_ids == (1,)
 
 
-def test_a_sequence_error_fails_only_that_request() -> None:
+def two_scheduled() -> tuple[Scheduler, RequestState, RequestState, ScheduledStep]:
+    """A scheduler with requests 1 and 2 in its first step."""
     scheduler = Scheduler(BlockPool(64, 4), limits())
     a, b = make_state(1, 3, 5), make_state(2, 3, 5)
     scheduler.add(a)
     scheduler.add(b)
-    step = scheduler.schedule(0.0)
+    return scheduler, a, b, scheduler.schedule(0.0)
+
+
+def test_a_sequence_error_fails_only_that_request() -> None:
+    scheduler, a, b, step = two_scheduled()
     output = StepOutput(
         step.plan.step_id,
         (SampledToken(1, TokenDetail(50)),),
@@ -225,11 +230,7 @@ def test_a_sequence_error_fails_only_that_request() -> None:
 
 
 def test_a_constraint_failure_is_its_own_error_with_a_bounded_message() -> None:
-    scheduler = Scheduler(BlockPool(64, 4), limits())
-    a, b = make_state(1, 3, 5), make_state(2, 3, 5)
-    scheduler.add(a)
-    scheduler.add(b)
-    step = scheduler.schedule(0.0)
+    scheduler, _, _, step = two_scheduled()
     output = StepOutput(
         step.plan.step_id,
         errors=(
