@@ -1,5 +1,4 @@
-"""Hostile requests: property-based fuzzing of the public gRPC API, and of the OpenAI
-routes on the HTTP port, against a real server.
+"""Hostile requests: property-based fuzzing of the gRPC API and the OpenAI routes of a server.
 
 Every field of every ``fmaas`` request message is drawn by ``hypothesis`` strategies that
 cover its whole range with weighted choices (cheap, plausible values most of the time, so
