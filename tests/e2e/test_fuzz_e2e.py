@@ -431,7 +431,7 @@ def schema_format(schema: Any) -> dict[str, Any]:
         (CHAT, {"messages": [USER_X], "stop": fuzz_openai.nested(100_000)},
          "the request body is nested too deeply"),
         (CHAT, {"messages": [USER_X], "response_format": schema_format(False)},
-         "response_format.json_schema.schema must be an object"),
+         "json_schema false allows no JSON document"),
         (COMPLETIONS, {"prompt": "x", "response_format": schema_format(
             fuzz_openai.Raw(fuzz_guided.properties_chain(200)))},
          TOO_DEEP),

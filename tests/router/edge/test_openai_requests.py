@@ -163,7 +163,7 @@ def test_completion_refusals_name_the_field(body: dict[str, Any], param: str) ->
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
         ({"messages": [{"role": "user", "content": ["text"]}]}, "messages"),
         (
-            {"response_format": {"type": "json_schema", "json_schema": {"schema": True}}},
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": [True]}}},
             "response_format",
         ),
     ],
@@ -325,3 +325,12 @@ def test_prompts_as_token_ids_are_taken_as_they_are() -> None:
     assert many.call.token_ids == ((5, 6), (5, 6), (7,), (7,))
     assert len(many.call.texts) == 4
     assert completion(prompt=["a"]).call.token_ids is None
+
+
+def test_schema_true_and_false_are_json_schemas_in_response_format() -> None:
+    """As gRPC's json_schema and vLLM's guided_json take them: the compiler serves true
+    (any JSON value) and refuses false with its own message."""
+    for schema, text in ((True, "true"), (False, "false")):
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        guided = chat(response_format=fmt).call.params.guided
+        assert guided.kind is GuidedKind.JSON_SCHEMA and guided.text == text

@@ -526,3 +526,15 @@ def test_every_input_of_a_batch_carries_the_prefix() -> None:
     ]
     none = validate_input("a", ids(3), gparams(), LIMITS)
     assert (none.prefix_id, none.prefix_length, none.prompt_length) == ("", 0, 3)
+
+
+def test_temperature_005_from_a_float64_body_passes_as_the_float32_field_does() -> None:
+    """The OpenAI and TGI routes carry a float64 0.05, gRPC the float32 one: both are TGIS's
+    smallest temperature."""
+    from tgis.router.intake import validation
+    from tgis.router.request_types import SamplingParams
+
+    for value in (0.05, validation._f32(0.05)):
+        validation._check_warpers(SamplingParams(temperature=value))
+    with pytest.raises(ValidationError, match=r"temperature must be >= 0\.05"):
+        validation._check_warpers(SamplingParams(temperature=0.0499999))

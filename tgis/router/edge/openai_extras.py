@@ -228,9 +228,10 @@ def _response_format(value: object) -> GuidedRequest | None:
     if kind == "json_schema":
         spec = value.get("json_schema") if isinstance(value, dict) else None
         schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
+        if not isinstance(schema, dict | bool):  # true and false: JSON Schema's own forms
             raise bad_request(
-                "response_format.json_schema.schema must be an object", "response_format"
+                "response_format.json_schema.schema must be an object, true or false",
+                "response_format",
             )
         text = schema_text(schema, "response_format")
         return GuidedRequest(GuidedKind.JSON_SCHEMA, text=text)

@@ -210,6 +210,8 @@ class GrammarCompiler:
         limits = parser_limits()
         error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer, limits=limits)
         if error:
+            if request.kind is GuidedKind.JSON_SCHEMA and "recursion limit" in error:
+                raise ValidationError(_TOO_DEEP)
             raise ValidationError(f"Invalid {field}: {short_error(error)}")
         matcher = llguidance.LLMatcher(tokenizer, grammar, limits=limits, log_level=0)
         first = matcher.compute_bitmask()

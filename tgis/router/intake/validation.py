@@ -162,7 +162,8 @@ def validate_params(params: GenerationParams, limits: ServerLimits) -> None:
 def _check_warpers(s: SamplingParams) -> None:
     # 1
     _require_finite("temperature", s.temperature)
-    if s.temperature != 0.0 and s.temperature < _MIN_TEMPERATURE:
+    # compared as float32, as the gRPC field carries it: an OpenAI body's 0.05 passes too
+    if s.temperature != 0.0 and _f32(s.temperature) < _MIN_TEMPERATURE:
         raise ValidationError("temperature must be >= 0.05")
     # 2
     _require_finite("top_p", s.top_p)
