@@ -106,7 +106,7 @@ def test_70b_split_over_8_ranks(rank: int) -> None:
     layer = model.layers[0]
     assert layer.attn.qkv.weight.is_meta
     assert tuple(layer.attn.qkv.weight.shape) == ((8 + 2) * 128, 8192)
-    assert tuple(layer.down.weight.shape) == (8192, 28672 // 8)
+    assert tuple(layer.mlp.down.weight.shape) == (8192, 28672 // 8)
     assert model.kv_cache_spec.num_kv_heads == 1
     assert 70.55e9 / 8 < weights.created < 70.57e9 / 8  # its eighth, plus the norms
 

@@ -64,7 +64,7 @@ def _randomise(model: torch.nn.Module) -> None:
     biases and norm parameters, so that a dropped or misplaced one shows."""
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices, and the 3-D stacks of a mixture's experts
                 p.normal_(0.0, 0.15)
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.1)
@@ -78,6 +78,38 @@ FAMILIES: dict[str, Family] = {
         "GraniteForCausalLM",
         dict(
             _LLAMA_SHAPE,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.4,
+            logits_scaling=2.5,
+        ),
+    ),
+    "mixtral": Family(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_LLAMA_SHAPE, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen2-moe": Family(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            _LLAMA_SHAPE,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            num_experts=6,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "granite-moe": Family(
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(
+            _LLAMA_SHAPE,
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
             embedding_multiplier=3.0,
             residual_multiplier=0.5,
             attention_multiplier=0.4,
@@ -165,6 +197,32 @@ FAMILIES: dict[str, Family] = {
             parallel_attn=False,
             bias=True,
         ),
+    ),
+    "qwen3": Family(
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(_LLAMA_SHAPE, head_dim=32, attention_bias=True, tie_word_embeddings=False),
+    ),
+    "olmo2": Family("Olmo2Config", "Olmo2ForCausalLM", dict(_LLAMA_SHAPE)),
+    "phi3-longrope": Family(
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            _LLAMA_SHAPE,
+            pad_token_id=0,
+            max_position_embeddings=4096,
+            original_max_position_embeddings=256,
+            rope_scaling=dict(
+                type="longrope",
+                short_factor=[1.0 + 0.4 * i for i in range(8)],
+                long_factor=[4.0 + i for i in range(8)],
+            ),
+        ),
+    ),
+    "phi3-partial": Family(
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(_LLAMA_SHAPE, pad_token_id=0, partial_rotary_factor=0.5),
     ),
 }
 

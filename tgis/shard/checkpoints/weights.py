@@ -125,6 +125,11 @@ class Weights:
         view = self._handle(name).get_slice(name)
         return self._cast(torch.cat([view[start:stop] for start, stop in merged]), name)
 
+    def get_part(self, name: str, *index: slice) -> torch.Tensor:
+        """The part of ``name`` at ``index`` (a slice per leading dimension), reading only
+        that part (one expert's rows of a 3-D tensor of experts, say)."""
+        return self._cast(self._handle(name).get_slice(name)[index], name)
+
     def get_sharded(self, name: str, dim: int) -> torch.Tensor:
         """This rank's equal part of ``name`` along ``dim`` (0 or 1); the whole tensor with
         one rank. Reads only the slice from the file."""

@@ -57,7 +57,7 @@ def test_the_cpu_loader_packs_every_linear_layer(tiny_model: TinyModel) -> None:
     runner = load_runner(ShardConfig(model_name=str(tiny_model.path), kv_cache_blocks=NUM_BLOCKS))
     layer = runner.model.layers[0]  # type: ignore[attr-defined]
     linears = [v for v in vars(layer.attn).values() if isinstance(v, ColumnLinear | RowLinear)]
-    linears += [layer.gate_up, layer.down]
+    linears += [layer.mlp.gate_up, layer.mlp.down]
     assert len(linears) >= 3 and all(lin.weight.is_mkldnn for lin in linears)
     head = runner.model.lm_head  # type: ignore[attr-defined]
     assert isinstance(head, LMHead) and head.weight.is_mkldnn

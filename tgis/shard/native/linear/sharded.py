@@ -57,7 +57,8 @@ class RowLinear:
     """y = all_reduce(x_rank W_rankᵀ) + b: this rank's columns of W (input features).
 
     A LoRA delta is computed from this rank's input columns and summed by the same
-    all-reduce as the base output."""
+    all-reduce as the base output. With ``reduce`` false the partial product is returned
+    for the caller to sum with others in one all-reduce (a mixture of experts' layer)."""
 
     def __init__(
         self,
@@ -65,18 +66,21 @@ class RowLinear:
         bias: torch.Tensor | None,
         tp: TensorParallel,
         lora_site: LoraSite | None = None,
+        reduce: bool = True,
     ):
         self.weight, self.kernel = runtime_weight(weight)
         self.bias = bias
         self.tp = tp
         self.lora_site = lora_site
         self.lora_index = -1
+        self.reduce = reduce
 
     def __call__(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
         y = apply(x, self.weight, None)
         if lora is not None:
             lora.add(self.lora_index, x, y)
-        y = self.tp.all_reduce(y)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

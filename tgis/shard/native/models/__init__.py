@@ -23,6 +23,10 @@ from tgis.shard.native.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tgis.shard.native.models.gpt_neox import GPTNeoXForCausalLM
 from tgis.shard.native.models.layers import Shapes
 from tgis.shard.native.models.llama import LlamaForCausalLM
+from tgis.shard.native.models.llama_moe import LlamaMoeForCausalLM
+from tgis.shard.native.models.olmo2 import Olmo2ForCausalLM
+from tgis.shard.native.models.phi3 import Phi3ForCausalLM
+from tgis.shard.native.models.qwen3 import Qwen3ForCausalLM
 
 
 class CausalLM(Protocol):
@@ -90,9 +94,15 @@ ARCHITECTURES: dict[str, ModelFactory] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "GraniteForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": LlamaMoeForCausalLM,
+    "Qwen2MoeForCausalLM": LlamaMoeForCausalLM,
+    "GraniteMoeForCausalLM": LlamaMoeForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "RWForCausalLM": FalconForCausalLM,  # Falcon's original remote-code checkpoints
 }
 # Fallback when a config names no architecture.
@@ -101,9 +111,15 @@ MODEL_TYPES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "granite": "GraniteForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "falcon": "FalconForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "RefinedWeb": "RWForCausalLM",
     "RefinedWebModel": "RWForCausalLM",
 }

@@ -30,10 +30,15 @@ def paged_attend(backend: AttentionBackend, kv_cache: KVCache, metadata: Any) ->
     """The eager ``attend`` of one step: the backend over the paged cache."""
 
     def attend(
-        layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None,
+        window: int | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache.layer(layer)
-        return backend.forward(q, k, v, k_cache, v_cache, metadata, scale=scale)
+        return backend.forward(q, k, v, k_cache, v_cache, metadata, scale=scale, window=window)
 
     return attend
 
@@ -192,9 +197,17 @@ def _collect_linears(
 ) -> None:
     """Every linear layer with a LoRA site (``every``: every linear layer) reachable from
     ``obj``'s attributes, in attribute order."""
-    for value in vars(obj).values():
-        if isinstance(value, ColumnLinear | RowLinear):
-            if every or value.lora_site is not None:
-                found.append(value)
-        elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor | type):
-            _collect_linears(value, found, every)
+    for attribute in vars(obj).values():
+        # a list: a mixture of experts' experts, one linear layer each
+        for value in attribute if isinstance(attribute, list) else [attribute]:
+            _collect_linear(value, found, every)
+
+
+def _collect_linear(value: object, found: list[ColumnLinear | RowLinear], every: bool) -> None:
+    """``value`` if it is a linear layer (with a LoRA site, unless ``every``), else the
+    linear layers reachable from its attributes."""
+    if isinstance(value, ColumnLinear | RowLinear):
+        if every or value.lora_site is not None:
+            found.append(value)
+    elif hasattr(value, "__dict__") and not isinstance(value, torch.Tensor | type):
+        _collect_linears(value, found, every)

@@ -12,6 +12,7 @@ multipliers, its own softmax scale) and Qwen2 (biases on q/k/v but not o).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,6 +24,7 @@ from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
+from tgis.shard.native.linear.lora_rows import LoraRows
 from tgis.shard.native.linear.sharded import (
     ColumnLinear,
     VocabEmbedding,
@@ -45,7 +47,12 @@ from tgis.shard.native.models.layers import (
 from tgis.shard.native.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
 
 # Architectures of the Llama relatives whose config may lack ``model_type``.
-_ARCHITECTURE_TYPES = {"GraniteForCausalLM": "granite", "Qwen2ForCausalLM": "qwen2"}
+_ARCHITECTURE_TYPES = {
+    "GraniteForCausalLM": "granite",
+    "Qwen2ForCausalLM": "qwen2",
+    "GraniteMoeForCausalLM": "granitemoe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+}
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,7 @@ def _with_family_options(args: LlamaArgs, config: ModelConfig) -> LlamaArgs:
     """``args`` with the options of the config's family where it departs from Llama."""
     family = config.model_type or _ARCHITECTURE_TYPES.get(config.architecture, "")
     raw = config.raw
-    if family == "granite":
+    if family in ("granite", "granitemoe"):
         return replace(
             args,
             embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
@@ -133,8 +140,8 @@ def _with_family_options(args: LlamaArgs, config: ModelConfig) -> LlamaArgs:
             attention_scale=float(raw.get("attention_multiplier", 1.0)),
             logits_scaling=float(raw.get("logits_scaling", 1.0)),
         )
-    if family == "qwen2":
-        return replace(args, qkv_bias=True, o_bias=False)
+    if family in ("qwen2", "qwen2_moe"):
+        return replace(args, qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False)
     return args
 
 
@@ -143,16 +150,37 @@ def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x if factor == 1.0 else x * factor
 
 
+MLPFn = Callable[[torch.Tensor, LoraRows | None], torch.Tensor]
+"""A layer's MLP: normed hidden states [tokens, hidden] (and the step's LoRA rows) → its
+output, all-reduced: ``GatedMLP`` or a mixture of experts (``llama_moe.py``)."""
+
+
+class GatedMLP:
+    """SwiGLU, ``down(silu(gate(x)) * up(x))``: gate/up fused and column-parallel, down
+    row-parallel."""
+
+    def __init__(self, weights: Weights, prefix: str, bias: bool) -> None:
+        self.gate_up = column_linear(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias)
+        self.down = row_linear(weights, f"{prefix}.down_proj", bias)
+
+    def __call__(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+        gate, up = self.gate_up(x, lora).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up, lora)
+
+
 class LlamaLayer:
     """One decoder layer; q/k/v and gate/up projections fused into single matmuls.
 
     With tensor parallelism the layer holds this rank's heads and MLP columns: q/k/v and
-    gate/up are column-parallel, o and down row-parallel (one all-reduce each).
+    gate/up are column-parallel, o and down row-parallel (one all-reduce each). ``mlp``
+    replaces the dense MLP (a mixture of experts).
     """
 
-    def __init__(self, args: LlamaArgs, heads: Heads, weights: Weights, index: int) -> None:
+    def __init__(
+        self, args: LlamaArgs, heads: Heads, weights: Weights, index: int, mlp: MLPFn | None = None
+    ) -> None:
         prefix = f"model.layers.{index}"
-        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        attn = f"{prefix}.self_attn"
         self.eps = args.rms_norm_eps
         self.residual_multiplier = args.residual_multiplier
         self.input_norm = RMSNorm(weights, f"{prefix}.input_layernorm.weight", self.eps)
@@ -164,14 +192,12 @@ class LlamaLayer:
             row_linear(weights, f"{attn}.o_proj", args.o_bias),
             args.attention_scale,
         )
-        self.gate_up = column_linear(weights, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], args.mlp_bias)
-        self.down = row_linear(weights, f"{mlp}.down_proj", args.mlp_bias)
+        self.mlp = mlp or GatedMLP(weights, f"{prefix}.mlp", args.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``x``: [tokens, hidden] → [tokens, hidden]."""
         x = x + _scaled(self.attn(self.input_norm(x), ctx), self.residual_multiplier)
-        gate, up = self.gate_up(self.post_norm(x), ctx.lora).chunk(2, dim=-1)
-        return x + _scaled(self.down(F.silu(gate) * up, ctx.lora), self.residual_multiplier)
+        return x + _scaled(self.mlp(self.post_norm(x), ctx.lora), self.residual_multiplier)
 
 
 def _separate_qkv(weights: Weights, attn: str, args: LlamaArgs) -> ColumnLinear:
@@ -213,30 +239,45 @@ class LlamaForCausalLM(DecoderLM):
         self.attention = attention
         self.heads = Heads.split(args.num_heads, args.num_kv_heads, args.head_dim, weights.tp)
         self.embed = VocabEmbedding(weights, "model.embed_tokens.weight")
-        self.layers = [LlamaLayer(args, self.heads, weights, i) for i in range(args.num_layers)]
+        self.layers = [
+            LlamaLayer(args, self.heads, weights, i, self.layer_mlp(weights, i))
+            for i in range(args.num_layers)
+        ]
         self.final_norm = RMSNorm(weights, "model.norm.weight", args.rms_norm_eps)
         self.lm_head = load_lm_head(weights, self.embed, args.vocab_size, args.tie_word_embeddings)
         inv_freq = inverse_frequencies(args.rope, args.head_dim, args.max_position_embeddings)
         self.rotary = RotaryEmbedding(inv_freq, weights.device)
 
+    def layer_mlp(self, weights: Weights, index: int) -> MLPFn | None:
+        """Layer ``index``'s MLP when it is not the dense one (a subclass's experts)."""
+        del weights, index
+        return None
+
+    @classmethod
+    def mlp_shapes(cls, config: ModelConfig, args: LlamaArgs, index: int) -> Shapes:
+        """The checkpoint tensors of layer ``index``'s MLP."""
+        del config
+        mlp, h, inter = f"model.layers.{index}.mlp", args.hidden_size, args.intermediate_size
+        shapes = linear_shapes(f"{mlp}.gate_proj", inter, h, args.mlp_bias)
+        shapes |= linear_shapes(f"{mlp}.up_proj", inter, h, args.mlp_bias)
+        return shapes | linear_shapes(f"{mlp}.down_proj", h, inter, args.mlp_bias)
+
     @classmethod
     def checkpoint_shapes(cls, config: ModelConfig, max_sequence_length: int) -> Shapes:
         """Every tensor of a checkpoint of ``config`` (the names this class reads)."""
         args = LlamaArgs.from_config(config, max_sequence_length)
-        h, inter = args.hidden_size, args.intermediate_size
+        h = args.hidden_size
         q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         shapes: Shapes = {"model.embed_tokens.weight": (args.vocab_size, h)}
         for i in range(args.num_layers):
             prefix = f"model.layers.{i}"
-            attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+            attn = f"{prefix}.self_attn"
             shapes[f"{prefix}.input_layernorm.weight"] = (h,)
             shapes[f"{prefix}.post_attention_layernorm.weight"] = (h,)
             for proj, rows in (("q", q), ("k", kv), ("v", kv)):
                 shapes |= linear_shapes(f"{attn}.{proj}_proj", rows, h, args.qkv_bias)
             shapes |= linear_shapes(f"{attn}.o_proj", h, q, args.o_bias)
-            shapes |= linear_shapes(f"{mlp}.gate_proj", inter, h, args.mlp_bias)
-            shapes |= linear_shapes(f"{mlp}.up_proj", inter, h, args.mlp_bias)
-            shapes |= linear_shapes(f"{mlp}.down_proj", h, inter, args.mlp_bias)
+            shapes |= cls.mlp_shapes(config, args, i)
         shapes["model.norm.weight"] = (h,)
         if not args.tie_word_embeddings:
             shapes["lm_head.weight"] = (args.vocab_size, h)

@@ -1,0 +1,186 @@
+"""Mixture-of-experts layers: a router picks each token's top-k experts, only those experts
+run on it, and their outputs are summed with the router's weights.
+
+Routing (``Routing``): router logits, softmax over every expert in float32, the top k;
+renormalised to sum to one (Mixtral; Qwen2/Qwen3-MoE with ``norm_topk_prob``; Granite-MoE's
+softmax over the top-k logits is the same number) or kept as they are (Qwen-MoE without it).
+
+Experts (``Experts``): each a gated MLP whose gate/up matrices are column-parallel and down
+matrix row-parallel, as a dense MLP's (``sharded.py``): every rank holds its slice of every
+expert's intermediate dimension. The grouped path sorts the (token, expert) pairs by expert,
+runs one GEMM per expert that has tokens (a loop over experts, never over tokens), scales
+each row by its routing weight and adds it back to its token with ``index_add``. The
+partial sums of the experts (and of a shared expert, Qwen2-MoE's, gated by a sigmoid) are
+all-reduced once per layer.
+
+Quantized expert matrices are not read: a model with them is refused at start
+(``refuse_quantized``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tgis.shard.checkpoints.weights import Weights
+from tgis.shard.errors import StartupError
+from tgis.shard.native.linear.lora_rows import LoraRows
+from tgis.shard.native.linear.sharded import ColumnLinear, RowLinear, column_linear, row_linear
+from tgis.shard.parallel.group import TensorParallel
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+ExpertReader = Callable[[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""``read(expert, (first, last))``: that expert's gate rows, up rows and down columns
+[first, last) of its intermediate dimension (this rank's slice)."""
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a family turns router logits into experts and weights."""
+
+    num_experts: int
+    top_k: int
+    renormalize: bool  # the top-k softmax weights divided by their sum
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits`` [tokens, experts] → (weights [tokens, k] float32, ids [tokens, k])."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+
+def refuse_quantized(weights: Weights, architecture: str) -> None:
+    """StartupError for a quantized checkpoint (or ``--quantize``) of a mixture-of-experts
+    model: its experts would need their own layouts, which tgis does not read yet."""
+    if weights.layout is not None:
+        raise StartupError(
+            f"{architecture}: quantized mixture-of-experts models are not supported by the "
+            "native engine yet (its experts are read as dense matrices only); serve the "
+            "unquantized checkpoint"
+        )
+
+
+def separate_experts(weights: Weights, prefix: str, names: Sequence[str]) -> ExpertReader:
+    """Experts stored one module each: ``<prefix>.<e>.<gate|up|down>.weight`` with
+    ``names`` the three module names (Mixtral's w1/w3/w2, Qwen-MoE's *_proj)."""
+    gate, up, down = names
+
+    def read(expert: int, cols: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        first, last = cols
+        module = f"{prefix}.{expert}"
+        return (
+            weights.get_part(f"{module}.{gate}.weight", slice(first, last)),
+            weights.get_part(f"{module}.{up}.weight", slice(first, last)),
+            weights.get_part(f"{module}.{down}.weight", slice(None), slice(first, last)),
+        )
+
+    return read
+
+
+def fused_experts(weights: Weights, gate_up: str, down: str) -> ExpertReader:
+    """Experts stored as two 3-D tensors (Granite-MoE): ``gate_up`` [experts, 2 x inter,
+    hidden] (gate rows, then up rows) and ``down`` [experts, hidden, inter]."""
+    inter = weights.shape(down)[2]
+
+    def read(expert: int, cols: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        first, last = cols
+        one = slice(expert, expert + 1)
+        return (
+            weights.get_part(gate_up, one, slice(first, last))[0],
+            weights.get_part(gate_up, one, slice(inter + first, inter + last))[0],
+            weights.get_part(down, one, slice(None), slice(first, last))[0],
+        )
+
+    return read
+
+
+class Experts:
+    """Every expert's gate/up (fused, column-parallel) and down (row-parallel, summed by
+    the caller's one all-reduce) on this rank's slice of the intermediate dimension."""
+
+    def __init__(
+        self, read: ExpertReader, num_experts: int, inter: int, tp: TensorParallel, act: Activation
+    ) -> None:
+        cols = tp.split(inter, "the experts' intermediate size") if tp.is_parallel else (0, inter)
+        self.gate_up: list[ColumnLinear] = []
+        self.down: list[RowLinear] = []
+        for expert in range(num_experts):
+            gate, up, down = read(expert, cols)
+            self.gate_up.append(ColumnLinear([gate, up], None))
+            self.down.append(RowLinear(down, None, tp, reduce=False))
+        self.act = act
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum [tokens, hidden] of each token's experts' outputs, weighted
+        by ``weights`` [tokens, k] (``ids`` [tokens, k] the experts)."""
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = torch.div(order, k, rounding_mode="floor")
+        counts = torch.bincount(flat, minlength=len(self.gate_up)).tolist()
+        grouped = x.index_select(0, rows)
+        out = torch.empty_like(grouped)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                stop = start + count
+                gate, up = self.gate_up[expert](grouped[start:stop]).chunk(2, dim=-1)
+                out[start:stop] = self.down[expert](self.act(gate) * up)
+                start = stop
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, rows, out)
+
+
+class SharedExpert:
+    """Qwen2-MoE's shared expert: a gated MLP every token runs, scaled by
+    sigmoid(x · gate) (``gate``: None for an ungated one); its down projection is summed
+    by the MoE layer's all-reduce."""
+
+    def __init__(self, weights: Weights, prefix: str, gate: str | None, act: Activation) -> None:
+        self.gate_up = column_linear(weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], False)
+        self.down = row_linear(weights, f"{prefix}.down_proj", False)
+        self.down.reduce = False
+        self.gate = None if gate is None else weights.get(f"{gate}.weight")
+        self.act = act
+
+    def __call__(self, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
+        gate, up = self.gate_up(x, lora).chunk(2, dim=-1)
+        out = self.down(self.act(gate) * up, lora)
+        if self.gate is None:
+            return out
+        return out * torch.sigmoid(F.linear(x, self.gate))
+
+
+class SparseMoE:
+    """One mixture-of-experts MLP: the router (whole on every rank), the routed experts and
+    an optional shared expert; ``x`` [tokens, hidden] → [tokens, hidden], all-reduced."""
+
+    def __init__(
+        self,
+        router: torch.Tensor,
+        routing: Routing,
+        experts: Experts,
+        tp: TensorParallel,
+        shared: SharedExpert | None = None,
+    ) -> None:
+        if router.shape[0] != routing.num_experts:
+            raise StartupError(
+                f"the router has {router.shape[0]} experts; the config says {routing.num_experts}"
+            )
+        self.router = router
+        self.routing = routing
+        self.experts = experts
+        self.shared = shared
+        self.tp = tp
+
+    def __call__(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+        weights, ids = self.routing(F.linear(x, self.router))
+        out = self.experts(x, weights, ids)
+        if self.shared is not None:
+            out = out + self.shared(x, lora)
+        return self.tp.all_reduce(out)
