@@ -54,6 +54,28 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         dict(_LLAMA, tie_word_embeddings=True, embedding_multiplier=12.0, logits_scaling=16.0),
     ),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA, tie_word_embeddings=False)),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen2-moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            _LLAMA,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "granite-moe": (
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2),
+    ),
     "gpt-bigcode-mqa": (
         "GPTBigCodeConfig",
         "GPTBigCodeForCausalLM",
@@ -120,7 +142,11 @@ def tensors_of(obj: Any, path: str = "") -> dict[str, torch.Tensor]:
         for i, item in enumerate(obj):
             found |= tensors_of(item, f"{path}.{i}")
     elif type(obj).__module__.startswith(
-        ("tgis.shard.native.models", "tgis.shard.native.linear.sharded")
+        (
+            "tgis.shard.native.models",
+            "tgis.shard.native.linear.sharded",
+            "tgis.shard.native.linear.moe",
+        )
     ):
         for key, value in vars(obj).items():
             found |= tensors_of(value, f"{path}.{key}" if path else key)
