@@ -1,7 +1,7 @@
 """Model implementations and the registry that maps Hugging Face architectures to them: one
-module per family (``llama``, ``llama_moe``, ``gpt_bigcode``, ``gpt_neox``, ``falcon``) over the shared
-decoder (``decoder``: ``DecoderLM``), its layers (``layers``) and rotary embeddings
-(``rotary``); a new family is a module here and an entry in the registry below."""
+module per family (``llama``, ``llama_moe``, ``gpt_bigcode``, ``gpt_neox``, ``falcon``) over
+the shared decoder (``decoder``: ``DecoderLM``), its layers (``layers``) and rotary
+embeddings (``rotary``); a new family is a module here and an entry in the registry below."""
 
 from __future__ import annotations
 
