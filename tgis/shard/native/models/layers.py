@@ -187,9 +187,27 @@ def grouped_qkv_ranges(heads: Heads) -> list[tuple[int, int]]:
     return q + k + v
 
 
-def fused_qkv_linear(weights: Weights, prefix: str, heads: Heads, bias: bool) -> ColumnLinear:
-    """This rank's heads of the fused ``<prefix>.weight`` (see ``grouped_qkv_ranges``), as
-    one column-parallel projection whose output is [q | k | v]."""
+def split_qkv_ranges(heads: Heads) -> list[tuple[int, int]]:
+    """Row ranges of this rank's q, k and v heads in a fused tensor laid out as [all q heads,
+    all k heads, all v heads] (Phi-3's ``qkv_proj``)."""
+    dim, k_start = heads.head_dim, heads.total * heads.head_dim
+    v_start = k_start + heads.total_kv * dim
+    return [
+        (heads.q_first * dim, heads.q_last * dim),
+        (k_start + heads.kv_first * dim, k_start + heads.kv_last * dim),
+        (v_start + heads.kv_first * dim, v_start + heads.kv_last * dim),
+    ]
+
+
+def fused_qkv_linear(
+    weights: Weights,
+    prefix: str,
+    heads: Heads,
+    bias: bool,
+    layout: Callable[[Heads], list[tuple[int, int]]] = grouped_qkv_ranges,
+) -> ColumnLinear:
+    """This rank's heads of the fused ``<prefix>.weight`` (``layout``: ``grouped_qkv_ranges``
+    or ``split_qkv_ranges``), as one column-parallel projection whose output is [q | k | v]."""
     rows = (heads.total + 2 * heads.total_kv) * heads.head_dim
     found = weights.linear_shape(prefix)[0]
     if found != rows:
@@ -197,11 +215,28 @@ def fused_qkv_linear(weights: Weights, prefix: str, heads: Heads, bias: bool) ->
             f"{prefix}.weight has {found} rows; the config's {heads.total} heads and "
             f"{heads.total_kv} KV heads of size {heads.head_dim} need {rows}"
         )
-    ranges = grouped_qkv_ranges(heads)
+    ranges = layout(heads)
     b = weights.get_row_ranges(f"{prefix}.bias", ranges) if bias else None
     site = LoraSite((lora_part(weights, prefix, ranges),), row_parallel=False)
     return ColumnLinear(weights.linear(prefix, rows=ranges), b, site)
 
+
+def fused_gate_up_linear(weights: Weights, prefix: str, bias: bool) -> ColumnLinear:
+    """This rank's columns of a fused [gate; up] ``<prefix>.weight`` (Phi-3's
+    ``gate_up_proj``), each half split evenly across ranks: the output is [gate | up]."""
+    rows = weights.linear_shape(prefix)[0]
+    if rows % 2:
+        raise StartupError(f"{prefix}.weight has an odd number of rows ({rows})")
+    start, stop = weights.tp.split(rows // 2, f"half of {prefix}.weight's rows")
+    ranges = [(start, stop), (rows // 2 + start, rows // 2 + stop)]
+    b = weights.get_row_ranges(f"{prefix}.bias", ranges) if bias else None
+    site = LoraSite((lora_part(weights, prefix, ranges),), row_parallel=False)
+    return ColumnLinear(weights.linear(prefix, rows=ranges), b, site)
+
+
+QKNormFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``qk_norm(q, k)``: queries [tokens, heads, dim] and keys [tokens, kv_heads, dim] normed
+before rotary (``norms.py``)."""
 
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
 """``attend(layer, q, k, v, scale)``: store ``k``/``v`` in layer ``layer``'s cache and attend
@@ -219,8 +254,9 @@ class StepContext:
 
 class Attention:
     """One layer's self-attention over the paged KV cache: the column-parallel ``qkv``
-    gives this rank's heads as [q | k | v], rotary turns q and k (when the step has cos/sin),
-    the backend writes k/v to the cache and attends, ``out`` is row-parallel."""
+    gives this rank's heads as [q | k | v], ``qk_norm`` (if any) norms q and k, rotary turns
+    them (when the step has cos/sin), the backend writes k/v to the cache and attends,
+    ``out`` is row-parallel."""
 
     def __init__(
         self,
@@ -229,12 +265,14 @@ class Attention:
         qkv: ColumnLinear,
         out: RowLinear,
         scale: float | None = None,
+        qk_norm: QKNormFn | None = None,
     ) -> None:
         self.index = index
         self.heads = heads
         self.qkv = qkv
         self.out = out
         self.scale = scale
+        self.qk_norm = qk_norm
 
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """``x``: normed hidden states [tokens, hidden] → the attention output, all-reduced."""
@@ -243,6 +281,8 @@ class Attention:
         q = q.view(tokens, h.num_heads, h.head_dim)
         k = k.view(tokens, h.num_kv_heads, h.head_dim)
         v = v.view(tokens, h.num_kv_heads, h.head_dim)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm(q, k)
         if ctx.rope is not None:
             q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
         attn = ctx.attend(self.index, q, k, v, self.scale)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE) as Hugging Face computes them, incl. Llama 3 scaling."""
+"""Rotary position embeddings (RoPE) as Hugging Face computes them, incl. Llama 3 scaling and
+LongRoPE (Phi-3's ``longrope``, formerly ``su``) with its short factors and attention factor."""
 
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ import torch
 
 from tgis.shard.errors import StartupError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+_ALIASES = {"su": "longrope"}  # LongRoPE's name in Phi-3's first configs
 
 
 def rope_parameters(raw: dict[str, Any]) -> dict[str, Any]:
     """The RoPE settings of a config, in either transformers' v5 or v4 layout."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    if raw.get("original_max_position_embeddings") is not None:  # v4 keeps it at the top
+        params.setdefault(
+            "original_max_position_embeddings", raw["original_max_position_embeddings"]
+        )
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    rope_type = _ALIASES.get(rope_type, rope_type)
     params["rope_type"] = rope_type
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise StartupError(
@@ -35,7 +42,43 @@ def inverse_frequencies(params: dict[str, Any], head_dim: int, max_positions: in
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3_scaling(inv_freq, params, max_positions)
+    if rope_type == "longrope":  # the short factors: see check_rope_length
+        factors = torch.tensor(params["short_factor"], dtype=torch.float32)
+        return 1.0 / (factors * base**exponents)
     return inv_freq
+
+
+def attention_scaling(params: dict[str, Any], max_positions: int) -> float:
+    """The factor cos and sin are multiplied by: LongRoPE's ``attention_factor`` (by default
+    sqrt(1 + ln(factor) / ln(original positions)), ``factor`` defaulting to the ratio of
+    ``max_position_embeddings`` to the original), else 1."""
+    if params["rope_type"] != "longrope":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    original = int(params["original_max_position_embeddings"])
+    factor = float(params.get("factor") or max_positions / original)
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def check_rope_length(params: dict[str, Any], max_sequence_length: int, architecture: str) -> None:
+    """StartupError when a sequence could outgrow what the engine's rope computes.
+
+    LongRoPE switches from its short to its long factors, for every position of a sequence,
+    once the sequence is longer than ``original_max_position_embeddings`` (transformers then
+    recomputes the whole sequence's keys); the engine keeps keys in its paged cache and
+    computes the short factors only, which is exact while no sequence is longer than that.
+    """
+    if params["rope_type"] != "longrope":
+        return
+    original = int(params["original_max_position_embeddings"])
+    if max_sequence_length > original:
+        raise StartupError(
+            f"{architecture}: longrope switches to its long factors past "
+            f"original_max_position_embeddings ({original}) and recomputes the sequence's "
+            f"keys, which the paged engine does not; set --max-sequence-length <= {original} "
+            f"(the short factors are exact up to there)"
+        )
 
 
 def _llama3_scaling(
@@ -58,8 +101,18 @@ def _llama3_scaling(
 class RotaryEmbedding:
     """Computes cos/sin for arbitrary positions and rotates query/key heads."""
 
-    def __init__(self, inv_freq: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, inv_freq: torch.Tensor, device: torch.device, scaling: float = 1.0) -> None:
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        self.scaling = scaling  # attention_scaling
+
+    @classmethod
+    def from_parameters(
+        cls, params: dict[str, Any], rotary_dim: int, max_positions: int, device: torch.device
+    ) -> RotaryEmbedding:
+        """The rotary embedding of ``rope_parameters`` over the first ``rotary_dim`` dimensions
+        of each head."""
+        inv_freq = inverse_frequencies(params, rotary_dim, max_positions)
+        return cls(inv_freq, device, attention_scaling(params, max_positions))
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -67,7 +120,10 @@ class RotaryEmbedding:
         """cos and sin of shape [tokens, 1, head_dim] (broadcast over heads)."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
