@@ -61,6 +61,9 @@ VARIANTS = [
     "gpt-neox-parallel",
     "falcon-new-gqa",
     "falcon-old-sequential-bias",
+    "qwen3",
+    "olmo2",
+    "phi3-longrope",
 ]
 
 

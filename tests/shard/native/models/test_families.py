@@ -182,8 +182,32 @@ def test_older_config_names_match_hf(
             {},
             "GPTNeoXForCausalLM: unsupported activation 'gelu_python_bogus'",
         ),
+        (
+            "qwen3",
+            lambda c: c.update(
+                use_sliding_window=True,
+                sliding_window=64,
+                layer_types=["full_attention", "sliding_attention"],
+            ),
+            {},
+            r"sliding-window attention \(64\) is not implemented",
+        ),
+        (
+            "phi3-longrope",
+            lambda c: None,
+            {"max_sequence_length": 512},
+            r"Phi3ForCausalLM: longrope switches to its long factors past "
+            r"original_max_position_embeddings \(256\).*--max-sequence-length <= 256",
+        ),
     ],
-    ids=["falcon-alibi", "bigcode-positions", "qwen2-sliding-window", "neox-activation"],
+    ids=[
+        "falcon-alibi",
+        "bigcode-positions",
+        "qwen2-sliding-window",
+        "neox-activation",
+        "qwen3-sliding-window",
+        "phi3-longrope-past-original",
+    ],
 )
 def test_unsupported_configs_are_refused_at_start_up(
     tmp_path: Path,
@@ -218,6 +242,9 @@ TP_VARIANTS = {
     "gpt-neox-parallel": 2,
     "falcon-new-gqa": 1,
     "falcon-old-mqa": 1,
+    "qwen3": 1,
+    "olmo2": 1,
+    "phi3-longrope": 1,
 }
 TP_DETAILS = DetailOptions(logprobs=True, ranks=True, top_n=2, generated_tokens=True)
 
