@@ -61,6 +61,7 @@ def step(
     seqs: list[dict[str, Any]],
     ranges: list[tuple[int, int]],
     scale: float | None,
+    window: int | None = None,
 ) -> list[torch.Tensor]:
     qs, ks, vs, slots = [], [], [], []
     for seq, (start, end) in zip(seqs, ranges, strict=True):
@@ -77,22 +78,27 @@ def step(
     device = seqs[0]["q"].device
     metadata = backend.prepare(layout, device)
     out = backend.forward(
-        torch.cat(qs), torch.cat(ks), torch.cat(vs), *caches, metadata, scale=scale
+        torch.cat(qs), torch.cat(ks), torch.cat(vs), *caches, metadata, scale=scale, window=window
     )
     return list(out.split(list(layout.query_lens)))
 
 
 def two_steps(
-    backend: AttentionBackend, dtype: torch.dtype, device: torch.device, scale: float | None
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    scale: float | None,
+    window: int | None = None,
+    firsts: tuple[int, ...] = FIRSTS,
 ) -> list[torch.Tensor]:
     seqs = make_sequences(dtype, device)
     gen = torch.Generator().manual_seed(2)
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, DIM)
     # Garbage in the cache: stale values must never be read.
     k_cache, v_cache = (torch.randn(shape, generator=gen).to(device, dtype) for _ in "kv")
-    first = step(backend, (k_cache, v_cache), seqs, [(0, f) for f in FIRSTS], scale)
-    rest = [(f, n) for f, n in zip(FIRSTS, LENGTHS, strict=True)]
-    return first + step(backend, (k_cache, v_cache), seqs, rest, scale)
+    first = step(backend, (k_cache, v_cache), seqs, [(0, f) for f in firsts], scale, window)
+    rest = [(f, n) for f, n in zip(firsts, LENGTHS, strict=True)]
+    return first + step(backend, (k_cache, v_cache), seqs, rest, scale, window)
 
 
 @pytest.mark.parametrize("scale", [None, 0.3])
@@ -111,6 +117,81 @@ def test_scale_changes_the_result() -> None:
     default = two_steps(SdpaVarlenAttention(BLOCK), torch.float32, cpu, None)
     scaled = two_steps(SdpaVarlenAttention(BLOCK), torch.float32, cpu, 0.3)
     assert not torch.allclose(default[0], scaled[0])
+
+
+# Sliding windows smaller than every context, equal to a block and to the first sequence's
+# length, and larger than every context; the first steps' ends (FIRSTS) and CHUNKED's cut
+# the windows of the second steps' first rows (chunks crossing the window's edge).
+WINDOWS = (1, 5, 16, 23, 64)
+CHUNKED = (9, 33, 20, 1, 3)
+
+
+def naive_attention(seq: dict[str, Any], window: int | None, scale: float | None) -> torch.Tensor:
+    """One sequence's causal attention, query by query over its own keys (no cache): the
+    query at position p sees the keys p - window < t <= p (transformers' sliding window)."""
+    q, k, v = (seq[x].float() for x in "qkv")
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out = torch.empty_like(q)
+    for p in range(q.shape[0]):
+        lo = 0 if window is None else max(0, p - window + 1)
+        scores = torch.einsum("hd,thd->ht", q[p], k[lo : p + 1])
+        scores *= q.shape[-1] ** -0.5 if scale is None else scale
+        out[p] = torch.einsum("ht,thd->hd", scores.softmax(-1), v[lo : p + 1])
+    return out
+
+
+@pytest.mark.parametrize("firsts", [FIRSTS, CHUNKED], ids=["firsts", "chunked"])
+@pytest.mark.parametrize("window", [None, *WINDOWS])
+def test_reference_window_equals_naive_attention(
+    window: int | None, firsts: tuple[int, ...]
+) -> None:
+    cpu = torch.device("cpu")
+    got = two_steps(TorchPagedAttention(BLOCK), torch.float32, cpu, 0.3, window, firsts)
+    for i, seq in enumerate(make_sequences(torch.float32, cpu)):
+        expected = naive_attention(seq, window, 0.3)
+        whole = torch.cat([got[i], got[len(LENGTHS) + i]])
+        torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_window_changes_the_result() -> None:
+    cpu = torch.device("cpu")
+    full = two_steps(TorchPagedAttention(BLOCK), torch.float32, cpu, None)
+    slid = two_steps(TorchPagedAttention(BLOCK), torch.float32, cpu, None, 5)
+    assert not torch.allclose(full[len(LENGTHS) + 2], slid[len(LENGTHS) + 2])  # a decode at 49
+
+
+def _windowed_backends() -> list[Any]:
+    backends: list[Any] = [SdpaVarlenAttention]
+    if KERNEL is not None:
+        backends.append(lambda block: CpuPagedAttention(block, KERNEL))
+    return backends
+
+
+@pytest.mark.parametrize("firsts", [FIRSTS, CHUNKED], ids=["firsts", "chunked"])
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_cpu_backend_windows_as_the_reference(
+    dtype: torch.dtype, window: int, firsts: tuple[int, ...]
+) -> None:
+    """sdpa_varlen and cpu_paged (its decodes in the C kernel) against the reference."""
+    cpu = torch.device("cpu")
+    expected = two_steps(TorchPagedAttention(BLOCK), dtype, cpu, None, window, firsts)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for make in _windowed_backends():
+        got = two_steps(make(BLOCK), dtype, cpu, None, window, firsts)
+        for e, g in zip(expected, got, strict=True):
+            torch.testing.assert_close(g, e, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not HAS_FLASH, reason="needs CUDA and the flash-attn package")
+@pytest.mark.parametrize("window", WINDOWS)
+def test_flash_varlen_windows_as_the_reference_on_gpu(window: int) -> None:
+    cuda, dtype = torch.device("cuda"), torch.bfloat16
+    expected = two_steps(TorchPagedAttention(BLOCK), dtype, cuda, None, window, CHUNKED)
+    got = two_steps(FlashVarlenAttention(BLOCK), dtype, cuda, None, window, CHUNKED)
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(not HAS_FLASH, reason="needs CUDA and the flash-attn package")
@@ -207,10 +288,12 @@ def check_random_batches(
     dim: int,
     block: int,
     cache_dtype: torch.dtype,
+    window: int | None = None,
 ) -> None:
-    """The kernel against the reference on random batches. A bfloat16 cache is checked
-    against the float32 reference over the same (bfloat16-rounded) values: the kernel
-    widens them exactly, so only float32 rounding separates the two."""
+    """The kernel against the reference on random batches (with a sliding ``window``, when
+    given). A bfloat16 cache is checked against the float32 reference over the same
+    (bfloat16-rounded) values: the kernel widens them exactly, so only float32 rounding
+    separates the two."""
     rng = random.Random(heads * 1000 + dim)
     gen = torch.Generator().manual_seed(dim)
     lengths = [1, block, block + 1, 2 * block, *(rng.randrange(1, 300) for _ in range(20))]
@@ -229,15 +312,54 @@ def check_random_batches(
     k = torch.randn(len(lengths), kv_heads, dim, generator=gen).to(cache_dtype).float()
     v = torch.randn(len(lengths), kv_heads, dim, generator=gen).to(cache_dtype).float()
     reference = TorchPagedAttention(block)
+    cpu = torch.device("cpu")
     expected = reference.forward(
-        q, k, v, *(c.float() for c in caches), reference.prepare(layout, torch.device("cpu"))
+        q, k, v, *(c.float() for c in caches), reference.prepare(layout, cpu), window=window
     )
     kernel = CpuPagedAttention(block, kernel_module)
     got = kernel.forward(
-        q, k, v, *(c.clone() for c in caches), kernel.prepare(layout, torch.device("cpu"))
+        q, k, v, *(c.clone() for c in caches), kernel.prepare(layout, cpu), window=window
     )
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [1, 7, 16, 17, 100, 400])
+@pytest.mark.parametrize("block", [16, 4])
+def test_cpu_paged_decodes_random_batches_in_a_window(window: int, block: int) -> None:
+    """Windows from one key to more than every context, at and off block boundaries: the
+    kernel starts inside a block and skips the blocks before it."""
+    assert KERNEL is not None
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        check_random_batches(KERNEL, 8, 2, 64, block, cache_dtype, window)
+
+
+@needs_kernel
+def test_cpu_kernel_never_reads_blocks_before_the_window() -> None:
+    """Table entries wholly before the window may name blocks given back (here: out of
+    range); the kernel reads and checks only the window's."""
+    assert KERNEL is not None
+    cache = torch.randn(4, 4, 1, 8)
+    q, out = torch.randn(1, 2, 8), torch.empty(1, 2, 8)
+    context = torch.tensor([10], dtype=torch.int64)
+    tables = torch.tensor([[99, 1, 2]], dtype=torch.int64)  # block 99 does not exist
+    args = (q, cache, cache, out, tables, context)
+    KERNEL.paged_decode_attention(
+        *(t.data_ptr() for t in args), 1, 2, 1, 8, 4, 3, 4, 10, 1.0, 0, 1, 6
+    )
+    layout = BatchLayout.from_lists([1], [10], [[3, 1, 2]], [2 * 4 + 1])
+    reference = TorchPagedAttention(4)
+    metadata = reference.prepare(layout, torch.device("cpu"))
+    new = cache[2, 1:2].clone()  # token 9's key and value, already in the cache
+    expected = reference.forward(
+        q, new, new, cache.clone(), cache.clone(), metadata, scale=1.0, window=6
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="out of range"):  # the window reaches block 99
+        KERNEL.paged_decode_attention(
+            *(t.data_ptr() for t in args), 1, 2, 1, 8, 4, 3, 4, 10, 1.0, 0, 1, 7
+        )
 
 
 def _cpu_flags() -> set[str]:
@@ -287,6 +409,7 @@ def test_every_compiled_variant_of_the_kernel_equals_the_reference(
     for cache_dtype in (torch.float32, torch.bfloat16):
         check_random_batches(variant, 8, 2, 64, 16, cache_dtype)
         check_random_batches(variant, 4, 2, 72, 4, cache_dtype)  # 64 lanes + a scalar tail
+        check_random_batches(variant, 8, 2, 64, 16, cache_dtype, window=37)
 
 
 @needs_kernel

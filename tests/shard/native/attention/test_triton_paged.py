@@ -96,7 +96,12 @@ def make_batch(
 
 
 def assert_matches_reference(
-    backend: AttentionBackend, batch: Batch, block: int, scale: float | None, tol: float
+    backend: AttentionBackend,
+    batch: Batch,
+    block: int,
+    scale: float | None,
+    tol: float,
+    window: int | None = None,
 ) -> None:
     """Same output as ``TorchPagedAttention`` and the same cache afterwards."""
     results = []
@@ -104,7 +109,7 @@ def assert_matches_reference(
     for impl in (reference, backend):
         caches = batch.k_cache.clone(), batch.v_cache.clone()
         metadata = impl.prepare(batch.layout, batch.q.device)
-        out = impl.forward(batch.q, batch.k, batch.v, *caches, metadata, scale=scale)
+        out = impl.forward(batch.q, batch.k, batch.v, *caches, metadata, scale=scale, window=window)
         results.append((out, caches))
     (expected, expected_caches), (got, got_caches) = results
     assert got.dtype == expected.dtype and got.shape == expected.shape
@@ -159,6 +164,24 @@ def test_random_batches_equal_reference(seed: int) -> None:
     batch = make_batch(specs, 4, 2, 8, 4, torch.float32, seed=seed)
     backend = TritonPagedAttention(4, prefill_tile=16, kv_tile=16, decode_splits=seed)
     assert_matches_reference(backend, batch, 4, None, 1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 17, 40, 57, 200])
+@pytest.mark.parametrize(
+    "block,splits,dtype",
+    [(4, None, torch.float32), (4, 3, torch.float32), (16, 2, torch.bfloat16)],
+)
+def test_sliding_windows_equal_reference(
+    window: int, block: int, splits: int | None, dtype: torch.dtype
+) -> None:
+    """Windows of one key, inside a 16-key tile, exactly one and just past one tile, past
+    a query tile, the longest chunk's context and every context: the prefill's lower-edge
+    tiles (masked), its middle ones (unmasked) and skipped ones, and split decodes over the
+    window's tiles alone."""
+    batch = make_batch(MIXED, 4, 2, 8, block, dtype, seed=window)
+    backend = TritonPagedAttention(block, prefill_tile=16, kv_tile=16, decode_splits=splits)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert_matches_reference(backend, batch, block, None, tol, window)
 
 
 def test_only_decodes_and_only_prefills() -> None:

@@ -5,7 +5,8 @@ On the CPU, gathering every decoding sequence's context out of the cache before 
 more than the attention itself: a step of 32 sequences at 150 tokens copies ~10 MB per
 layer. The kernel instead walks each sequence's blocks in place: 16 keys at a time for each
 query head, a numerically stable softmax in float32, then every value row for each query
-head's output (csrc/cpu_attention.c). Prompts and prompt chunks still go through the
+head's output (csrc/cpu_attention.c); with a layer's sliding window it reads only the
+blocks that hold the last ``window`` keys. Prompts and prompt chunks still go through the
 reference (``TorchPagedAttention``). Used for float32 and bfloat16 caches (queries, softmax
 and output in float32) when the extension was built (``setup.py``; it needs a C compiler at
 install time), else the reference runs alone. The kernel shares its (sequence, KV head)
@@ -78,6 +79,7 @@ class CpuPagedAttention(TorchPagedAttention):
         metadata: TorchPagedMetadata,
         scale: float | None,
         cache_dtype: torch.dtype,
+        window: int | None = None,
     ) -> torch.Tensor:
         if (
             metadata.decode_tables is None
@@ -85,7 +87,7 @@ class CpuPagedAttention(TorchPagedAttention):
             or cache_dtype not in _CACHE_DTYPES
             or q.device.type != "cpu"
         ):
-            return super()._decode(q, k_blocks, v_blocks, metadata, scale, cache_dtype)
+            return super()._decode(q, k_blocks, v_blocks, metadata, scale, cache_dtype, window)
         assert metadata.decode_rows is not None
         queries = q[metadata.decode_rows].float().contiguous()  # [decodes, heads, dim]
         seqs, heads, head_dim = queries.shape
@@ -110,5 +112,6 @@ class CpuPagedAttention(TorchPagedAttention):
             1.0 / math.sqrt(head_dim) if scale is None else scale,
             _CACHE_DTYPES[cache_dtype],
             torch.get_num_threads() if self.shares_torch_threads else 1,
+            window or 0,
         )
         return out.to(q.dtype)

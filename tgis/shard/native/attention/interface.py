@@ -89,9 +89,13 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: Any,
         scale: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Attend: ``q`` [tokens, heads, dim], ``k``/``v`` [tokens, kv_heads, dim] → like ``q``.
 
         ``scale`` multiplies the scores before the softmax; None means 1/sqrt(dim).
+        ``window`` is the layer's sliding window (None: full attention): a query at
+        position ``p`` attends to the keys at positions ``p - window < t <= p`` (Mistral's
+        and transformers' convention: ``window`` keys, its own included).
         """
         ...

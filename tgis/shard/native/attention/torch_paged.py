@@ -2,12 +2,15 @@
 
 It defines the semantics every other backend reproduces (``interface.AttentionBackend``):
 the step's new keys and values are stored in their slots, then each query row attends
-causally to its sequence's cached keys, read through the block table.
+causally to its sequence's cached keys, read through the block table; with a layer's
+sliding ``window``, a query at position ``p`` only to the keys at ``p - window < t <= p``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -38,6 +41,9 @@ class TorchPagedMetadata:
     decode_context: torch.Tensor | None  # [decodes] int64: their context lengths
     max_context: int  # the longest of them
     decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] key visible
+    # The masks of a sliding window, built by the first layer with that window and shared by
+    # the others: (window, prefill index or -1 for the decodes) → mask.
+    window_masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 class TorchPagedAttention:
@@ -113,9 +119,11 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         metadata: TorchPagedMetadata,
         scale: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Store ``k``/``v`` in their slots, then attend causally over each sequence's cache
-        (softmax scale ``scale``, default 1/sqrt(dim))."""
+        (softmax scale ``scale``, default 1/sqrt(dim); ``window``: the keys at ``p - window
+        < t <= p`` only, None for all of them)."""
         num_blocks, _, num_kv_heads, head_dim = k_cache.shape
         k = k.to(k_cache.dtype)
         v = v.to(v_cache.dtype)
@@ -125,9 +133,9 @@ class TorchPagedAttention:
         v_blocks = v_cache.view(num_blocks, -1)
         decode_rows = metadata.decode_rows
         if decode_rows is not None and not metadata.prefill and isinstance(decode_rows, slice):
-            return self._decode(q, k_blocks, v_blocks, metadata, scale, k_cache.dtype)
+            return self._decode(q, k_blocks, v_blocks, metadata, scale, k_cache.dtype, window)
         out = torch.empty_like(q)
-        for seq in metadata.prefill:
+        for index, seq in enumerate(metadata.prefill):
             rows = slice(seq.start, seq.start + seq.length)
             if seq.blocks is None:
                 keys, values = k[rows], v[rows]
@@ -135,18 +143,25 @@ class TorchPagedAttention:
                 shape = (-1, num_kv_heads, head_dim)
                 keys = k_blocks.index_select(0, seq.blocks).view(shape)[: seq.context_len]
                 values = v_blocks.index_select(0, seq.blocks).view(shape)[: seq.context_len]
+            mask = seq.mask
+            if window is not None and window < seq.context_len:
+                mask = _cached(
+                    metadata, window, index, partial(_prefill_mask, seq, window, q.device)
+                )
             attn = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1).unsqueeze(0),
                 keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
                 values.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                attn_mask=seq.mask,
-                is_causal=seq.mask is None,
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=scale,
                 enable_gqa=True,
             )
             out[rows] = attn[0].transpose(0, 1)
         if decode_rows is not None:
-            out[decode_rows] = self._decode(q, k_blocks, v_blocks, metadata, scale, k_cache.dtype)
+            out[decode_rows] = self._decode(
+                q, k_blocks, v_blocks, metadata, scale, k_cache.dtype, window
+            )
         return out
 
     def _decode(
@@ -157,8 +172,10 @@ class TorchPagedAttention:
         metadata: TorchPagedMetadata,
         scale: float | None,
         cache_dtype: torch.dtype,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """The one-token sequences, in one SDPA call over their gathered contexts."""
+        """The one-token sequences, in one SDPA call over their gathered contexts (the
+        last ``window`` keys of each, when given)."""
         tables, context = metadata.decode_tables, metadata.decode_context
         assert tables is not None and context is not None and metadata.decode_rows is not None
         queries = q[metadata.decode_rows].unsqueeze(2)  # [decodes, heads, 1, dim]
@@ -167,9 +184,12 @@ class TorchPagedAttention:
         flat = tables.view(-1)
         keys = k_blocks.index_select(0, flat).view(shape).transpose(1, 2)
         values = v_blocks.index_select(0, flat).view(shape).transpose(1, 2)
+        width = tables.shape[1] * self.block_size
         mask = metadata.decode_mask
-        if mask is None:
-            mask = _key_mask(context, tables.shape[1] * self.block_size)
+        if window is not None and window < metadata.max_context:
+            mask = _cached(metadata, window, -1, partial(_key_mask, context, width, window))
+        elif mask is None:
+            mask = _key_mask(context, width)
         attn = F.scaled_dot_product_attention(
             queries,
             keys.to(q.dtype),
@@ -181,7 +201,30 @@ class TorchPagedAttention:
         return attn.squeeze(2)
 
 
-def _key_mask(context: torch.Tensor, width: int) -> torch.Tensor:
-    """[rows, 1, 1, width]: key position < the row's context length."""
+def _key_mask(context: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:
+    """[rows, 1, 1, width]: key position < the row's context length (and >= the context
+    length less ``window``)."""
     key_pos = torch.arange(width, device=context.device)
-    return (key_pos[None, :] < context[:, None])[:, None, None, :]
+    visible = key_pos[None, :] < context[:, None]
+    if window is not None:
+        visible &= key_pos[None, :] >= context[:, None] - window
+    return visible[:, None, None, :]
+
+
+def _prefill_mask(seq: _PrefillSeq, window: int, device: torch.device) -> torch.Tensor:
+    """[new tokens, context]: the causal mask of ``seq``'s rows within ``window``."""
+    key_pos = torch.arange(seq.context_len, device=device)
+    query_pos = torch.arange(seq.context_len - seq.length, seq.context_len, device=device)
+    distance = query_pos[:, None] - key_pos[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def _cached(
+    metadata: TorchPagedMetadata, window: int, index: int, build: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """The step's mask for ``window`` and the prefill ``index`` (-1: the decodes), built
+    by the first layer that asks for it."""
+    mask = metadata.window_masks.get((window, index))
+    if mask is None:
+        mask = metadata.window_masks[(window, index)] = build()
+    return mask

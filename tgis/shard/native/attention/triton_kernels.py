@@ -9,13 +9,18 @@ Every kernel walks a sequence's block table and loads each key/value row from it
 - ``prefill_kernel`` (sequences with several new tokens): FlashAttention-2 tiling. A
   program owns ``BLOCK_M`` consecutive query tokens of one sequence for one query head;
   it sweeps the keys in ``BLOCK_N`` tiles, first the tiles every row of its query tile sees
-  whole (no mask), then the tiles that cross the causal diagonal (masked).
+  whole (no mask), then the tiles that cross the causal diagonal (masked). With a sliding
+  window the tiles before the window are skipped and those crossing its lower edge masked.
 - ``decode_kernel`` (one-token sequences): a program owns one sequence and one KV head and
   puts the query heads sharing that KV head (GQA/MQA group, padded to at least 16 rows for
   ``tl.dot``) in the rows of one tile, so each key and value row is loaded once for the
   whole group. Long contexts with few sequences are split (flash-decoding): split ``s`` of
   ``S`` covers one contiguous range of key tiles and stores its unnormalised partial
-  result, max and sum; ``combine_kernel`` merges the splits.
+  result, max and sum; ``combine_kernel`` merges the splits. With a sliding window only the
+  tiles of the last ``window`` keys are read (and split).
+
+``window`` (a layer's sliding window, ``2**30`` for full attention): the query at position
+``p`` sees the keys ``p - window < t <= p``.
 
 Head dims are padded to a power of two (at least 16) with masked loads and stores. Scores,
 softmax and accumulators are float32; ``DOT_FP32`` makes every product float32 and
@@ -131,6 +136,12 @@ def _softmax_step(  # noqa: PLR0913 - a Triton function takes every pointer, str
 
 
 @triton.jit
+def _in_window(keys, positions, window):
+    """[rows, keys]: key position in ``(row position - window, row position]``."""
+    return (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
+
+
+@triton.jit
 def prefill_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, stride and tile size
     q_ptr,
     k_cache_ptr,
@@ -143,6 +154,7 @@ def prefill_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, st
     context_lens_ptr,
     tables_ptr,
     scale_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -168,7 +180,9 @@ def prefill_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, st
     Row ``r`` is at absolute position ``first + r`` (``first = context - query_len +
     offset``): keys below ``first + 1`` are visible to every row, so whole tiles up to there
     need no mask; the tiles from there to ``min(first + BLOCK_M, context)`` are masked by
-    key position <= row position.
+    key position <= row position. With a window, keys from ``first + BLOCK_M - window`` on
+    are visible to every row from below, the tiles from ``first + 1 - window`` to there are
+    masked by key position > row position - window, and those before are never read.
     """
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -193,12 +207,14 @@ def prefill_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, st
     positions = first + tl.arange(0, BLOCK_M)  # absolute position of each query row
     keys_end = tl.minimum(first + BLOCK_M, context)
     unmasked_end = ((first + 1) // BLOCK_N) * BLOCK_N
+    masked_start = (tl.maximum(first + 1 - window, 0) // BLOCK_N) * BLOCK_N
+    unmasked_start = tl.cdiv(tl.maximum(first + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite: see _softmax_step
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     cols = tl.arange(0, BLOCK_N)
-    for start in range(0, unmasked_end, BLOCK_N):
+    for start in range(unmasked_start, unmasked_end, BLOCK_N):
         keys = start + cols
         valid = keys < unmasked_end
         k, v = _load_kv_tiles(
@@ -216,8 +232,13 @@ def prefill_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, st
             BLOCK_SIZE,
         )
         m_i, l_i, acc = _softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, PRECISION)
-    for start in range(unmasked_end, keys_end, BLOCK_N):
-        keys = start + cols
+    # The masked tiles: those crossing the window's lower edge, then the causal diagonal.
+    lower_tiles = tl.cdiv(tl.minimum(unmasked_start, keys_end) - masked_start, BLOCK_N)
+    upper_start = tl.maximum(unmasked_end, unmasked_start)
+    tiles = lower_tiles + tl.cdiv(tl.maximum(keys_end - upper_start, 0), BLOCK_N)
+    for i in range(0, tiles):
+        base = tl.where(i < lower_tiles, masked_start, upper_start - lower_tiles * BLOCK_N)
+        keys = base + i * BLOCK_N + cols
         valid = keys < keys_end
         k, v = _load_kv_tiles(
             k_cache_ptr,
@@ -233,7 +254,7 @@ def prefill_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, st
             stride_ch,
             BLOCK_SIZE,
         )
-        visible = (keys[None, :] <= positions[:, None]) & valid[None, :]
+        visible = _in_window(keys, positions, window) & valid[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -255,6 +276,7 @@ def decode_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, str
     context_lens_ptr,
     tables_ptr,
     scale_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -278,7 +300,8 @@ def decode_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, str
     the ``group`` query heads of ``kv_head`` as the rows of one tile, over the key tiles
     of split ``split`` (all of them when ``SPLITS == 1``, which stores the final output;
     otherwise the split's unnormalised accumulator, max and sum go to the partial buffers,
-    laid out [decode, head, split(, dim)], for ``combine_kernel``)."""
+    laid out [decode, head, split(, dim)], for ``combine_kernel``). The key tiles are those
+    of the sequence's last ``window`` keys."""
     decode = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -297,8 +320,10 @@ def decode_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, str
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    tiles_per_split = tl.cdiv(tl.cdiv(context, BLOCK_N), SPLITS)
-    keys_start = split * tiles_per_split * BLOCK_N
+    keys_lo = tl.maximum(context - window, 0)
+    base = (keys_lo // BLOCK_N) * BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(context - base, BLOCK_N), SPLITS)
+    keys_start = base + split * tiles_per_split * BLOCK_N
     keys_end = tl.minimum(context, keys_start + tiles_per_split * BLOCK_N)
 
     m_i = tl.full([GROUP_PAD], -1e30, tl.float32)
@@ -307,7 +332,7 @@ def decode_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, str
     cols = tl.arange(0, BLOCK_N)
     for start in range(keys_start, keys_end, BLOCK_N):
         keys = start + cols
-        valid = keys < keys_end
+        valid = (keys >= keys_lo) & (keys < keys_end)
         k, v = _load_kv_tiles(
             k_cache_ptr,
             v_cache_ptr,

@@ -4,8 +4,9 @@ The semantics are the reference's (``torch_paged.TorchPagedAttention``): the ste
 and values are stored in their slots, then query row ``i`` of a sequence with ``n`` new
 tokens and context ``c`` attends to the sequence's keys ``0 .. c - n + i`` (causal,
 aligned to the end of the context, which covers prefill, chunked prefill and decode), with
-a float32 online softmax. No context is gathered or copied: every kernel
-(``triton_kernels.py``) walks the sequence's block table.
+a float32 online softmax; a layer's sliding ``window`` keeps the keys ``c - n + i - window
+< t <= c - n + i``, and the tiles before it are never read. No context is gathered or
+copied: every kernel (``triton_kernels.py``) walks the sequence's block table.
 
 Up to four launches per layer, over grids built from per-step metadata (``prepare``: one
 host-to-device copy per step): the K/V write, the prefill kernel over the query tiles of
@@ -40,6 +41,7 @@ from tgis.shard.native.attention.triton_kernels import (
 )
 
 LOG2E = 1.4426950408889634
+FULL_WINDOW = 1 << 30  # the kernels' window for full attention (beyond any context)
 
 
 @dataclass(frozen=True)
@@ -160,18 +162,21 @@ class TritonPagedAttention:
         v_cache: torch.Tensor,
         metadata: TritonPagedMetadata,
         scale: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Store ``k``/``v`` in their slots, then attend each query row to its sequence's
-        keys up to its own position (softmax scale ``scale``, default 1/sqrt(dim))."""
+        keys up to its own position (softmax scale ``scale``, default 1/sqrt(dim); the last
+        ``window`` of them only, when given)."""
         q, k, v = _contiguous_rows(q), _contiguous_rows(k), _contiguous_rows(v)
         self._write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         head_dim = q.shape[2]
         scale_log2 = (1.0 / math.sqrt(head_dim) if scale is None else scale) * LOG2E
+        span = FULL_WINDOW if window is None else window
         if metadata.tile_seqs.numel():
-            self._prefill(q, k_cache, v_cache, out, metadata, scale_log2)
+            self._prefill(q, k_cache, v_cache, out, metadata, scale_log2, span)
         if metadata.decode_seqs.numel():
-            self._decode(q, k_cache, v_cache, out, metadata, scale_log2)
+            self._decode(q, k_cache, v_cache, out, metadata, scale_log2, span)
         return out
 
     def _write_kv(
@@ -224,6 +229,7 @@ class TritonPagedAttention:
         out: torch.Tensor,
         metadata: TritonPagedMetadata,
         scale_log2: float,
+        window: int,
     ) -> None:
         heads, head_dim = q.shape[1], q.shape[2]
         d_pad, row_bytes, dot_fp32, precision = self._operands(q, k_cache)
@@ -243,6 +249,7 @@ class TritonPagedAttention:
             metadata.context_lens,
             metadata.block_tables,
             scale_log2,
+            window,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -270,6 +277,7 @@ class TritonPagedAttention:
         out: torch.Tensor,
         metadata: TritonPagedMetadata,
         scale_log2: float,
+        window: int,
     ) -> None:
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[2]
@@ -282,7 +290,8 @@ class TritonPagedAttention:
         # rows (no register spills, ptxas, sm_90).
         kv_tile = self.kv_tile or (64 if row_bytes <= 128 else 32)
         warps = 8 if group_pad >= 64 or row_bytes >= 512 else 4
-        splits = self._decode_splits(q.device, decodes * kv_heads, metadata.max_decode_context)
+        keys = min(metadata.max_decode_context, window)
+        splits = self._decode_splits(q.device, decodes * kv_heads, keys)
         parts = _SplitPartials.allocate(splits, decodes, d_pad, out)
         decode_kernel[(decodes, kv_heads, splits)](
             q,
@@ -297,6 +306,7 @@ class TritonPagedAttention:
             metadata.context_lens,
             metadata.block_tables,
             scale_log2,
+            window,
             q.stride(0),
             q.stride(1),
             out.stride(0),

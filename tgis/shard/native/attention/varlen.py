@@ -12,12 +12,13 @@ the cache into one packed (or padded) batch, so any block size works:
 
 Causality is aligned to the end of each sequence's context: query row `i` of a sequence
 with `n` new tokens and context `c` sees keys `0 .. c - n + i`, which covers prefill,
-chunked prefill and decode alike.
+chunked prefill and decode alike; a layer's sliding `window` keeps the last `window` of
+them (flash-attn's `window_size`, a mask on top of the causal one for SDPA).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,20 @@ class PaddedMetadata:
     padded_slots: torch.Tensor  # [seqs, max_k] cache slot of each padded key position
     mask: torch.Tensor  # [seqs, 1, max_q, max_k] True where attention is allowed
     query_rows: torch.Tensor  # [tokens] flat index into [seqs * max_q] of each real query
+    query_positions: torch.Tensor  # [seqs, 1, max_q, 1] absolute position (pad rows: -1)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window → mask
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The causal mask, with keys before a query's position less ``window`` hidden (the
+        first layer with that window builds it; pad rows keep their key)."""
+        if window is None:
+            return self.mask
+        mask = self.window_masks.get(window)
+        if mask is None:
+            key_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            mask = self.mask & (key_pos > self.query_positions - window)
+            self.window_masks[window] = mask
+        return mask
 
 
 def _write_kv(
@@ -119,6 +134,7 @@ def prepare_padded(layout: BatchLayout, block_size: int, device: torch.device) -
     allowed[:, :, 0] |= ~q_valid
     rows = torch.arange(seqs)[:, None] * max_q + q_pos[None, :]
     query_rows = rows[q_valid]
+    query_positions = torch.where(q_valid, q_abs, -1)[:, None, :, None]
 
     def on(t: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return t.to(device=device, dtype=dtype)
@@ -129,6 +145,7 @@ def prepare_padded(layout: BatchLayout, block_size: int, device: torch.device) -
         padded_slots=packed.context_slots[on(key_index)],
         mask=on(allowed[:, None], torch.bool),
         query_rows=on(query_rows),
+        query_positions=on(query_positions),
     )
 
 
@@ -154,6 +171,7 @@ class SdpaVarlenAttention:
         v_cache: torch.Tensor,
         metadata: PaddedMetadata,
         scale: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V in the paged cache, gather the padded contexts, attend."""
         flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.packed.slot_mapping)
@@ -164,7 +182,7 @@ class SdpaVarlenAttention:
             padded_q.transpose(1, 2),  # [seqs, heads, max_q, dim]
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=metadata.mask,
+            attn_mask=metadata.mask_for(window),
             scale=scale,
             enable_gqa=True,
         )
@@ -215,6 +233,7 @@ class FlashVarlenAttention:
         v_cache: torch.Tensor,
         metadata: PackedMetadata,
         scale: float | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V in the paged cache, gather the packed contexts, attend."""
         flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -228,5 +247,6 @@ class FlashVarlenAttention:
             metadata.max_seqlen_k,
             softmax_scale=scale,
             causal=True,
+            window_size=(-1, -1) if window is None else (window - 1, 0),
         )
         return out

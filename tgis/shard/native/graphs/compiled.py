@@ -40,27 +40,44 @@ _ACTIVE: list[tuple[AttentionBackend, KVCache, Any] | None] = [None]
 
 @torch.library.custom_op("tgis::paged_attention", mutates_args=())
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
 ) -> torch.Tensor:
     """Store ``k``/``v`` in layer ``layer``'s paged cache and attend (``scale`` <= 0: the
-    backend's default, 1/sqrt(dim)). The cache is the step's, outside the graph."""
+    backend's default, 1/sqrt(dim); ``window`` <= 0: no sliding window). The cache is the
+    step's, outside the graph."""
     active = _ACTIVE[0]
     if active is None:
         raise RuntimeError("tgis::paged_attention called outside a step")
     backend, kv_cache, metadata = active
     k_cache, v_cache = kv_cache.layer(layer)
-    return backend.forward(q, k, v, k_cache, v_cache, metadata, scale=scale if scale > 0 else None)
+    return backend.forward(
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        metadata,
+        scale=scale if scale > 0 else None,
+        window=window if window > 0 else None,
+    )
 
 
 @paged_attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
+) -> torch.Tensor:
     return torch.empty_like(q)
 
 
 def _opaque_attend(
-    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    return paged_attention(q, k, v, layer, -1.0 if scale is None else scale)
+    return paged_attention(q, k, v, layer, -1.0 if scale is None else scale, window or 0)
 
 
 @contextlib.contextmanager

@@ -238,9 +238,12 @@ QKNormFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tens
 """``qk_norm(q, k)``: queries [tokens, heads, dim] and keys [tokens, kv_heads, dim] normed
 before rotary (``norms.py``)."""
 
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]
-"""``attend(layer, q, k, v, scale)``: store ``k``/``v`` in layer ``layer``'s cache and attend
-(q [tokens, heads, dim], k/v [tokens, kv_heads, dim] → like q)."""
+AttendFn = Callable[
+    [int, torch.Tensor, torch.Tensor, torch.Tensor, float | None, int | None], torch.Tensor
+]
+"""``attend(layer, q, k, v, scale, window)``: store ``k``/``v`` in layer ``layer``'s cache and
+attend (q [tokens, heads, dim], k/v [tokens, kv_heads, dim] → like q), over the last
+``window`` keys of each query when the layer has a sliding window (else None)."""
 
 
 @dataclass(frozen=True)
@@ -272,6 +275,7 @@ class Attention:
         self.qkv = qkv
         self.out = out
         self.scale = scale
+        self.window: int | None = None  # the layer's sliding window, if it has one
         self.qk_norm = qk_norm
 
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -285,7 +289,7 @@ class Attention:
             q, k = self.qk_norm(q, k)
         if ctx.rope is not None:
             q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
-        attn = ctx.attend(self.index, q, k, v, self.scale)
+        attn = ctx.attend(self.index, q, k, v, self.scale, self.window)
         return self.out(attn.reshape(tokens, h.q_size), ctx.lora)
 
 

@@ -5,8 +5,12 @@
  * For each sequence s (one query token each) and each KV head h, the G = heads / kv_heads
  * query heads that share h attend to the sequence's first context_lens[s] cached tokens:
  *
- *   score[g][t] = scale * dot(q[s, h*G + g], K[t, h])      t = 0 .. context_lens[s] - 1
+ *   score[g][t] = scale * dot(q[s, h*G + g], K[t, h])      t = start .. context_lens[s] - 1
  *   out[s, h*G + g] = sum_t softmax(score[g])[t] * V[t, h]
+ *
+ * where start is 0, or context_lens[s] - window for a layer with a sliding window (the keys
+ * p - window < t <= p of the query at p = context_lens[s] - 1): the blocks wholly before
+ * start are never read (nor checked: they may have been given back).
  *
  * where token t lives in block block_tables[s, t / block_size] at offset t % block_size of a
  * cache laid out [num_blocks, block_size, kv_heads, head_dim]. Queries, scores, the softmax
@@ -47,6 +51,7 @@ typedef struct {
     const int64_t *tables;    /* [seqs, table_stride] */
     const int64_t *context;   /* [seqs] */
     int64_t seqs, heads, kv_heads, head_dim, block_size, table_stride, num_blocks, max_context;
+    int64_t window;           /* > 0: a sliding window, the last ``window`` keys only */
     float scale;
 } DecodeArgs;
 
@@ -188,16 +193,19 @@ static int NAME(const DecodeArgs *a, int64_t s, int64_t h, float *scores) { \
     const int64_t *table = a->tables + s * a->table_stride; \
     const int64_t blocks = (length + bs - 1) / bs; \
     if (length <= 0 || length > a->max_context || blocks > a->table_stride) return -1; \
-    for (int64_t b = 0; b < blocks; b++) { \
+    /* keys start .. length - 1 are read: blocks b0 .. blocks - 1, from offset lo(b) */ \
+    const int64_t start = a->window > 0 && length > a->window ? length - a->window : 0; \
+    const int64_t keys = length - start, b0 = start / bs; \
+    for (int64_t b = b0; b < blocks; b++) { \
         if (table[b] < 0 || table[b] >= a->num_blocks) return -1; \
     } \
     const float *q = a->q + (s * heads + h * group) * dim; \
     float *out = a->out + (s * heads + h * group) * dim; \
-    for (int64_t b = 0; b < blocks; b++) { \
-        const int64_t first = b * bs; \
+    for (int64_t b = b0; b < blocks; b++) { \
+        const int64_t first = b * bs, lo = start > first ? start - first : 0; \
         const int64_t n = length - first < bs ? length - first : bs; \
         const ELEM *k = (const ELEM *)a->k_cache + table[b] * bs * row + h * dim; \
-        for (int64_t t0 = 0; t0 < n; t0 += 16) { \
+        for (int64_t t0 = lo; t0 < n; t0 += 16) { \
             const int64_t m = n - t0 < 16 ? n - t0 : 16; \
             for (int64_t g = 0; g < group; g++) { \
                 const ELEM *kh = k + t0 * row; \
@@ -205,24 +213,24 @@ static int NAME(const DecodeArgs *a, int64_t s, int64_t h, float *scores) { \
                 for (int64_t t = 0; t < 16; t++) \
                     lanes[t] = t < m ? DOT(q + g * dim, kh + t * row, dim) : (vec16){0}; \
                 const vec16 sums = sum_each16(lanes); \
-                float *dst = scores + g * length + first + t0; \
+                float *dst = scores + g * keys + first + t0 - start; \
                 for (int64_t t = 0; t < m; t++) dst[t] = a->scale * sums[t]; \
             } \
         } \
     } \
-    for (int64_t g = 0; g < group; g++) softmax_in_place(scores + g * length, length); \
+    for (int64_t g = 0; g < group; g++) softmax_in_place(scores + g * keys, keys); \
     const ELEM *v_head = (const ELEM *)a->v_cache + h * dim; \
     for (int64_t g = 0; g < group; g++) { \
-        const float *w = scores + g * length; \
+        const float *w = scores + g * keys - start; /* w[t]: key t's weight */ \
         float *o = out + g * dim; \
         int64_t d = 0; \
         for (; d + 64 <= dim; d += 64) { \
             vec16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}; \
-            for (int64_t b = 0; b < blocks; b++) { \
-                const int64_t first = b * bs; \
+            for (int64_t b = b0; b < blocks; b++) { \
+                const int64_t first = b * bs, lo = start > first ? start - first : 0; \
                 const int64_t n = length - first < bs ? length - first : bs; \
-                const ELEM *v = v_head + table[b] * bs * row + d; \
-                for (int64_t i = 0; i < n; i++, v += row) { \
+                const ELEM *v = v_head + (table[b] * bs + lo) * row + d; \
+                for (int64_t i = lo; i < n; i++, v += row) { \
                     const float p = w[first + i]; \
                     acc0 += p * LOAD16(v); \
                     acc1 += p * LOAD16(v + 16); \
@@ -237,21 +245,21 @@ static int NAME(const DecodeArgs *a, int64_t s, int64_t h, float *scores) { \
         } \
         for (; d + 16 <= dim; d += 16) { \
             vec16 acc = {0}; \
-            for (int64_t b = 0; b < blocks; b++) { \
-                const int64_t first = b * bs; \
+            for (int64_t b = b0; b < blocks; b++) { \
+                const int64_t first = b * bs, lo = start > first ? start - first : 0; \
                 const int64_t n = length - first < bs ? length - first : bs; \
-                const ELEM *v = v_head + table[b] * bs * row + d; \
-                for (int64_t i = 0; i < n; i++, v += row) acc += w[first + i] * LOAD16(v); \
+                const ELEM *v = v_head + (table[b] * bs + lo) * row + d; \
+                for (int64_t i = lo; i < n; i++, v += row) acc += w[first + i] * LOAD16(v); \
             } \
             *(vec16 *)(o + d) = acc; \
         } \
         for (; d < dim; d++) { \
             float acc = 0.0f; \
-            for (int64_t b = 0; b < blocks; b++) { \
-                const int64_t first = b * bs; \
+            for (int64_t b = b0; b < blocks; b++) { \
+                const int64_t first = b * bs, lo = start > first ? start - first : 0; \
                 const int64_t n = length - first < bs ? length - first : bs; \
-                const ELEM *v = v_head + table[b] * bs * row + d; \
-                for (int64_t i = 0; i < n; i++, v += row) acc += w[first + i] * TO_FLOAT(*v); \
+                const ELEM *v = v_head + (table[b] * bs + lo) * row + d; \
+                for (int64_t i = lo; i < n; i++, v += row) acc += w[first + i] * TO_FLOAT(*v); \
             } \
             o[d] = acc; \
         } \
@@ -301,9 +309,11 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     long long seqs, heads, kv_heads, head_dim, block_size, table_stride, num_blocks, max_context;
     double scale;
     int bf16 = 0, threads = 1;
-    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|ii", &q, &k_cache, &v_cache, &out, &tables,
+    long long window = 0;
+    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|iiL", &q, &k_cache, &v_cache, &out, &tables,
                           &context, &seqs, &heads, &kv_heads, &head_dim, &block_size,
-                          &table_stride, &num_blocks, &max_context, &scale, &bf16, &threads)) {
+                          &table_stride, &num_blocks, &max_context, &scale, &bf16, &threads,
+                          &window)) {
         return NULL;
     }
 #ifndef _OPENMP
@@ -311,7 +321,7 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
 #endif
     if (threads < 1) threads = 1;
     if (seqs < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 ||
-        block_size <= 0 || table_stride < 0 || num_blocks <= 0 || max_context < 0) {
+        block_size <= 0 || table_stride < 0 || num_blocks <= 0 || max_context < 0 || window < 0) {
         PyErr_SetString(PyExc_ValueError, "paged_decode_attention: bad shape arguments");
         return NULL;
     }
@@ -329,6 +339,7 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     a.table_stride = table_stride;
     a.num_blocks = num_blocks;
     a.max_context = max_context;
+    a.window = window;
     a.scale = (float)scale;
     float *scores = malloc((size_t)(max_context > 0 ? max_context : 1) *
                            (size_t)(heads / kv_heads) * (size_t)threads * sizeof(float));
@@ -351,9 +362,10 @@ static PyMethodDef methods[] = {
     {"paged_decode_attention", paged_decode_attention, METH_VARARGS,
      "paged_decode_attention(q, k_cache, v_cache, out, block_tables, context_lens, seqs, heads, "
      "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale[, bf16[, "
-     "threads]]): decode attention (float32 queries and output) over a float32 cache, or a "
-     "bfloat16 one when bf16 is 1, by data pointers (see cpu_paged.py), on ``threads`` "
-     "OpenMP threads (1 when built without OpenMP)."},
+     "threads[, window]]]): decode attention (float32 queries and output) over a float32 "
+     "cache, or a bfloat16 one when bf16 is 1, by data pointers (see cpu_paged.py), on "
+     "``threads`` OpenMP threads (1 when built without OpenMP), over the last ``window`` "
+     "keys of each sequence when window > 0."},
     {NULL, NULL, 0, NULL},
 };
 
