@@ -166,6 +166,11 @@ def test_completion_refusals_name_the_field(body: dict[str, Any], param: str) ->
             {"response_format": {"type": "json_schema", "json_schema": {"schema": [True]}}},
             "response_format",
         ),
+        ({"response_format": {"type": "json"}}, "response_format"),
+        ({"response_format": {"type": "json", "value": "{not json"}}, "response_format"),
+        ({"response_format": {"type": "json_object", "value": [1]}}, "response_format"),
+        ({"response_format": {"type": "regex", "value": ""}}, "response_format"),
+        ({"response_format": "json"}, "response_format"),
     ],
 )
 def test_chat_refusals_name_the_field(body: dict[str, Any], param: str) -> None:
@@ -325,6 +330,27 @@ def test_prompts_as_token_ids_are_taken_as_they_are() -> None:
     assert many.call.token_ids == ((5, 6), (5, 6), (7,), (7,))
     assert len(many.call.texts) == 4
     assert completion(prompt=["a"]).call.token_ids is None
+
+
+def test_tgis_response_formats_and_the_hub_clients_model() -> None:
+    """What huggingface_hub's InferenceClient.chat_completion sends to a TGI endpoint:
+    TGI's ``json`` (a schema or its text) and ``regex`` forms, ``json_object`` with a
+    ``value`` (TGI's alias, and the client's rewrite of OpenAI's ``json_schema``), and
+    ``"model": "dummy"`` for the server it was given by URL."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for fmt in (
+        {"type": "json", "value": schema},
+        {"type": "json", "value": json.dumps(schema)},
+        {"type": "json_object", "value": schema},
+    ):
+        guided = chat(response_format=fmt).call.params.guided
+        assert guided.kind is GuidedKind.JSON_SCHEMA and json.loads(guided.text) == schema
+    guided = chat(response_format={"type": "regex", "value": "(yes|no)"}).call.params.guided
+    assert guided.kind is GuidedKind.REGEX and guided.text == "(yes|no)"
+    assert completion(response_format={"type": "json", "value": True}).call.params.guided.text == (
+        "true"
+    )
+    assert chat(model="dummy").model is None and completion(model="dummy").model is None
 
 
 def test_schema_true_and_false_are_json_schemas_in_response_format() -> None:

@@ -218,15 +218,29 @@ def body_constraint(fields: Mapping[str, Any]) -> GuidedRequest | None:
 
 
 def _response_format(value: object) -> GuidedRequest | None:
+    """OpenAI's forms (``text``, ``json_object``, ``json_schema``) and HF TGI's, which
+    ``huggingface_hub.InferenceClient`` sends: ``{"type": "json", "value": schema}`` (the
+    schema or its text), ``{"type": "regex", "value": pattern}`` and ``json_object`` with a
+    ``value`` (TGI's alias of ``json``; the client rewrites OpenAI's ``json_schema`` so)."""
     if value is None:
         return None
-    kind = value.get("type") if isinstance(value, dict) else None
+    fields: dict[str, Any] = value if isinstance(value, dict) else {}
+    kind = fields.get("type")
     if kind == "text":
         return None
+    if kind == "json" or (kind == "json_object" and fields.get("value") is not None):
+        return _tgi_schema(fields.get("value"))
+    if kind == "regex":
+        pattern = fields.get("value")
+        if not isinstance(pattern, str) or not pattern:
+            raise bad_request(
+                "response_format.value must be a non-empty regular expression", "response_format"
+            )
+        return GuidedRequest(GuidedKind.REGEX, text=pattern)
     if kind == "json_object":
         return GuidedRequest(GuidedKind.JSON_OBJECT)
     if kind == "json_schema":
-        spec = value.get("json_schema") if isinstance(value, dict) else None
+        spec = fields.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict | bool):  # true and false: JSON Schema's own forms
             raise bad_request(
@@ -236,5 +250,21 @@ def _response_format(value: object) -> GuidedRequest | None:
         text = schema_text(schema, "response_format")
         return GuidedRequest(GuidedKind.JSON_SCHEMA, text=text)
     raise bad_request(
-        "response_format.type must be text, json_object or json_schema", "response_format"
+        "response_format.type must be text, json_object, json_schema, or TGI's json or regex",
+        "response_format",
     )
+
+
+def _tgi_schema(schema: object) -> GuidedRequest:
+    """TGI's ``json`` value: a JSON schema (an object, true or false) or its text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (json.JSONDecodeError, RecursionError):
+            schema = None
+    if not isinstance(schema, dict | bool):
+        raise bad_request(
+            "response_format.value must be a JSON schema (an object, true or false, or its text)",
+            "response_format",
+        )
+    return GuidedRequest(GuidedKind.JSON_SCHEMA, text=schema_text(schema, "response_format"))

@@ -14,14 +14,14 @@ messages): ``temperature`` 0 is greedy, otherwise sampling with ``top_p`` and vL
 output, as OpenAI does); ``max_tokens`` (completions: 16 when absent, as OpenAI; chat, also
 ``max_completion_tokens``: the server's limit, lowered to fit the context); vLLM's
 ``min_tokens`` and ``repetition_penalty``; ``logprobs`` / ``top_logprobs`` as generated
-token details; ``response_format`` as guided decoding; ``model`` absent or "" is the
-served model. ``n`` (1 to 128) repeats each prompt n times in the call (choice ``p * n +
-j`` is prompt p's j-th), each a sequence of its own: sampled ones get different seeds
-(:func:`choice_seeds`), greedy ones are alike. Completions' ``echo`` with ``logprobs``
-asks for the prompt's token details too (lm-eval's loglikelihood requests), and
-``max_tokens: 0`` is allowed with ``echo`` only: one token is generated (the engine always
-generates one) and dropped from the reply. Chat's ``tools``, ``tool_choice`` and
-``parallel_tool_calls`` are ``openai_tools.py``'s.
+token details; ``response_format`` as guided decoding (TGI's forms too); ``model``
+absent, "" or ``huggingface_hub``'s ``"dummy"`` is the served model. ``n`` (1 to 128)
+repeats each prompt n times in the call (choice ``p * n + j`` is prompt p's j-th), each a
+sequence of its own: sampled ones get different seeds (:func:`choice_seeds`), greedy ones
+are alike. Completions' ``echo`` with ``logprobs`` asks for the prompt's token details too
+(lm-eval's loglikelihood requests), and ``max_tokens: 0`` is allowed with ``echo`` only:
+one token is generated (the engine always generates one) and dropped from the reply.
+Chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are ``openai_tools.py``'s.
 """
 
 from __future__ import annotations
@@ -103,6 +103,10 @@ class _Asked:
     skip_special_tokens: bool | None = None  # the default when the body does not say
     chat: bool = False
 
+
+# What huggingface_hub's InferenceClient sends as ``model`` to a server named by its URL
+# (TGI serves one model and reads no name): the served model here too.
+HUB_PLACEHOLDER_MODEL = "dummy"
 
 # Fields accepted and not used: they change nothing in the output.
 _INERT = frozenset({"user", "metadata", "store", "service_tier", "stream_options"})
@@ -302,6 +306,8 @@ def _request(
     model = fields.get("model")  # absent or "": the served model, as vLLM and TGI take it
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be the served model's name", "model")
+    if model == HUB_PLACEHOLDER_MODEL:
+        model = None
     n = optional_int(fields, "n", 1, MAX_N) or 1
     extras = read_extras(fields)
     stream = optional_bool(fields, "stream") or False
