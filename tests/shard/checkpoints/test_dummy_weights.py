@@ -76,6 +76,18 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "GraniteMoeForCausalLM",
         dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2),
     ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            _LLAMA,
+            head_dim=32,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            mlp_only_layers=[0],
+        ),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_LLAMA, head_dim=32, attention_bias=True)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _LLAMA),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_LLAMA, pad_token_id=0)),

@@ -27,7 +27,7 @@ from tgis.shard.errors import StartupError
 from tgis.shard.native.linear.moe import Routing, SparseMoE
 from tgis.shard.native.models import check_config
 
-MOE_FAMILIES = ["granite-moe", "mixtral", "qwen2-moe"]
+MOE_FAMILIES = ["granite-moe", "mixtral", "qwen2-moe", "qwen3-moe"]
 
 
 def _with_routing(monkeypatch: pytest.MonkeyPatch, change: dict[str, object]) -> None:
@@ -79,15 +79,8 @@ def test_quantized_checkpoints_are_refused_at_start(tmp_path: Path) -> None:
         check_config(ModelConfig.from_dir(tmp_path), MAX_SEQUENCE_LENGTH)
 
 
-def test_mixtral_sliding_window_is_refused(tmp_path: Path) -> None:
-    FAMILIES["mixtral"].build(tmp_path)
-    _edit_config(tmp_path, sliding_window=64)
-    with pytest.raises(StartupError, match=r"sliding-window attention \(64\)"):
-        check_config(ModelConfig.from_dir(tmp_path), MAX_SEQUENCE_LENGTH)
-
-
 @pytest.mark.slow  # starts tensor-parallel rank processes
-@pytest.mark.parametrize("name", ["granite-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["granite-moe", "mixtral", "qwen3-moe"])
 def test_two_ranks_match_one(name: str, tmp_path: Path) -> None:
     from tests.shard.tp_utils import Request, assert_same_outputs, make_plans, run_plans
 

@@ -8,6 +8,8 @@ The attention, norms and options are ``llama.py``'s; the MLP of each sparse laye
 - Qwen2-MoE: Qwen2 with ``mlp`` (router ``gate``, experts ``*_proj``), renormalised per
   ``norm_topk_prob``, a shared expert gated by a sigmoid, dense layers where
   ``mlp_only_layers`` / ``decoder_sparse_step`` say.
+- Qwen3-MoE: as Qwen2-MoE without the shared expert, with Qwen3's attention (an RMSNorm on
+  every query and key head, ``norms.HeadQKNorm``; biases per ``attention_bias``).
 - Granite-MoE: Granite with ``block_sparse_moe`` (router ``router.layer``, experts fused in
   3-D ``input_linear`` / ``output_linear``), softmax over the top-k logits (renormalised).
 """
@@ -34,7 +36,8 @@ from tgis.shard.native.linear.moe import (
     separate_experts,
 )
 from tgis.shard.native.models.layers import Shapes, linear_shapes
-from tgis.shard.native.models.llama import LlamaArgs, LlamaForCausalLM, MLPFn
+from tgis.shard.native.models.llama import LlamaArgs, LlamaForCausalLM, LlamaLayer, MLPFn
+from tgis.shard.native.models.norms import HeadQKNorm, qk_norm_shapes
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,7 @@ class MoeArgs:
     def from_config(cls, config: ModelConfig, num_layers: int) -> MoeArgs:
         raw = config.raw
         family = config.model_type or _FAMILIES.get(config.architecture, "")
-        if family not in ("mixtral", "qwen2_moe", "granitemoe"):
+        if family not in ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"):
             raise StartupError(f"{config.architecture}: unknown mixture-of-experts family")
         if raw.get("quantization_config"):
             raise StartupError(
@@ -59,7 +62,8 @@ class MoeArgs:
                 "supported by the native engine yet; serve the unquantized checkpoint"
             )
         experts = int(raw.get("num_local_experts") or raw["num_experts"])
-        renormalize = bool(raw.get("norm_topk_prob", False)) if family == "qwen2_moe" else True
+        qwen = family in ("qwen2_moe", "qwen3_moe")
+        renormalize = bool(raw.get("norm_topk_prob", False)) if qwen else True
         routing = Routing(experts, int(raw["num_experts_per_tok"]), renormalize)
         return cls(
             family,
@@ -70,7 +74,7 @@ class MoeArgs:
         )
 
     def mlp_prefix(self, index: int) -> str:
-        name = "mlp" if self.family == "qwen2_moe" else "block_sparse_moe"
+        name = "mlp" if self.family in ("qwen2_moe", "qwen3_moe") else "block_sparse_moe"
         return f"model.layers.{index}.{name}"
 
     def router_name(self, index: int) -> str:
@@ -110,11 +114,13 @@ class MoeArgs:
 _FAMILIES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "GraniteMoeForCausalLM": "granitemoe",
 }
 _EXPERT_NAMES = {
     "mixtral": ("w1", "w3", "w2"),
     "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -148,6 +154,11 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         refuse_quantized(weights, config.architecture)
         self.moe = _parse(config, max_sequence_length)[1]
         super().__init__(config, weights, attention, max_sequence_length)
+        if self.moe.family == "qwen3_moe":  # Qwen3's attention: q/k heads normed
+            for index, layer in enumerate(self.layers):
+                attn = f"model.layers.{index}.self_attn"
+                assert isinstance(layer, LlamaLayer)
+                layer.attn.qk_norm = HeadQKNorm(weights, attn, self.args.rms_norm_eps)
 
     def layer_mlp(self, weights: Weights, index: int) -> MLPFn | None:
         moe = self.moe
@@ -167,6 +178,18 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             shared = SharedExpert(weights, f"{prefix}.shared_expert", gate, F.silu)
         router = weights.get(moe.router_name(index))
         return SparseMoE(router, moe.routing, experts, weights.tp, shared)
+
+    @classmethod
+    def checkpoint_shapes(cls, config: ModelConfig, max_sequence_length: int) -> Shapes:
+        """Every tensor of a checkpoint of ``config``: Llama's with experts (and Qwen3-MoE's
+        q/k norms)."""
+        shapes = super().checkpoint_shapes(config, max_sequence_length)
+        args, moe = _parse(config, max_sequence_length)
+        if moe.family == "qwen3_moe":
+            for index in range(args.num_layers):
+                attn, dim = f"model.layers.{index}.self_attn", args.head_dim
+                shapes |= qk_norm_shapes(attn, dim, dim)
+        return shapes
 
     @classmethod
     def mlp_shapes(cls, config: ModelConfig, args: LlamaArgs, index: int) -> Shapes:
