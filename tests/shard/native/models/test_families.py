@@ -132,6 +132,15 @@ def _neox_v4(config: dict[str, Any]) -> None:
     del config["attention_bias"]
 
 
+def _phi3_su(config: dict[str, Any]) -> None:
+    """Phi-3's first config.json: LongRoPE named ``su`` in ``rope_scaling``."""
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope["rope_theta"])
+    config["rope_scaling"] = dict(
+        type="su", short_factor=rope["short_factor"], long_factor=rope["long_factor"]
+    )
+
+
 @pytest.mark.parametrize(
     ("name", "edit"),
     [
@@ -139,8 +148,15 @@ def _neox_v4(config: dict[str, Any]) -> None:
         ("falcon-old-mqa", _refinedweb("RefinedWebModel")),
         ("gpt-neox-parallel", _neox_v4),
         ("gpt-neox-sequential", _neox_v4),
+        ("phi3-longrope", _phi3_su),
     ],
-    ids=["refinedweb-40b", "refinedwebmodel-7b", "gpt-neox-v4-base", "gpt-neox-v4-pct"],
+    ids=[
+        "refinedweb-40b",
+        "refinedwebmodel-7b",
+        "gpt-neox-v4-base",
+        "gpt-neox-v4-pct",
+        "phi3-su",
+    ],
 )
 def test_older_config_names_match_hf(
     name: str, edit: Callable[[dict[str, Any]], None], tmp_path: Path

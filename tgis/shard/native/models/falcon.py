@@ -43,7 +43,11 @@ from tgis.shard.native.models.layers import (
     linear_shapes,
     load_lm_head,
 )
-from tgis.shard.native.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
+from tgis.shard.native.models.rotary import (
+    RotaryEmbedding,
+    check_rope_length,
+    rope_parameters,
+)
 
 ARCHITECTURE = "FalconForCausalLM"
 
@@ -75,7 +79,6 @@ class FalconArgs:
     def from_config(cls, config: ModelConfig, max_sequence_length: int) -> FalconArgs:
         """Parse and check ``config.raw`` (also RefinedWeb's key names); StartupError for
         what this class cannot run."""
-        del max_sequence_length  # rotary positions have no limit
         raw = config.raw
         if raw.get("alibi"):
             raise StartupError(
@@ -92,6 +95,8 @@ class FalconArgs:
             raise StartupError(
                 f"{ARCHITECTURE}: new_decoder_architecture requires parallel_attn: true"
             )
+        rope = rope_parameters(raw)
+        check_rope_length(rope, max_sequence_length, config.max_position_embeddings, ARCHITECTURE)
         hidden = int(first_key(raw, "hidden_size", "n_embed"))
         heads = int(first_key(raw, "num_attention_heads", "n_head"))
         if hidden % heads:
@@ -105,7 +110,7 @@ class FalconArgs:
             num_kv_heads=_num_kv_heads(raw, new_arch, heads),
             layer_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
             act=activation(raw.get("activation", "gelu"), ARCHITECTURE),
-            rope=rope_parameters(raw),
+            rope=rope,
             max_position_embeddings=config.max_position_embeddings,
             bias=bool(raw.get("bias", False)),
             parallel_attn=parallel_attn,
@@ -190,8 +195,9 @@ class FalconForCausalLM(DecoderLM):
         self.layers = [FalconLayer(args, self.heads, weights, i) for i in range(args.num_layers)]
         self.final_norm = LayerNorm(weights, "transformer.ln_f", args.layer_norm_eps)
         self.lm_head = load_lm_head(weights, self.embed, args.vocab_size, args.tie_word_embeddings)
-        inv_freq = inverse_frequencies(args.rope, args.head_dim, args.max_position_embeddings)
-        self.rotary = RotaryEmbedding(inv_freq, weights.device)
+        self.rotary = RotaryEmbedding.from_parameters(
+            args.rope, args.head_dim, args.max_position_embeddings, weights.device
+        )
 
     @classmethod
     def checkpoint_shapes(cls, config: ModelConfig, max_sequence_length: int) -> Shapes:

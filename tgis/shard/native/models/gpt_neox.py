@@ -35,7 +35,11 @@ from tgis.shard.native.models.layers import (
     linear_shapes,
     load_lm_head,
 )
-from tgis.shard.native.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
+from tgis.shard.native.models.rotary import (
+    RotaryEmbedding,
+    check_rope_length,
+    rope_parameters,
+)
 
 ARCHITECTURE = "GPTNeoXForCausalLM"
 LM_HEAD_NAMES = ("embed_out.weight", "lm_head.weight")
@@ -66,7 +70,6 @@ class GPTNeoXArgs:
     @classmethod
     def from_config(cls, config: ModelConfig, max_sequence_length: int) -> GPTNeoXArgs:
         """Parse and check ``config.raw``; StartupError for what this class cannot run."""
-        del max_sequence_length  # rotary positions have no limit
         raw = config.raw
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
@@ -74,6 +77,7 @@ class GPTNeoXArgs:
             raise StartupError(f"{ARCHITECTURE}: hidden_size {hidden} not divisible by {heads}")
         # transformers v4 configs name the rotary settings rotary_emb_base and rotary_pct.
         rope = rope_parameters({"rope_theta": raw.get("rotary_emb_base", 10000.0), **raw})
+        check_rope_length(rope, max_sequence_length, config.max_position_embeddings, ARCHITECTURE)
         fraction = rope.get("partial_rotary_factor", raw.get("rotary_pct", 0.25))
         rotary_dim = int(hidden // heads * float(fraction))
         if rotary_dim < 2 or rotary_dim % 2:
@@ -146,8 +150,9 @@ class GPTNeoXForCausalLM(DecoderLM):
         self.lm_head = load_lm_head(
             weights, self.embed, args.vocab_size, args.tie_word_embeddings, LM_HEAD_NAMES
         )
-        inv_freq = inverse_frequencies(args.rope, args.rotary_dim, args.max_position_embeddings)
-        self.rotary = RotaryEmbedding(inv_freq, weights.device)
+        self.rotary = RotaryEmbedding.from_parameters(
+            args.rope, args.rotary_dim, args.max_position_embeddings, weights.device
+        )
 
     @classmethod
     def checkpoint_shapes(cls, config: ModelConfig, max_sequence_length: int) -> Shapes:

@@ -44,7 +44,11 @@ from tgis.shard.native.models.layers import (
     linear_shapes,
     load_lm_head,
 )
-from tgis.shard.native.models.rotary import RotaryEmbedding, inverse_frequencies, rope_parameters
+from tgis.shard.native.models.rotary import (
+    RotaryEmbedding,
+    check_rope_length,
+    rope_parameters,
+)
 
 # Architectures of the Llama relatives whose config may lack ``model_type``.
 _ARCHITECTURE_TYPES = {
@@ -91,6 +95,10 @@ class LlamaArgs:
                 f"{config.architecture}: sliding-window attention ({window}) is not "
                 f"implemented; it is only accepted when >= --max-sequence-length"
             )
+        rope = rope_parameters(raw)
+        check_rope_length(
+            rope, max_sequence_length, config.max_position_embeddings, config.architecture
+        )
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         attention_bias = bool(raw.get("attention_bias", False))
@@ -108,7 +116,7 @@ class LlamaArgs:
             qkv_bias=attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            rope=rope_parameters(raw),
+            rope=rope,
         )
         return _with_family_options(args, config)
 
@@ -245,8 +253,9 @@ class LlamaForCausalLM(DecoderLM):
         ]
         self.final_norm = RMSNorm(weights, "model.norm.weight", args.rms_norm_eps)
         self.lm_head = load_lm_head(weights, self.embed, args.vocab_size, args.tie_word_embeddings)
-        inv_freq = inverse_frequencies(args.rope, args.head_dim, args.max_position_embeddings)
-        self.rotary = RotaryEmbedding(inv_freq, weights.device)
+        self.rotary = RotaryEmbedding.from_parameters(
+            args.rope, args.head_dim, args.max_position_embeddings, weights.device
+        )
 
     def layer_mlp(self, weights: Weights, index: int) -> MLPFn | None:
         """Layer ``index``'s MLP when it is not the dense one (a subclass's experts)."""

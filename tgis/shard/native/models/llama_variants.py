@@ -43,7 +43,7 @@ from tgis.shard.native.models.norms import (
     qk_norm_shapes,
     sublayer_norm_shapes,
 )
-from tgis.shard.native.models.rotary import RotaryEmbedding, check_rope_length
+from tgis.shard.native.models.rotary import RotaryEmbedding
 
 NormNames = tuple[str | None, str | None]
 """The (before, after) norms around one sub-layer, by checkpoint name; None: no such norm."""
@@ -136,7 +136,6 @@ class VariantForCausalLM(DecoderLM):
     def variant_args(cls, config: ModelConfig, max_sequence_length: int) -> VariantArgs:
         """Parse and check ``config.raw``; StartupError for what this class cannot run."""
         llama = LlamaArgs.from_config(config, max_sequence_length)
-        check_rope_length(llama.rope, max_sequence_length, config.architecture)
         return VariantArgs(llama, cls.variant)
 
     @classmethod
