@@ -116,6 +116,19 @@ FAMILIES: dict[str, Family] = {
             logits_scaling=2.5,
         ),
     ),
+    "qwen3-moe": Family(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            _LLAMA_SHAPE,
+            head_dim=32,
+            moe_intermediate_size=48,
+            num_experts=6,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+    ),
     "qwen2-biases": Family(
         "Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA_SHAPE, tie_word_embeddings=False)
     ),
