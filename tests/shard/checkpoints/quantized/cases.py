@@ -159,6 +159,9 @@ CASES: dict[str, tuple[str, Writer]] = {
     "ct-fp8-channel-llama": ("llama", compressed("fp8-channel")),
     "ct-fp8-block-falcon-mqa": ("falcon-old-mqa", compressed("fp8-block")),
     "ct-w4a16-g-idx-gpt-neox": ("gpt-neox-parallel", write_ct_g_idx),
+    "gptq-4bit-g32-actorder-phi3": ("phi3-longrope", gptq(4, 32, False, True)),
+    "awq-g32-olmo2": ("olmo2", awq(32)),
+    "ct-w4a16-group32-qwen3": ("qwen3", compressed("w4a16-group32")),
 }
 
 
