@@ -183,30 +183,16 @@ def test_older_config_names_match_hf(
             "--max-sequence-length 1024 exceeds the model's 512 learned positions",
         ),
         (
-            "qwen2-biases",
-            lambda c: c.update(
-                use_sliding_window=True,
-                sliding_window=64,
-                layer_types=["full_attention", "sliding_attention"],
-            ),
+            "mistral-window",
+            lambda c: c.update(sliding_window=0),
             {},
-            r"sliding-window attention \(64\) is not implemented",
+            "sliding_window 0 is not a positive number of tokens",
         ),
         (
             "gpt-neox-parallel",
             lambda c: c.update(hidden_act="gelu_python_bogus"),
             {},
             "GPTNeoXForCausalLM: unsupported activation 'gelu_python_bogus'",
-        ),
-        (
-            "qwen3",
-            lambda c: c.update(
-                use_sliding_window=True,
-                sliding_window=64,
-                layer_types=["full_attention", "sliding_attention"],
-            ),
-            {},
-            r"sliding-window attention \(64\) is not implemented",
         ),
         (
             "phi3-longrope",
@@ -219,9 +205,8 @@ def test_older_config_names_match_hf(
     ids=[
         "falcon-alibi",
         "bigcode-positions",
-        "qwen2-sliding-window",
+        "mistral-window-zero",
         "neox-activation",
-        "qwen3-sliding-window",
         "phi3-longrope-past-original",
     ],
 )
@@ -301,3 +286,42 @@ def _check_matrices_are_split(path: Path, reports: list[Any]) -> None:
             numel = shape[0] * shape[1]
             assert all(0 < n < numel for n in per_rank), f"{name}: {per_rank} of {numel}"
             assert sum(per_rank) >= numel, f"{name}: {per_rank} of {numel}"
+
+
+# ---- LoRA adapters on the newer families' projections ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "targets"),
+    [
+        ("phi3-longrope", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+        ("olmo2", None),
+        ("qwen3", None),
+    ],
+)
+def test_lora_adapters_match_peft(name: str, targets: list[str] | None, tmp_path: Path) -> None:
+    """A LoRA adapter on every projection (Phi-3's fused qkv_proj and gate_up_proj too):
+    PEFT's greedy tokens and logprobs, beside a request without the adapter."""
+    from tests.lora_oracle import lora_greedy, save_random_lora
+
+    FAMILIES[name].build(tmp_path / "base")
+    save_random_lora(tmp_path / "base", tmp_path / "adapters" / "a", seed=1, targets=targets)
+    runner = make_runner(tmp_path / "base", adapter_cache=str(tmp_path / "adapters"))
+    runner.lookup_adapter("a")
+    router = Router(runner)
+    router.add(1, PROMPTS[2], details=LOGPROBS, adapter_id="a")
+    router.add(2, PROMPTS[3], details=LOGPROBS)
+    router.step({1: len(PROMPTS[2]), 2: len(PROMPTS[3])})
+    for _ in range(5):
+        router.decode([1, 2])
+    for rid, adapter, prompt in (
+        (1, tmp_path / "adapters" / "a", PROMPTS[2]),
+        (2, None, PROMPTS[3]),
+    ):
+        tokens, logits = lora_greedy(tmp_path / "base", adapter, prompt, 6)
+        assert router.generated[rid] == tokens, rid
+        details = [t.token for o in router.outputs for t in o.tokens if t.request_id == rid]
+        for detail, step_logits in zip(details, logits, strict=True):
+            expected = torch.log_softmax(step_logits, dim=-1)[detail.token_id].item()
+            assert abs(detail.logprob - expected) < 1e-4, rid
+    assert router.generated[1] != lora_greedy(tmp_path / "base", None, PROMPTS[2], 6)[0]
