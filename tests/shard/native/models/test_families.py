@@ -183,16 +183,30 @@ def test_older_config_names_match_hf(
             "--max-sequence-length 1024 exceeds the model's 512 learned positions",
         ),
         (
-            "mistral-window",
-            lambda c: c.update(sliding_window=0),
+            "qwen2-biases",
+            lambda c: c.update(
+                use_sliding_window=True,
+                sliding_window=64,
+                layer_types=["full_attention", "sliding_attention"],
+            ),
             {},
-            "sliding_window 0 is not a positive number of tokens",
+            r"sliding-window attention \(64\) is not implemented",
         ),
         (
             "gpt-neox-parallel",
             lambda c: c.update(hidden_act="gelu_python_bogus"),
             {},
             "GPTNeoXForCausalLM: unsupported activation 'gelu_python_bogus'",
+        ),
+        (
+            "qwen3",
+            lambda c: c.update(
+                use_sliding_window=True,
+                sliding_window=64,
+                layer_types=["full_attention", "sliding_attention"],
+            ),
+            {},
+            r"sliding-window attention \(64\) is not implemented",
         ),
         (
             "phi3-longrope",
@@ -205,8 +219,9 @@ def test_older_config_names_match_hf(
     ids=[
         "falcon-alibi",
         "bigcode-positions",
-        "mistral-window-zero",
+        "qwen2-sliding-window",
         "neox-activation",
+        "qwen3-sliding-window",
         "phi3-longrope-past-original",
     ],
 )
