@@ -245,6 +245,42 @@ FAMILIES: dict[str, Family] = {
         "Phi3ForCausalLM",
         dict(_LLAMA_SHAPE, pad_token_id=0, partial_rotary_factor=0.5),
     ),
+    # Sliding windows of 8 keys, shorter than two of the prompts (tests/shard/native/models/
+    # test_sliding_window.py): every layer (Mistral, Mixtral, Phi-3), the layers from
+    # max_window_layers on (Qwen2, Qwen3: layer 0 full, layer 1 sliding).
+    "mistral-window": Family(
+        "MistralConfig", "MistralForCausalLM", dict(_LLAMA_SHAPE, sliding_window=8)
+    ),
+    "qwen2-window": Family(
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(_LLAMA_SHAPE, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    ),
+    "qwen3-window": Family(
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            _LLAMA_SHAPE,
+            head_dim=32,
+            use_sliding_window=True,
+            sliding_window=8,
+            max_window_layers=1,
+        ),
+    ),
+    "phi3-window": Family(
+        "Phi3Config", "Phi3ForCausalLM", dict(_LLAMA_SHAPE, pad_token_id=0, sliding_window=8)
+    ),
+    "mixtral-window": Family(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            _LLAMA_SHAPE,
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+        ),
+    ),
 }
 
 

@@ -15,7 +15,6 @@ from tests.shard.driving import Router
 from tests.shard.models import TinyModel, build_tiny_llama
 from tgis.shard.cli import main
 from tgis.shard.config import ShardConfig
-from tgis.shard.errors import StartupError
 from tgis.shard.loader import load_runner
 
 PROMPT = [9, 30, 31, 200, 17, 4, 99, 100, 101, 5, 6, 7, 8, 250, 3, 3, 40, 41, 42, 43]
@@ -91,12 +90,10 @@ def test_mistral_without_sliding_window_matches_hf(tmp_path: Path) -> None:
     raw = json.loads(config_path.read_text())
     raw["sliding_window"] = 128
     config_path.write_text(json.dumps(raw))
-    with pytest.raises(StartupError, match="sliding-window"):
-        load_runner(ShardConfig(model_name=str(tmp_path), deployment_framework="tgis_native"))
-    # With the default engine choice the transformers fallback serves it instead.
-    assert load_runner(ShardConfig(model_name=str(tmp_path))).info.attention_backend == (
-        "hf_transformers"
-    )
+    # The native engine serves the window (tests/shard/native/models/test_sliding_window.py).
+    runner = load_runner(ShardConfig(model_name=str(tmp_path)))
+    assert runner.info.attention_backend != "hf_transformers"
+    assert [layer.attn.window for layer in runner.model.layers] == [128, 128]  # type: ignore[attr-defined]
 
 
 def test_bfloat16_runs_on_cpu(tiny_model: TinyModel) -> None:

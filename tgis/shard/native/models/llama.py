@@ -6,7 +6,7 @@ attention over the paged cache, o projection) → residual → RMSNorm → SwiGL
 then a final RMSNorm and the LM head (tied to the embedding when the config says so).
 
 The same code runs the families that differ from Llama only in a few options
-(``LlamaArgs``): Mistral (without sliding window), Granite (embedding, residual and logits
+(``LlamaArgs``): Mistral (with its sliding window), Granite (embedding, residual and logits
 multipliers, its own softmax scale) and Qwen2 (biases on q/k/v but not o).
 """
 
@@ -81,6 +81,7 @@ class LlamaArgs:
     residual_multiplier: float = 1.0
     attention_scale: float | None = None  # softmax scale; None: 1/sqrt(head_dim)
     logits_scaling: float = 1.0  # logits are divided by it
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window (none: every layer full)
 
     @classmethod
     def from_config(cls, config: ModelConfig, max_sequence_length: int) -> LlamaArgs:
@@ -89,12 +90,6 @@ class LlamaArgs:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise StartupError(f"{config.architecture}: unsupported hidden_act '{act}'")
-        window = sliding_window(raw)
-        if window is not None and window < max_sequence_length:
-            raise StartupError(
-                f"{config.architecture}: sliding-window attention ({window}) is not "
-                f"implemented; it is only accepted when >= --max-sequence-length"
-            )
         rope = rope_parameters(raw)
         check_rope_length(
             rope, max_sequence_length, config.max_position_embeddings, config.architecture
@@ -117,23 +112,33 @@ class LlamaArgs:
             o_bias=attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             rope=rope,
+            windows=layer_windows(raw, max_sequence_length),
         )
         return _with_family_options(args, config)
 
+    def window(self, index: int) -> int | None:
+        """Layer ``index``'s sliding window (None: full attention)."""
+        return self.windows[index] if self.windows else None
 
-def sliding_window(raw: dict[str, Any]) -> int | None:
-    """The window of the config's sliding-window layers; None when no layer slides."""
+
+def layer_windows(raw: dict[str, Any], max_sequence_length: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers reads the config (None: full attention;
+    empty when no layer slides): the ``sliding_attention`` layers of ``layer_types``, else
+    every layer (Mistral) or, with Qwen2's ``max_window_layers``, the layers from there on.
+    A window of at least ``max_sequence_length`` keys hides nothing and is dropped."""
     window = raw.get("sliding_window")
     if window is None or not raw.get("use_sliding_window", True):
-        return None
-    layer_types = raw.get("layer_types")
-    if layer_types is not None:
-        return int(window) if "sliding_attention" in layer_types else None
-    # Qwen2 without layer_types: layers from max_window_layers on slide.
-    first_sliding = raw.get("max_window_layers")
-    if first_sliding is not None and int(first_sliding) >= int(raw["num_hidden_layers"]):
-        return None
-    return int(window)
+        return ()
+    if int(window) < 1:
+        raise StartupError(f"sliding_window {window} is not a positive number of tokens")
+    layers = int(raw["num_hidden_layers"])
+    kinds = raw.get("layer_types")
+    if kinds is None:  # Qwen2 without layer_types: layers from max_window_layers on slide.
+        first = int(raw.get("max_window_layers") or 0)
+        kinds = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    if int(window) >= max_sequence_length or "sliding_attention" not in kinds:
+        return ()
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in kinds)
 
 
 def _with_family_options(args: LlamaArgs, config: ModelConfig) -> LlamaArgs:
@@ -200,6 +205,7 @@ class LlamaLayer:
             row_linear(weights, f"{attn}.o_proj", args.o_bias),
             args.attention_scale,
         )
+        self.attn.window = args.window(index)
         self.mlp = mlp or GatedMLP(weights, f"{prefix}.mlp", args.mlp_bias)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:

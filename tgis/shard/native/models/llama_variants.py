@@ -91,6 +91,7 @@ class VariantLayer:
             row_linear(weights, f"{attn}.o_proj", llama.o_bias),
             qk_norm=_qk_norm(weights, attn, args, heads),
         )
+        self.attn.window = llama.window(index)
         if variant.fused:
             self.gate_up = fused_gate_up_linear(weights, f"{mlp}.gate_up_proj", llama.mlp_bias)
         else:
