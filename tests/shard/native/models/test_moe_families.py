@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.shard.families import FAMILIES, PROMPTS
+from tests.shard.families import FAMILIES, PROMPTS, assert_matches_hf
 from tests.shard.models import TinyModel
 from tests.shard.native.models.test_families import (
     MAX_SEQUENCE_LENGTH,
@@ -77,6 +77,18 @@ def test_quantized_checkpoints_are_refused_at_start(tmp_path: Path) -> None:
     _edit_config(tmp_path, quantization_config={"quant_method": "gptq", "bits": 4})
     with pytest.raises(StartupError, match="quantized mixture-of-experts"):
         check_config(ModelConfig.from_dir(tmp_path), MAX_SEQUENCE_LENGTH)
+
+
+def test_mixtral_with_a_sliding_window_matches_hf(tmp_path: Path) -> None:
+    """Mixtral's window (null in the released checkpoints) is Mistral's: every layer attends
+    to its last ``sliding_window`` keys, here 8, fewer than two of the prompts have."""
+    params = dict(FAMILIES["mixtral"].params, sliding_window=8)
+    hf = dataclasses.replace(FAMILIES["mixtral"], params=params).build(tmp_path)
+    model = TinyModel(tmp_path, hf)
+    assert_matches_hf(generate_batch(tmp_path, PROMPTS), model, PROMPTS)
+    _edit_config(tmp_path, sliding_window=None)  # the window matters
+    router = generate_batch(tmp_path, PROMPTS)
+    assert any(router.generated[r] != model.greedy(p, 10)[0] for r, p in PROMPTS.items())
 
 
 @pytest.mark.slow  # starts tensor-parallel rank processes
