@@ -22,6 +22,7 @@ from tests.shard.families import FAMILIES, NEW_TOKENS, PROMPTS, assert_matches_h
 from tests.shard.models import TinyModel
 from tests.shard.native.models.test_families import generate_batch, make_runner
 from tgis.shard.config import EngineSettings
+from tgis.shard_api.messages import DetailOptions
 
 WINDOWED = ("mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "mixtral-window")
 LONG = prompt_of(40, 14)  # five windows, two and a half blocks
@@ -125,3 +126,44 @@ def test_other_backends_match_hf(
         router.decode(list(prompts))
     assert router.generated[1] == windowed.greedy(LONG, 6)[0]
     assert router.generated[2] == windowed.greedy(PROMPTS[2], 7)[0]
+
+
+@pytest.mark.slow
+def test_the_compiled_step_equals_transformers(tmp_path: Path) -> None:
+    """The compiled forward passes each layer's window to its attention op (Qwen2: one
+    layer slides, the other does not)."""
+    from tests.shard.native.graphs.test_compiled import runner_for
+
+    model = TinyModel(tmp_path, FAMILIES["qwen2-window"].build(tmp_path))
+    router = Router(runner_for(tmp_path, compiled=True))
+    prompts = {1: LONG, 2: PROMPTS[2]}
+    for rid, prompt in prompts.items():
+        router.add(rid, prompt)
+    router.step({1: 13, 2: len(PROMPTS[2])})
+    router.step({1: len(LONG) - 13, 2: 1})
+    for _ in range(5):
+        router.decode(list(prompts))
+    assert router.generated[1] == model.greedy(LONG, 6)[0]
+    assert router.generated[2] == model.greedy(PROMPTS[2], 7)[0]
+
+
+@pytest.mark.slow  # starts tensor-parallel rank processes
+def test_two_ranks_match_one(tmp_path: Path) -> None:
+    """Each rank attends through the window over its own KV heads: TP=2 equals TP=1, a
+    chunk of 12 crossing the window included."""
+    from tests.shard.tp_utils import Request, assert_same_outputs, make_plans, run_plans
+
+    FAMILIES["mistral-window"].build(tmp_path)
+    details = DetailOptions(logprobs=True, ranks=True, top_n=2, generated_tokens=True)
+    plans = make_plans(
+        [
+            Request(1, tuple(LONG), 5, details=details, chunk=12),
+            Request(2, tuple(PROMPTS[2]), 4, details=details, arrives=1),
+        ]
+    )
+    single = run_plans(tmp_path, plans, world_size=1, max_sequence_length=256)[0]
+    reports = run_plans(tmp_path, plans, world_size=2, max_sequence_length=256)
+    assert not any(isinstance(o, str) for o in single.outputs), single.outputs
+    assert sum(len(o.tokens) for o in reports[0].outputs if not isinstance(o, str)) == 9
+    assert_same_outputs(single.outputs, reports[0].outputs)
+    assert reports[1].worker_error is None
