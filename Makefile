@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: install run test test-fast lint format protos tiny-model clean prometheus-tools image
+.PHONY: install run test test-fast lint format protos tiny-model clean prometheus-tools guidellm image
 
 install: $(VENV)/.installed tgis/pb/generation_pb2.py
 
@@ -37,7 +37,7 @@ protos: tgis/pb/generation_pb2.py
 run: install
 	$(BIN)/text-generation-launcher
 
-test: install prometheus-tools
+test: install prometheus-tools guidellm
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # The unit layer: all but the launched-server tests (tests/e2e, tests/deploy) and the
@@ -67,6 +67,26 @@ prometheus-tools:
 		echo "prometheus-tools: apt-get install prometheus failed" >&2; \
 		if [ "$${CI:-}" = true ]; then exit 1; fi; }
 
+# guidellm for tests/e2e/test_guidellm_e2e.py, in a venv of its own: it brings datasets, pandas
+# and pyarrow and pins click, none of which .venv should get, and it requires torch (the CPU
+# build .venv has, else pip would pick the CUDA one). The stamp names the pin, so changing it
+# reinstalls. Where it cannot be installed the test skips, or fails under CI=true.
+GUIDELLM_VENV ?= .venv-guidellm
+GUIDELLM_VERSION ?= 0.8.1
+
+guidellm: $(GUIDELLM_VENV)/.installed-$(GUIDELLM_VERSION)
+
+$(GUIDELLM_VENV)/.installed-$(GUIDELLM_VERSION):
+	@rm -rf $(GUIDELLM_VENV)
+	@echo "guidellm: installing guidellm==$(GUIDELLM_VERSION) into $(GUIDELLM_VENV)"
+	@{ $(PYTHON) -m venv $(GUIDELLM_VENV) && \
+		$(GUIDELLM_VENV)/bin/pip install --quiet --upgrade pip && \
+		$(GUIDELLM_VENV)/bin/pip install --quiet "$(TORCH_SPEC)" "guidellm==$(GUIDELLM_VERSION)" && \
+		touch $@; } || { \
+		echo "guidellm: could not install guidellm==$(GUIDELLM_VERSION)" >&2; \
+		rm -rf $(GUIDELLM_VENV); \
+		if [ "$${CI:-}" = true ]; then exit 1; fi; }
+
 # Style, types, import contracts (pyproject's [tool.importlinter]) and the size rules
 # (scripts/check_structure.py). tests/test_structure.py runs all but mypy in `make test`.
 lint: install
@@ -92,4 +112,4 @@ tiny-model: install
 	$(BIN)/python scripts/build_tiny_model.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info tgis/pb/*_pb2*.py tgis/pb/*_pb2*.pyi
+	rm -rf $(VENV) $(GUIDELLM_VENV) build dist *.egg-info tgis/pb/*_pb2*.py tgis/pb/*_pb2*.pyi
