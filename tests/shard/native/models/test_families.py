@@ -199,16 +199,6 @@ def test_older_config_names_match_hf(
             "GPTNeoXForCausalLM: unsupported activation 'gelu_python_bogus'",
         ),
         (
-            "qwen3",
-            lambda c: c.update(
-                use_sliding_window=True,
-                sliding_window=64,
-                layer_types=["full_attention", "sliding_attention"],
-            ),
-            {},
-            r"sliding-window attention \(64\) is not implemented",
-        ),
-        (
             "phi3-longrope",
             lambda c: None,
             {"max_sequence_length": 512},
@@ -221,7 +211,6 @@ def test_older_config_names_match_hf(
         "bigcode-positions",
         "qwen2-sliding-window",
         "neox-activation",
-        "qwen3-sliding-window",
         "phi3-longrope-past-original",
     ],
 )
