@@ -281,6 +281,15 @@ FAMILIES: dict[str, Family] = {
             sliding_window=8,
         ),
     ),
+    # Starcoder2: LayerNorms and projections with biases, GELU MLP, tied head; its window.
+    "starcoder2-window": Family(
+        "Starcoder2Config", "Starcoder2ForCausalLM", dict(_LLAMA_SHAPE, sliding_window=8)
+    ),
+    "starcoder2-untied": Family(
+        "Starcoder2Config",
+        "Starcoder2ForCausalLM",
+        dict(_LLAMA_SHAPE, sliding_window=None, tie_word_embeddings=False),
+    ),
 }
 
 

@@ -91,6 +91,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_LLAMA, head_dim=32, attention_bias=True)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _LLAMA),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_LLAMA, pad_token_id=0)),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(_LLAMA, sliding_window=64)),
     "gpt-bigcode-mqa": (
         "GPTBigCodeConfig",
         "GPTBigCodeForCausalLM",

@@ -250,6 +250,7 @@ TP_VARIANTS = {
     "qwen3": 1,
     "olmo2": 1,
     "phi3-longrope": 1,
+    "starcoder2-window": 1,
 }
 TP_DETAILS = DetailOptions(logprobs=True, ranks=True, top_n=2, generated_tokens=True)
 

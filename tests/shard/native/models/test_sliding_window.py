@@ -1,6 +1,7 @@
 """Sliding-window families against transformers, with windows of 8 keys (``families.py``)
-and prompts longer than the window: Mistral, Mixtral and Phi-3 (every layer slides), Qwen2
-and Qwen3 (the layers from ``max_window_layers`` on; layer 0 attends to everything).
+and prompts longer than the window: Mistral, Mixtral, Phi-3 and Starcoder2 (every layer
+slides), Qwen2 and Qwen3 (the layers from ``max_window_layers`` on; layer 0 attends to
+everything).
 
 The family tests (``test_families.py``) already run them batched, with chunked prefill
 joining a decode and with a prompt-tuning prefix; here: the window changes transformers'
@@ -24,7 +25,14 @@ from tests.shard.native.models.test_families import generate_batch, make_runner
 from tgis.shard.config import EngineSettings
 from tgis.shard_api.messages import DetailOptions
 
-WINDOWED = ("mistral-window", "qwen2-window", "qwen3-window", "phi3-window", "mixtral-window")
+WINDOWED = (
+    "mistral-window",
+    "qwen2-window",
+    "qwen3-window",
+    "phi3-window",
+    "mixtral-window",
+    "starcoder2-window",
+)
 LONG = prompt_of(40, 14)  # five windows, two and a half blocks
 
 

@@ -1,7 +1,8 @@
 """Model implementations and the registry that maps Hugging Face architectures to them: one
-module per family (``llama``, ``llama_moe``, ``gpt_bigcode``, ``gpt_neox``, ``falcon``) over
-the shared decoder (``decoder``: ``DecoderLM``), its layers (``layers``) and rotary
-embeddings (``rotary``); a new family is a module here and an entry in the registry below."""
+module per family (``llama``, ``llama_moe``, ``gpt_bigcode``, ``gpt_neox``, ``falcon``,
+``starcoder2``, ...) over the shared decoder (``decoder``: ``DecoderLM``), its layers
+(``layers``) and rotary embeddings (``rotary``); a new family is a module here and an
+entry in the registry below."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from tgis.shard.native.models.llama_moe import LlamaMoeForCausalLM
 from tgis.shard.native.models.olmo2 import Olmo2ForCausalLM
 from tgis.shard.native.models.phi3 import Phi3ForCausalLM
 from tgis.shard.native.models.qwen3 import Qwen3ForCausalLM
+from tgis.shard.native.models.starcoder2 import Starcoder2ForCausalLM
 
 
 class CausalLM(Protocol):
@@ -104,6 +106,7 @@ ARCHITECTURES: dict[str, ModelFactory] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "RWForCausalLM": FalconForCausalLM,  # Falcon's original remote-code checkpoints
 }
 # Fallback when a config names no architecture.
@@ -122,6 +125,7 @@ MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
     "RefinedWeb": "RWForCausalLM",
     "RefinedWebModel": "RWForCausalLM",
 }
