@@ -40,6 +40,7 @@ from tgis.shard.native.models.norms import (
     HeadQKNorm,
     ProjectionQKNorm,
     SubLayerNorms,
+    UpcastRMSNorm,
     qk_norm_shapes,
     sublayer_norm_shapes,
 )
@@ -60,6 +61,11 @@ class Variant:
     qk_norm: str | None = None  # "head" (HeadQKNorm) or "projection" (ProjectionQKNorm)
     fused: bool = False  # qkv_proj and gate_up_proj instead of q/k/v and gate/up
     partial_rotary_factor: float = 1.0
+    upcast_norms: bool = False  # norm weights applied in float32 (UpcastRMSNorm)
+
+    @property
+    def norm(self) -> type[RMSNorm]:
+        return UpcastRMSNorm if self.upcast_norms else RMSNorm
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,8 @@ class VariantLayer:
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         llama, variant = args.llama, args.variant
         eps = llama.rms_norm_eps
-        self.attn_norms = SubLayerNorms(weights, prefix, variant.attn_norms, eps)
-        self.mlp_norms = SubLayerNorms(weights, prefix, variant.mlp_norms, eps)
+        self.attn_norms = SubLayerNorms(weights, prefix, variant.attn_norms, eps, norm=variant.norm)
+        self.mlp_norms = SubLayerNorms(weights, prefix, variant.mlp_norms, eps, norm=variant.norm)
         self.attn = Attention(
             index,
             heads,
@@ -159,7 +165,7 @@ class VariantForCausalLM(DecoderLM):
         self.heads = Heads.split(llama.num_heads, llama.num_kv_heads, llama.head_dim, weights.tp)
         self.embed = VocabEmbedding(weights, "model.embed_tokens.weight")
         self.layers = [VariantLayer(args, self.heads, weights, i) for i in range(llama.num_layers)]
-        self.final_norm = RMSNorm(weights, "model.norm.weight", llama.rms_norm_eps)
+        self.final_norm = args.variant.norm(weights, "model.norm.weight", llama.rms_norm_eps)
         self.lm_head = load_lm_head(
             weights, self.embed, llama.vocab_size, llama.tie_word_embeddings
         )

@@ -1,7 +1,9 @@
 """Where the newer families put their RMSNorms, as pieces any layer can use.
 
 - ``SubLayerNorms``: the norms around one sub-layer (attention or MLP) and its residual:
-  before it (Llama's), after it (OLMo 2's post-sub-layer norms), or both (Gemma 2/3's).
+  before it (Llama's), after it (OLMo 2's post-sub-layer norms), or both (Gemma 2/3's);
+  ``UpcastRMSNorm`` for the families whose norm weight multiplies before the cast back
+  (OLMo 2's: the same in float32, a rounding apart in bfloat16).
 - q/k norms, applied to the projected queries and keys before rotary (``Attention``'s
   ``qk_norm``): ``HeadQKNorm`` normalises each head over its ``head_dim`` (Qwen3, Gemma 3),
   ``ProjectionQKNorm`` the whole q and the whole k projection (OLMo 2); with tensor
@@ -19,6 +21,13 @@ from tgis.shard.native.models.layers import Heads, RMSNorm, Shapes
 from tgis.shard.parallel.group import TensorParallel
 
 
+class UpcastRMSNorm(RMSNorm):
+    """RMSNorm whose weight multiplies the float32 normalised input, cast back after."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm_upcast(x.float(), self.weight, self.eps).to(x.dtype)
+
+
 class SubLayerNorms:
     """``x + post(sublayer(pre(x))) * multiplier``: either norm may be absent."""
 
@@ -29,10 +38,11 @@ class SubLayerNorms:
         names: tuple[str | None, str | None],
         eps: float,
         multiplier: float = 1.0,
+        norm: type[RMSNorm] = RMSNorm,
     ) -> None:
         pre, post = names
-        self.pre = None if pre is None else RMSNorm(weights, f"{prefix}.{pre}.weight", eps)
-        self.post = None if post is None else RMSNorm(weights, f"{prefix}.{post}.weight", eps)
+        self.pre = None if pre is None else norm(weights, f"{prefix}.{pre}.weight", eps)
+        self.post = None if post is None else norm(weights, f"{prefix}.{post}.weight", eps)
         self.multiplier = multiplier
 
     def __call__(
