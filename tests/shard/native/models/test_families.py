@@ -183,14 +183,10 @@ def test_older_config_names_match_hf(
             "--max-sequence-length 1024 exceeds the model's 512 learned positions",
         ),
         (
-            "qwen2-biases",
-            lambda c: c.update(
-                use_sliding_window=True,
-                sliding_window=64,
-                layer_types=["full_attention", "sliding_attention"],
-            ),
+            "mistral-window",
+            lambda c: c.update(sliding_window=0),
             {},
-            r"sliding-window attention \(64\) is not implemented",
+            "sliding_window 0 is not a positive number of tokens",
         ),
         (
             "gpt-neox-parallel",
@@ -209,7 +205,7 @@ def test_older_config_names_match_hf(
     ids=[
         "falcon-alibi",
         "bigcode-positions",
-        "qwen2-sliding-window",
+        "mistral-window-zero",
         "neox-activation",
         "phi3-longrope-past-original",
     ],
