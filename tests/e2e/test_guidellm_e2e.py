@@ -25,6 +25,7 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from tests.e2e.probes import wait_until
 from tests.e2e.server import LauncherProcess
 from tests.prometheus_tools import Exposition, parse_exposition
 from tgis.embedded_model import MODEL_DIR
@@ -108,6 +109,11 @@ def report_of(process: subprocess.Popen[bytes], work: Path) -> dict[str, Any]:
     return benchmark
 
 
+def idle(server: LauncherProcess) -> bool:
+    exposition = scrape(server)
+    return exposition.value("tgi_batch_current_size") == exposition.value("tgi_queue_size") == 0
+
+
 def scrape(server: LauncherProcess) -> Exposition:
     status, body = server.http_get("/metrics")
     assert status == 200
@@ -180,6 +186,7 @@ class Runs:
 def runs(embedded_server: LauncherProcess, tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """Both formats' runs, side by side: most of a run is guidellm's own start-up (imports,
     a spawned worker, its start delay), little of it the server's work."""
+    wait_until(lambda: idle(embedded_server))  # the server is shared: nothing else running
     before = scrape(embedded_server)
     works = {f: tmp_path_factory.mktemp("guidellm") for f in FORMATS}
     processes = {f: start_guidellm(embedded_server, f, works[f]) for f in FORMATS}
