@@ -62,6 +62,7 @@ def step(
     ranges: list[tuple[int, int]],
     scale: float | None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> list[torch.Tensor]:
     qs, ks, vs, slots = [], [], [], []
     for seq, (start, end) in zip(seqs, ranges, strict=True):
@@ -77,8 +78,16 @@ def step(
     )
     device = seqs[0]["q"].device
     metadata = backend.prepare(layout, device)
+    capped = {} if softcap is None else {"softcap": softcap}
     out = backend.forward(
-        torch.cat(qs), torch.cat(ks), torch.cat(vs), *caches, metadata, scale=scale, window=window
+        torch.cat(qs),
+        torch.cat(ks),
+        torch.cat(vs),
+        *caches,
+        metadata,
+        scale=scale,
+        window=window,
+        **capped,
     )
     return list(out.split(list(layout.query_lens)))
 
@@ -90,15 +99,17 @@ def two_steps(
     scale: float | None,
     window: int | None = None,
     firsts: tuple[int, ...] = FIRSTS,
+    softcap: float | None = None,
 ) -> list[torch.Tensor]:
     seqs = make_sequences(dtype, device)
     gen = torch.Generator().manual_seed(2)
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, DIM)
     # Garbage in the cache: stale values must never be read.
     k_cache, v_cache = (torch.randn(shape, generator=gen).to(device, dtype) for _ in "kv")
-    first = step(backend, (k_cache, v_cache), seqs, [(0, f) for f in firsts], scale, window)
+    caches = (k_cache, v_cache)
+    first = step(backend, caches, seqs, [(0, f) for f in firsts], scale, window, softcap)
     rest = [(f, n) for f, n in zip(firsts, LENGTHS, strict=True)]
-    return first + step(backend, (k_cache, v_cache), seqs, rest, scale, window)
+    return first + step(backend, caches, seqs, rest, scale, window, softcap)
 
 
 @pytest.mark.parametrize("scale", [None, 0.3])
@@ -126,9 +137,12 @@ WINDOWS = (1, 5, 16, 23, 64)
 CHUNKED = (9, 33, 20, 1, 3)
 
 
-def naive_attention(seq: dict[str, Any], window: int | None, scale: float | None) -> torch.Tensor:
+def naive_attention(
+    seq: dict[str, Any], window: int | None, scale: float | None, softcap: float | None = None
+) -> torch.Tensor:
     """One sequence's causal attention, query by query over its own keys (no cache): the
-    query at position p sees the keys p - window < t <= p (transformers' sliding window)."""
+    query at position p sees the keys p - window < t <= p (transformers' sliding window);
+    the scores soft-capped to softcap * tanh(score / softcap) when given (Gemma 2's)."""
     q, k, v = (seq[x].float() for x in "qkv")
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
@@ -137,6 +151,8 @@ def naive_attention(seq: dict[str, Any], window: int | None, scale: float | None
         lo = 0 if window is None else max(0, p - window + 1)
         scores = torch.einsum("hd,thd->ht", q[p], k[lo : p + 1])
         scores *= q.shape[-1] ** -0.5 if scale is None else scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         out[p] = torch.einsum("ht,thd->hd", scores.softmax(-1), v[lo : p + 1])
     return out
 
@@ -152,6 +168,35 @@ def test_reference_window_equals_naive_attention(
         expected = naive_attention(seq, window, 0.3)
         whole = torch.cat([got[i], got[len(LENGTHS) + i]])
         torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
+
+
+# Soft-capping (Gemma 2's attn_logit_softcapping): a cap below the scores' spread.
+SOFTCAP = 0.5
+
+
+@pytest.mark.parametrize("firsts", [FIRSTS, CHUNKED], ids=["firsts", "chunked"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_reference_softcap_equals_naive_attention(
+    window: int | None, firsts: tuple[int, ...]
+) -> None:
+    cpu = torch.device("cpu")
+    got = two_steps(TorchPagedAttention(BLOCK), torch.float32, cpu, 0.3, window, firsts, SOFTCAP)
+    uncapped = two_steps(TorchPagedAttention(BLOCK), torch.float32, cpu, 0.3, window, firsts)
+    assert not torch.allclose(got[0], uncapped[0])
+    for i, seq in enumerate(make_sequences(torch.float32, cpu)):
+        expected = naive_attention(seq, window, 0.3, SOFTCAP)
+        whole = torch.cat([got[i], got[len(LENGTHS) + i]])
+        torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_backends_without_softcap_refuse_it() -> None:
+    """A backend that cannot soft-cap (sdpa_varlen; flash_varlen and triton_paged alike)
+    raises rather than attend uncapped (a soft-capped model is refused on them at start-up:
+    tests/shard/native/models/test_gemma2.py)."""
+    backend = SdpaVarlenAttention(BLOCK)
+    assert not getattr(backend, "supports_softcap", False)
+    with pytest.raises(ValueError, match="cannot soft-cap"):
+        backend.forward(*(torch.zeros(1) for _ in range(5)), None, softcap=1.0)
 
 
 def test_a_window_changes_the_result() -> None:
@@ -289,11 +334,12 @@ def check_random_batches(
     block: int,
     cache_dtype: torch.dtype,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
-    """The kernel against the reference on random batches (with a sliding ``window``, when
-    given). A bfloat16 cache is checked against the float32 reference over the same
-    (bfloat16-rounded) values: the kernel widens them exactly, so only float32 rounding
-    separates the two."""
+    """The kernel against the reference on random batches (with a sliding ``window`` and a
+    ``softcap``, when given). A bfloat16 cache is checked against the float32 reference over
+    the same (bfloat16-rounded) values: the kernel widens them exactly, so only float32
+    rounding separates the two."""
     rng = random.Random(heads * 1000 + dim)
     gen = torch.Generator().manual_seed(dim)
     lengths = [1, block, block + 1, 2 * block, *(rng.randrange(1, 300) for _ in range(20))]
@@ -313,15 +359,25 @@ def check_random_batches(
     v = torch.randn(len(lengths), kv_heads, dim, generator=gen).to(cache_dtype).float()
     reference = TorchPagedAttention(block)
     cpu = torch.device("cpu")
+    options: dict[str, Any] = {"window": window, "softcap": softcap}
     expected = reference.forward(
-        q, k, v, *(c.float() for c in caches), reference.prepare(layout, cpu), window=window
+        q, k, v, *(c.float() for c in caches), reference.prepare(layout, cpu), **options
     )
     kernel = CpuPagedAttention(block, kernel_module)
     got = kernel.forward(
-        q, k, v, *(c.clone() for c in caches), kernel.prepare(layout, cpu), window=window
+        q, k, v, *(c.clone() for c in caches), kernel.prepare(layout, cpu), **options
     )
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 17])
+def test_cpu_paged_decodes_random_batches_softcapped(window: int | None) -> None:
+    """The kernel's soft-capped scores (with and without a window) as the reference's."""
+    assert KERNEL is not None
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        check_random_batches(KERNEL, 8, 2, 64, 16, cache_dtype, window, softcap=2.0)
 
 
 @needs_kernel

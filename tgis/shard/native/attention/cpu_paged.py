@@ -56,6 +56,7 @@ class CpuPagedAttention(TorchPagedAttention):
     """``TorchPagedAttention`` with decodes in the C kernel (float32 or bfloat16 CPU caches)."""
 
     name = "cpu_paged"
+    supports_softcap = True  # the C kernel caps the decode scores; prompts as the reference
     masks_decodes = False  # the kernel bounds each sequence by its context length
 
     def __init__(self, block_size: int, kernel: ModuleType) -> None:
@@ -80,6 +81,7 @@ class CpuPagedAttention(TorchPagedAttention):
         scale: float | None,
         cache_dtype: torch.dtype,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if (
             metadata.decode_tables is None
@@ -87,7 +89,9 @@ class CpuPagedAttention(TorchPagedAttention):
             or cache_dtype not in _CACHE_DTYPES
             or q.device.type != "cpu"
         ):
-            return super()._decode(q, k_blocks, v_blocks, metadata, scale, cache_dtype, window)
+            return super()._decode(
+                q, k_blocks, v_blocks, metadata, scale, cache_dtype, window, softcap
+            )
         assert metadata.decode_rows is not None
         queries = q[metadata.decode_rows].float().contiguous()  # [decodes, heads, dim]
         seqs, heads, head_dim = queries.shape
@@ -113,5 +117,6 @@ class CpuPagedAttention(TorchPagedAttention):
             _CACHE_DTYPES[cache_dtype],
             torch.get_num_threads() if self.shares_torch_threads else 1,
             window or 0,
+            softcap or 0.0,
         )
         return out.to(q.dtype)

@@ -80,7 +80,7 @@ class AttentionBackend(Protocol):
         layout's slots already on ``device``, if the caller has them)."""
         ...
 
-    def forward(
+    def forward(  # noqa: PLR0913 - q/k/v, the caches, the step, the layer's scale, window, softcap
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -90,6 +90,7 @@ class AttentionBackend(Protocol):
         metadata: Any,
         scale: float | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attend: ``q`` [tokens, heads, dim], ``k``/``v`` [tokens, kv_heads, dim] → like ``q``.
 
@@ -97,5 +98,15 @@ class AttentionBackend(Protocol):
         ``window`` is the layer's sliding window (None: full attention): a query at
         position ``p`` attends to the keys at positions ``p - window < t <= p`` (Mistral's
         and transformers' convention: ``window`` keys, its own included).
+        ``softcap`` (None: none) caps the scaled scores to ``softcap * tanh(score /
+        softcap)`` before the softmax (Gemma 2's ``attn_logit_softcapping``); only the
+        backends whose ``supports_softcap`` is true take it (``layers.check_softcap``).
         """
         ...
+
+
+def refuse_softcap(backend: str, softcap: float | None) -> None:
+    """For the backends that cannot soft-cap the scores (the models that need it check
+    ``supports_softcap`` at start-up, so this is only a guard against wrong results)."""
+    if softcap is not None:
+        raise ValueError(f"the {backend} attention backend cannot soft-cap attention scores")

@@ -56,6 +56,7 @@ class TorchPagedAttention:
     """
 
     name = "torch_paged"
+    supports_softcap = True  # the soft-capped layers attend through _softcapped_attention
     # The decode group's padded key mask is built once per step (backends that attend to
     # decodes otherwise skip it).
     masks_decodes = True
@@ -110,7 +111,7 @@ class TorchPagedAttention:
             decode_mask=decode_mask,
         )
 
-    def forward(
+    def forward(  # noqa: PLR0913 - q/k/v, the caches, the step, the layer's scale, window, softcap
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -120,10 +121,12 @@ class TorchPagedAttention:
         metadata: TorchPagedMetadata,
         scale: float | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store ``k``/``v`` in their slots, then attend causally over each sequence's cache
         (softmax scale ``scale``, default 1/sqrt(dim); ``window``: the keys at ``p - window
-        < t <= p`` only, None for all of them)."""
+        < t <= p`` only, None for all of them; ``softcap``: the scores capped to ``softcap *
+        tanh(score / softcap)`` before the softmax)."""
         num_blocks, _, num_kv_heads, head_dim = k_cache.shape
         k = k.to(k_cache.dtype)
         v = v.to(v_cache.dtype)
@@ -133,7 +136,9 @@ class TorchPagedAttention:
         v_blocks = v_cache.view(num_blocks, -1)
         decode_rows = metadata.decode_rows
         if decode_rows is not None and not metadata.prefill and isinstance(decode_rows, slice):
-            return self._decode(q, k_blocks, v_blocks, metadata, scale, k_cache.dtype, window)
+            return self._decode(
+                q, k_blocks, v_blocks, metadata, scale, k_cache.dtype, window, softcap
+            )
         out = torch.empty_like(q)
         for index, seq in enumerate(metadata.prefill):
             rows = slice(seq.start, seq.start + seq.length)
@@ -148,19 +153,18 @@ class TorchPagedAttention:
                 mask = _cached(
                     metadata, window, index, partial(_prefill_mask, seq, window, q.device)
                 )
-            attn = F.scaled_dot_product_attention(
+            attn = _attention(
                 q[rows].transpose(0, 1).unsqueeze(0),
                 keys.transpose(0, 1).unsqueeze(0).to(q.dtype),
                 values.transpose(0, 1).unsqueeze(0).to(q.dtype),
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=scale,
-                enable_gqa=True,
+                mask,
+                scale,
+                softcap,
             )
             out[rows] = attn[0].transpose(0, 1)
         if decode_rows is not None:
             out[decode_rows] = self._decode(
-                q, k_blocks, v_blocks, metadata, scale, k_cache.dtype, window
+                q, k_blocks, v_blocks, metadata, scale, k_cache.dtype, window, softcap
             )
         return out
 
@@ -173,6 +177,7 @@ class TorchPagedAttention:
         scale: float | None,
         cache_dtype: torch.dtype,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """The one-token sequences, in one SDPA call over their gathered contexts (the
         last ``window`` keys of each, when given)."""
@@ -190,15 +195,49 @@ class TorchPagedAttention:
             mask = _cached(metadata, window, -1, partial(_key_mask, context, width, window))
         elif mask is None:
             mask = _key_mask(context, width)
-        attn = F.scaled_dot_product_attention(
-            queries,
-            keys.to(q.dtype),
-            values.to(q.dtype),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
+        attn = _attention(queries, keys.to(q.dtype), values.to(q.dtype), mask, scale, softcap)
         return attn.squeeze(2)
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """SDPA of [batch, heads, rows, dim] queries over [batch, kv_heads, keys, dim] keys and
+    values (grouped-query), ``mask`` [rows, keys] or broadcastable (None: causal); with a
+    ``softcap``, the explicit softmax of the capped scores."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+    return softcapped_attention(q, k, v, mask, scale, softcap)
+
+
+def softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    softcap: float,
+) -> torch.Tensor:
+    """``softmax(softcap * tanh(q k^T * scale / softcap) + mask) v`` (scale default
+    1/sqrt(dim); ``mask`` boolean, True where a key is seen; None: causal, the rows the last
+    of the keys), in float32, cast back to ``q``'s dtype."""
+    group = q.shape[1] // k.shape[1]
+    k32 = k.float().repeat_interleave(group, dim=1)
+    v32 = v.float().repeat_interleave(group, dim=1)
+    scores = q.float() @ k32.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        rows, keys = scores.shape[-2:]
+        mask = torch.ones(rows, keys, dtype=torch.bool, device=q.device).tril(keys - rows)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v32).to(q.dtype)
 
 
 def _key_mask(context: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import triton
 
-from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
+from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout, refuse_softcap
 from tgis.shard.native.attention.torch_paged import TorchPagedAttention
 from tgis.shard.native.attention.triton_kernels import (
     combine_kernel,
@@ -153,7 +153,7 @@ class TritonPagedAttention:
             max_decode_context=int(ctx[decode].max()) if len(decode) else 0,
         )
 
-    def forward(
+    def forward(  # noqa: PLR0913 - q/k/v, the caches, the step, the layer's scale, window, softcap
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -163,10 +163,12 @@ class TritonPagedAttention:
         metadata: TritonPagedMetadata,
         scale: float | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store ``k``/``v`` in their slots, then attend each query row to its sequence's
         keys up to its own position (softmax scale ``scale``, default 1/sqrt(dim); the last
         ``window`` of them only, when given)."""
+        refuse_softcap(self.name, softcap)
         q, k, v = _contiguous_rows(q), _contiguous_rows(k), _contiguous_rows(v)
         self._write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

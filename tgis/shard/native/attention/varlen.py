@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tgis.shard.native.attention.interface import BatchLayout
+from tgis.shard.native.attention.interface import BatchLayout, refuse_softcap
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ class SdpaVarlenAttention:
     ) -> PaddedMetadata:
         return prepare_padded(layout, self.block_size, device)
 
-    def forward(
+    def forward(  # noqa: PLR0913 - q/k/v, the caches, the step, the layer's scale, window, softcap
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -172,8 +172,10 @@ class SdpaVarlenAttention:
         metadata: PaddedMetadata,
         scale: float | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V in the paged cache, gather the padded contexts, attend."""
+        refuse_softcap(self.name, softcap)
         flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.packed.slot_mapping)
         keys = flat_k[metadata.padded_slots].to(q.dtype)  # one gather, straight to padded
         values = flat_v[metadata.padded_slots].to(q.dtype)
@@ -224,7 +226,7 @@ class FlashVarlenAttention:
     ) -> PackedMetadata:
         return prepare_packed(layout, self.block_size, device)
 
-    def forward(
+    def forward(  # noqa: PLR0913 - q/k/v, the caches, the step, the layer's scale, window, softcap
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -234,8 +236,10 @@ class FlashVarlenAttention:
         metadata: PackedMetadata,
         scale: float | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V in the paged cache, gather the packed contexts, attend."""
+        refuse_softcap(self.name, softcap)
         flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out: torch.Tensor = self._kernel(
             q,

@@ -40,16 +40,28 @@ _ACTIVE: list[tuple[AttentionBackend, KVCache, Any] | None] = [None]
 
 @torch.library.custom_op("tgis::paged_attention", mutates_args=())
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Store ``k``/``v`` in layer ``layer``'s paged cache and attend (``scale`` <= 0: the
-    backend's default, 1/sqrt(dim); ``window`` <= 0: no sliding window). The cache is the
-    step's, outside the graph."""
+    backend's default, 1/sqrt(dim); ``window`` <= 0: no sliding window; ``softcap`` <= 0: no
+    soft-capping of the scores). The cache is the step's, outside the graph."""
     active = _ACTIVE[0]
     if active is None:
         raise RuntimeError("tgis::paged_attention called outside a step")
     backend, kv_cache, metadata = active
     k_cache, v_cache = kv_cache.layer(layer)
+    scale_or_none = scale if scale > 0 else None
+    window_or_none = window if window > 0 else None
+    if softcap <= 0:
+        return backend.forward(
+            q, k, v, k_cache, v_cache, metadata, scale=scale_or_none, window=window_or_none
+        )
     return backend.forward(
         q,
         k,
@@ -57,14 +69,21 @@ def paged_attention(
         k_cache,
         v_cache,
         metadata,
-        scale=scale if scale > 0 else None,
-        window=window if window > 0 else None,
+        scale=scale_or_none,
+        window=window_or_none,
+        softcap=softcap,
     )
 
 
 @paged_attention.register_fake
 def _(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, window: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    scale: float,
+    window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 
@@ -76,8 +95,11 @@ def _opaque_attend(
     v: torch.Tensor,
     scale: float | None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    return paged_attention(q, k, v, layer, -1.0 if scale is None else scale, window or 0)
+    return paged_attention(
+        q, k, v, layer, -1.0 if scale is None else scale, window or 0, softcap or 0.0
+    )
 
 
 @contextlib.contextmanager

@@ -36,9 +36,14 @@ def paged_attend(backend: AttentionBackend, kv_cache: KVCache, metadata: Any) ->
         v: torch.Tensor,
         scale: float | None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache.layer(layer)
-        return backend.forward(q, k, v, k_cache, v_cache, metadata, scale=scale, window=window)
+        if softcap is None:  # a backend that never soft-caps need not take the argument
+            return backend.forward(q, k, v, k_cache, v_cache, metadata, scale=scale, window=window)
+        return backend.forward(
+            q, k, v, k_cache, v_cache, metadata, scale=scale, window=window, softcap=softcap
+        )
 
     return attend
 

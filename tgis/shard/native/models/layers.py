@@ -84,6 +84,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)``: Gemma 2's soft-capping of the logits (and, in the attention
+    backends, of the scores)."""
+    return torch.tanh(x / cap) * cap
+
+
+def scale_in_dtype(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` times ``factor`` rounded to ``x``'s dtype first (Gemma's embedding scale, as
+    transformers multiplies it)."""
+    return x * torch.tensor(factor, dtype=x.dtype, device=x.device)
+
+
+def check_softcap(attention: object, architecture: str) -> None:
+    """StartupError unless the attention backend soft-caps the scores exactly
+    (``supports_softcap``: torch_paged, cpu_paged)."""
+    if not getattr(attention, "supports_softcap", False):
+        name = getattr(attention, "name", type(attention).__name__)
+        raise StartupError(
+            f"{architecture} soft-caps its attention scores (attn_logit_softcapping), which "
+            f"the {name} attention backend cannot do (TGIS_ATTENTION_BACKEND=torch_paged or "
+            "cpu_paged can)"
+        )
+
+
 class RMSNorm:
     """RMSNorm (``name`` is its weight), whole on every rank."""
 
@@ -239,11 +263,13 @@ QKNormFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tens
 before rotary (``norms.py``)."""
 
 AttendFn = Callable[
-    [int, torch.Tensor, torch.Tensor, torch.Tensor, float | None, int | None], torch.Tensor
+    [int, torch.Tensor, torch.Tensor, torch.Tensor, float | None, int | None, float | None],
+    torch.Tensor,
 ]
-"""``attend(layer, q, k, v, scale, window)``: store ``k``/``v`` in layer ``layer``'s cache and
-attend (q [tokens, heads, dim], k/v [tokens, kv_heads, dim] → like q), over the last
-``window`` keys of each query when the layer has a sliding window (else None)."""
+"""``attend(layer, q, k, v, scale, window, softcap)``: store ``k``/``v`` in layer ``layer``'s
+cache and attend (q [tokens, heads, dim], k/v [tokens, kv_heads, dim] → like q), over the last
+``window`` keys of each query when the layer has a sliding window (else None), the scores
+soft-capped to ``softcap * tanh(score / softcap)`` when the layer caps them (else None)."""
 
 
 @dataclass(frozen=True)
@@ -276,6 +302,7 @@ class Attention:
         self.out = out
         self.scale = scale
         self.window: int | None = None  # the layer's sliding window, if it has one
+        self.softcap: float | None = None  # the layer's attention logit soft-cap, if any
         self.qk_norm = qk_norm
 
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -289,7 +316,7 @@ class Attention:
             q, k = self.qk_norm(q, k)
         if ctx.rope is not None:
             q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
-        attn = ctx.attend(self.index, q, k, v, self.scale, self.window)
+        attn = ctx.attend(self.index, q, k, v, self.scale, self.window, self.softcap)
         return self.out(attn.reshape(tokens, h.q_size), ctx.lora)
 
 

@@ -6,6 +6,7 @@
  * query heads that share h attend to the sequence's first context_lens[s] cached tokens:
  *
  *   score[g][t] = scale * dot(q[s, h*G + g], K[t, h])      t = start .. context_lens[s] - 1
+ *   (or softcap * tanh(score / softcap) when softcap > 0: Gemma 2's logit soft-capping)
  *   out[s, h*G + g] = sum_t softmax(score[g])[t] * V[t, h]
  *
  * where start is 0, or context_lens[s] - window for a layer with a sliding window (the keys
@@ -53,6 +54,7 @@ typedef struct {
     int64_t seqs, heads, kv_heads, head_dim, block_size, table_stride, num_blocks, max_context;
     int64_t window;           /* > 0: a sliding window, the last ``window`` keys only */
     float scale;
+    float softcap;            /* > 0: scores capped to softcap * tanh(score / softcap) */
 } DecodeArgs;
 
 /* 16 lanes in one vector (GCC's generic vectors: one AVX-512, two AVX2 or four SSE registers,
@@ -215,6 +217,9 @@ static int NAME(const DecodeArgs *a, int64_t s, int64_t h, float *scores) { \
                 const vec16 sums = sum_each16(lanes); \
                 float *dst = scores + g * keys + first + t0 - start; \
                 for (int64_t t = 0; t < m; t++) dst[t] = a->scale * sums[t]; \
+                if (a->softcap > 0) \
+                    for (int64_t t = 0; t < m; t++) \
+                        dst[t] = a->softcap * tanhf(dst[t] / a->softcap); \
             } \
         } \
     } \
@@ -310,10 +315,11 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     double scale;
     int bf16 = 0, threads = 1;
     long long window = 0;
-    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|iiL", &q, &k_cache, &v_cache, &out, &tables,
+    double softcap = 0.0;
+    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|iiLd", &q, &k_cache, &v_cache, &out, &tables,
                           &context, &seqs, &heads, &kv_heads, &head_dim, &block_size,
                           &table_stride, &num_blocks, &max_context, &scale, &bf16, &threads,
-                          &window)) {
+                          &window, &softcap)) {
         return NULL;
     }
 #ifndef _OPENMP
@@ -321,7 +327,8 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
 #endif
     if (threads < 1) threads = 1;
     if (seqs < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 ||
-        block_size <= 0 || table_stride < 0 || num_blocks <= 0 || max_context < 0 || window < 0) {
+        block_size <= 0 || table_stride < 0 || num_blocks <= 0 || max_context < 0 || window < 0 ||
+        softcap < 0) {
         PyErr_SetString(PyExc_ValueError, "paged_decode_attention: bad shape arguments");
         return NULL;
     }
@@ -341,6 +348,7 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     a.max_context = max_context;
     a.window = window;
     a.scale = (float)scale;
+    a.softcap = (float)softcap;
     float *scores = malloc((size_t)(max_context > 0 ? max_context : 1) *
                            (size_t)(heads / kv_heads) * (size_t)threads * sizeof(float));
     if (scores == NULL) return PyErr_NoMemory();
@@ -362,10 +370,10 @@ static PyMethodDef methods[] = {
     {"paged_decode_attention", paged_decode_attention, METH_VARARGS,
      "paged_decode_attention(q, k_cache, v_cache, out, block_tables, context_lens, seqs, heads, "
      "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale[, bf16[, "
-     "threads[, window]]]): decode attention (float32 queries and output) over a float32 "
-     "cache, or a bfloat16 one when bf16 is 1, by data pointers (see cpu_paged.py), on "
+     "threads[, window[, softcap]]]]): decode attention (float32 queries and output) over a "
+     "float32 cache, or a bfloat16 one when bf16 is 1, by data pointers (see cpu_paged.py), on "
      "``threads`` OpenMP threads (1 when built without OpenMP), over the last ``window`` "
-     "keys of each sequence when window > 0."},
+     "keys of each sequence when window > 0, the scores soft-capped when softcap > 0."},
     {NULL, NULL, 0, NULL},
 };
 
