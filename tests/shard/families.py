@@ -285,6 +285,21 @@ FAMILIES: dict[str, Family] = {
     "starcoder2-window": Family(
         "Starcoder2Config", "Starcoder2ForCausalLM", dict(_LLAMA_SHAPE, sliding_window=8)
     ),
+    # Gemma 2: four norms a layer (1 + weight), GeGLU, embeddings times sqrt(hidden), the
+    # softmax scale 1/sqrt(query_pre_attn_scalar), attention and final logit soft-caps, layer
+    # 0 sliding (8 keys), layer 1 global.
+    "gemma2": Family(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            _LLAMA_SHAPE,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=4.0,
+        ),
+    ),
     "starcoder2-untied": Family(
         "Starcoder2Config",
         "Starcoder2ForCausalLM",

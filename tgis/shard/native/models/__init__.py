@@ -20,6 +20,7 @@ from tgis.shard.native.attention.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.native.linear.lora_rows import LoraRows
 from tgis.shard.native.models.decoder import EmbeddingRows
 from tgis.shard.native.models.falcon import FalconForCausalLM
+from tgis.shard.native.models.gemma2 import Gemma2ForCausalLM
 from tgis.shard.native.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tgis.shard.native.models.gpt_neox import GPTNeoXForCausalLM
 from tgis.shard.native.models.layers import Shapes
@@ -107,6 +108,7 @@ ARCHITECTURES: dict[str, ModelFactory] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "RWForCausalLM": FalconForCausalLM,  # Falcon's original remote-code checkpoints
 }
 # Fallback when a config names no architecture.
@@ -126,6 +128,7 @@ MODEL_TYPES: dict[str, str] = {
     "olmo2": "Olmo2ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
     "RefinedWeb": "RWForCausalLM",
     "RefinedWebModel": "RWForCausalLM",
 }

@@ -15,29 +15,33 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from tgis.shard.checkpoints.model_config import ModelConfig
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.linear.sharded import ColumnLinear, VocabEmbedding, column_linear, row_linear
-from tgis.shard.native.models.decoder import DecoderLM
+from tgis.shard.native.models.decoder import DecoderLM, EmbeddingRows
 from tgis.shard.native.models.layers import (
+    ACTIVATIONS,
     Attention,
     Heads,
     QKNormFn,
     RMSNorm,
     Shapes,
     StepContext,
+    check_softcap,
     fused_gate_up_linear,
     fused_qkv_linear,
     linear_shapes,
     load_lm_head,
+    scale_in_dtype,
+    soft_cap,
     split_qkv_ranges,
 )
 from tgis.shard.native.models.llama import LlamaArgs, _separate_qkv
 from tgis.shard.native.models.norms import (
     HeadQKNorm,
+    OffsetRMSNorm,
     ProjectionQKNorm,
     SubLayerNorms,
     UpcastRMSNorm,
@@ -62,9 +66,13 @@ class Variant:
     fused: bool = False  # qkv_proj and gate_up_proj instead of q/k/v and gate/up
     partial_rotary_factor: float = 1.0
     upcast_norms: bool = False  # norm weights applied in float32 (UpcastRMSNorm)
+    offset_norms: bool = False  # Gemma's norms: a scale of 1 + weight (OffsetRMSNorm)
+    activation: str = "silu"  # the gated MLP's (layers.ACTIVATIONS)
 
     @property
     def norm(self) -> type[RMSNorm]:
+        if self.offset_norms:
+            return OffsetRMSNorm
         return UpcastRMSNorm if self.upcast_norms else RMSNorm
 
 
@@ -74,6 +82,9 @@ class VariantArgs:
 
     llama: LlamaArgs
     variant: Variant
+    embedding_scale: float | None = None  # embeddings times it, in the model's dtype
+    attn_softcap: float | None = None  # every layer's attention logit soft-cap
+    final_softcap: float | None = None  # the logits' soft-cap
 
     @property
     def rotary_dim(self) -> int:
@@ -95,9 +106,12 @@ class VariantLayer:
             heads,
             _qkv(weights, attn, args, heads),
             row_linear(weights, f"{attn}.o_proj", llama.o_bias),
+            llama.attention_scale,
             qk_norm=_qk_norm(weights, attn, args, heads),
         )
         self.attn.window = llama.window(index)
+        self.attn.softcap = args.attn_softcap
+        self.act = ACTIVATIONS[variant.activation]
         if variant.fused:
             self.gate_up = fused_gate_up_linear(weights, f"{mlp}.gate_up_proj", llama.mlp_bias)
         else:
@@ -112,7 +126,7 @@ class VariantLayer:
 
     def _mlp(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         gate, up = self.gate_up(x, ctx.lora).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up, ctx.lora)
+        return self.down(self.act(gate) * up, ctx.lora)
 
 
 def _qkv(weights: Weights, attn: str, args: VariantArgs, heads: Heads) -> ColumnLinear:
@@ -162,6 +176,8 @@ class VariantForCausalLM(DecoderLM):
         self.args = args
         self.dtype = weights.dtype
         self.attention = attention
+        if args.attn_softcap is not None:
+            check_softcap(attention, config.architecture)
         self.heads = Heads.split(llama.num_heads, llama.num_kv_heads, llama.head_dim, weights.tp)
         self.embed = VocabEmbedding(weights, "model.embed_tokens.weight")
         self.layers = [VariantLayer(args, self.heads, weights, i) for i in range(llama.num_layers)]
@@ -172,6 +188,26 @@ class VariantForCausalLM(DecoderLM):
         self.rotary = RotaryEmbedding.from_parameters(
             llama.rope, args.rotary_dim, llama.max_position_embeddings, weights.device
         )
+
+    def word_embeddings(
+        self, input_ids: torch.Tensor, rows: EmbeddingRows | None = None
+    ) -> torch.Tensor:
+        """The vocabulary embeddings times Gemma's ``embedding_scale`` when it has one (as
+        transformers scales them: prompt-tuning ``rows`` are put in place unscaled, as its
+        ``inputs_embeds``)."""
+        scale = self.args.embedding_scale
+        if scale is None:
+            return super().word_embeddings(input_ids, rows)
+        x = scale_in_dtype(self.embed(input_ids), scale)
+        if rows is not None:
+            x = x.index_copy(0, rows.index, rows.values.to(x.dtype))
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab], soft-capped when the family caps them."""
+        logits = super().compute_logits(hidden)
+        cap = self.args.final_softcap
+        return logits if cap is None else soft_cap(logits, cap)
 
     @classmethod
     def checkpoint_shapes(cls, config: ModelConfig, max_sequence_length: int) -> Shapes:

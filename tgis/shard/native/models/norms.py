@@ -3,7 +3,8 @@
 - ``SubLayerNorms``: the norms around one sub-layer (attention or MLP) and its residual:
   before it (Llama's), after it (OLMo 2's post-sub-layer norms), or both (Gemma 2/3's);
   ``UpcastRMSNorm`` for the families whose norm weight multiplies before the cast back
-  (OLMo 2's: the same in float32, a rounding apart in bfloat16).
+  (OLMo 2's: the same in float32, a rounding apart in bfloat16); ``OffsetRMSNorm`` for
+  the Gemma families' norms, whose weight is stored less one (a scale of ``1 + weight``).
 - q/k norms, applied to the projected queries and keys before rotary (``Attention``'s
   ``qk_norm``): ``HeadQKNorm`` normalises each head over its ``head_dim`` (Qwen3, Gemma 3),
   ``ProjectionQKNorm`` the whole q and the whole k projection (OLMo 2); with tensor
@@ -26,6 +27,15 @@ class UpcastRMSNorm(RMSNorm):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_upcast(x.float(), self.weight, self.eps).to(x.dtype)
+
+
+class OffsetRMSNorm(UpcastRMSNorm):
+    """Gemma's RMSNorm: the float32 normalised input times ``1 + weight`` (in float32), cast
+    back after."""
+
+    def __init__(self, weights: Weights, name: str, eps: float) -> None:
+        super().__init__(weights, name, eps)
+        self.weight = self.weight.float() + 1.0
 
 
 class SubLayerNorms:
