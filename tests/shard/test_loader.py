@@ -156,3 +156,25 @@ def test_startup_failures_are_one_line(tiny_model: TinyModel, tmp_path: Path) ->
     assert "unsupported model architecture 'GPT2LMHeadModel'" in fail(
         [str(gpt2)], tmp_path, TGIS_ENGINE="native"
     )
+
+
+def test_a_soft_capped_model_gets_the_exact_backend_on_cuda() -> None:
+    """Gemma 2 soft-caps its attention scores, which only the reference and cpu_paged do:
+    on CUDA the reference is started unless a backend was forced; elsewhere nothing
+    changes (cpu_paged, the CPU default, caps them)."""
+    from tgis.shard.checkpoints.model_config import ModelConfig
+    from tgis.shard.native.loading.loader import _attention_choice
+
+    def config(raw: dict[str, object]) -> ModelConfig:
+        return ModelConfig(
+            model_dir=Path("."), model_type="gemma2", architecture="Gemma2ForCausalLM",
+            vocab_size=8, max_position_embeddings=64, eos_token_ids=(1,), torch_dtype=None,
+            raw=raw,
+        )  # fmt: skip
+
+    capped, plain = config({"attn_logit_softcapping": 50.0}), config({})
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _attention_choice(None, capped, cuda) == "torch_paged"
+    assert _attention_choice("sdpa_varlen", capped, cuda) == "sdpa_varlen"  # refused later
+    assert _attention_choice(None, plain, cuda) is None
+    assert _attention_choice(None, capped, cpu) is None

@@ -82,7 +82,11 @@ def _load(
     device = select_device(config.rank, config.world_size, config.cuda_process_memory_fraction)
     dtype = select_dtype(config.dtype, model_config.torch_dtype, device)
     attention = start_attention_backend(
-        device, BLOCK_SIZE, dtype, config.engine.attention_backend, config.engine.flash_attention
+        device,
+        BLOCK_SIZE,
+        dtype,
+        _attention_choice(config.engine.attention_backend, model_config, device),
+        config.engine.flash_attention,
     )
     if tp.world_size != config.world_size:
         raise StartupError(f"{tp.world_size} ranks joined but WORLD_SIZE={config.world_size}")
@@ -303,3 +307,15 @@ def _kv_cache_blocks(
         measured = min(measured, blocks_for(config.max_batch_total_tokens, block_size))
     log.info("KV cache: %d blocks of %d tokens fit after the warm-up", measured, block_size)
     return measured
+
+
+def _attention_choice(
+    forced: str | None, model_config: ModelConfig, device: torch.device
+) -> str | None:
+    """The attention backend to start: the one forced, else, for a model that soft-caps
+    its attention scores (Gemma 2) on CUDA, the reference, the CUDA backend that caps them
+    exactly (``layers.check_softcap``); else the device's default (None)."""
+    if forced or device.type != "cuda" or not model_config.raw.get("attn_logit_softcapping"):
+        return forced
+    log.info("attention backend torch_paged: the model soft-caps its attention scores")
+    return "torch_paged"
