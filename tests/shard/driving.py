@@ -156,6 +156,19 @@ class Router:
 NEW_TOKENS = 14
 
 
+def prefill_then_decode(
+    runner: object, prompts: dict[int, list[int]], new_tokens: int, details: object = None
+) -> Router:
+    """Prefill ``prompts`` in one step, then decode them together to ``new_tokens`` each."""
+    router = Router(runner)  # type: ignore[arg-type]
+    for rid, prompt in prompts.items():
+        router.add(rid, prompt, details=details)  # type: ignore[arg-type]
+    router.step({rid: len(p) for rid, p in prompts.items()})
+    for _ in range(new_tokens - 1):
+        router.decode(prompts)
+    return router
+
+
 def prompt_of(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 256) for _ in range(length)]

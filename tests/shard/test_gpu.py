@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.shard.cuda import cuda_runner, no_tf32  # noqa: F401 - the fixture
 from tests.shard.driving import Router
 from tests.shard.models import TinyModel, build_tiny_llama
 from tgis.shard.config import EngineSettings, ShardConfig
@@ -39,32 +40,6 @@ def cuda_backends() -> list[str]:
     return names
 
 
-def cuda_runner(
-    path: Path,
-    *,
-    backend: str = "",
-    compiled: bool = False,
-    graphs: str = "auto",
-    dtype: str = "float32",
-    speculate: int = 0,
-) -> ModelRunner:
-    engine = EngineSettings(
-        attention_backend=backend or None, compile="1" if compiled else "0", cuda_graphs=graphs
-    )
-    config = ShardConfig(
-        model_name=str(path),
-        dtype=dtype,
-        kv_cache_blocks=96,
-        max_sequence_length=256,
-        speculate=speculate,
-        engine=engine,
-    )
-    runner = load_runner(config)
-    assert isinstance(runner, ModelRunner)
-    assert runner.device.type == "cuda"
-    return runner
-
-
 def generate(runner: ModelRunner) -> Router:
     """The three prompts: two prefilled together, the third in chunks next to their
     decodes, then decodes to NEW_TOKENS each, on shuffled non-contiguous blocks."""
@@ -82,13 +57,6 @@ def generate(runner: ModelRunner) -> Router:
 
 def logprobs(router: Router, rid: int) -> list[float]:
     return [t.token.logprob for o in router.outputs for t in o.tokens if t.request_id == rid]
-
-
-@pytest.fixture(autouse=True)
-def no_tf32() -> None:
-    """float32 products in full precision, as the CPU oracle computes them."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 @pytest.mark.parametrize("backend", cuda_backends())

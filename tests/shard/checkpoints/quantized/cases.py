@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from tests.quant_fixtures.compressed_tensors import load_reference, save_compressed
 from tests.quant_fixtures.packing import decoder_linears, save_awq_checkpoint, save_gptq_checkpoint
-from tests.shard.driving import Router
+from tests.shard.driving import Router, prefill_then_decode
 from tests.shard.families import FAMILIES, LOGPROBS, PROMPTS
 from tests.shard.models import TinyModel, build_tiny_llama
 from tgis.shard.config import ShardConfig
@@ -173,13 +173,7 @@ def make_runner(path: Path, **kwargs: Any) -> ModelRunner:
 
 def generate(runner: ModelRunner, prompts: dict[int, list[int]]) -> Router:
     """Prefill ``prompts`` in one step, then decode them together (with logprobs)."""
-    router = Router(runner)
-    for rid, prompt in prompts.items():
-        router.add(rid, prompt, details=LOGPROBS)
-    router.step({rid: len(p) for rid, p in prompts.items()})
-    for _ in range(NEW_TOKENS - 1):
-        router.decode(prompts)
-    return router
+    return prefill_then_decode(runner, prompts, NEW_TOKENS, LOGPROBS)
 
 
 def kernels(runner: ModelRunner) -> dict[str, int]:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.shard.driving import Router
+from tests.shard.cuda import cuda_runner, no_tf32  # noqa: F401 - the fixture
+from tests.shard.driving import Router, prefill_then_decode
 from tests.shard.families import FAMILIES, NEW_TOKENS, PROMPTS
 from tests.shard.models import TinyModel
-from tests.shard.test_gpu import cuda_runner, no_tf32  # noqa: F401 - the fixture
 from tgis.shard.config import ShardConfig
 from tgis.shard.loader import load_runner
 
@@ -23,22 +23,16 @@ pytestmark = [
 ]
 
 
-def _generate(runner: object) -> Router:
-    router = Router(runner)  # type: ignore[arg-type]
-    for rid, prompt in PROMPTS.items():
-        router.add(rid, prompt)
-    router.step({rid: len(p) for rid, p in PROMPTS.items()})
-    for _ in range(NEW_TOKENS - 1):
-        router.decode(PROMPTS)
-    return router
+def generate(runner: object) -> Router:
+    return prefill_then_decode(runner, PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "qwen2-moe", "granite-moe"])
 def test_moe_families_match_hf_on_cuda(name: str, tmp_path: Path) -> None:
     model = TinyModel(tmp_path, FAMILIES[name].build(tmp_path))
-    eager = _generate(cuda_runner(tmp_path))
+    eager = generate(cuda_runner(tmp_path))
     config = ShardConfig(model_name=str(tmp_path), dtype="float32", kv_cache_blocks=96)
-    defaults = _generate(load_runner(config))  # TGIS_COMPILE and TGIS_CUDA_GRAPHS auto
+    defaults = generate(load_runner(config))  # TGIS_COMPILE and TGIS_CUDA_GRAPHS auto
     for rid, prompt in PROMPTS.items():
         expected = model.greedy(prompt, NEW_TOKENS)[0]
         assert eager.generated[rid] == expected, (name, rid)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.shard.driving import Router
+from tests.shard.cuda import cuda_runner, no_tf32  # noqa: F401 - the fixture
+from tests.shard.driving import Router, prefill_then_decode
 from tests.shard.families import FAMILIES, NEW_TOKENS, PROMPTS
 from tests.shard.models import TinyModel
-from tests.shard.test_gpu import cuda_runner, no_tf32  # noqa: F401 - the fixture
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,21 +21,15 @@ pytestmark = [
 ]
 
 
-def _generate(runner: object) -> Router:
-    router = Router(runner)  # type: ignore[arg-type]
-    for rid, prompt in PROMPTS.items():
-        router.add(rid, prompt)
-    router.step({rid: len(p) for rid, p in PROMPTS.items()})
-    for _ in range(NEW_TOKENS - 1):
-        router.decode(PROMPTS)
-    return router
+def generate(runner: object) -> Router:
+    return prefill_then_decode(runner, PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "olmo2", "phi3-longrope", "phi3-partial", "qwen2-yarn"])
 def test_variant_families_match_hf_on_cuda(name: str, tmp_path: Path) -> None:
     model = TinyModel(tmp_path, FAMILIES[name].build(tmp_path))
-    eager = _generate(cuda_runner(tmp_path))
-    compiled = _generate(cuda_runner(tmp_path, compiled=True))
+    eager = generate(cuda_runner(tmp_path))
+    compiled = generate(cuda_runner(tmp_path, compiled=True))
     for rid, prompt in PROMPTS.items():
         expected = model.greedy(prompt, NEW_TOKENS)[0]
         assert eager.generated[rid] == expected, (name, rid)
