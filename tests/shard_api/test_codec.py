@@ -68,6 +68,9 @@ PLAN = StepPlan(
         ScheduledSequence(4, 1, (1, 2)),
         ScheduledSequence(5, 7, (3, 4, 5), cached_tokens=32),
         ScheduledSequence(1, 1),
+        # A hybrid model's recurrent-state slots: slot 0 is sent, not taken for "none".
+        ScheduledSequence(7, 2, (6,), state_slot=0),
+        ScheduledSequence(8, 1, state_slot=5),
     ),
     finished_request_ids=(9, 10),
     preempted_request_ids=(2,),
@@ -126,6 +129,7 @@ def test_info_round_trip() -> None:
         adapters_enabled=True,
         max_loras=3,
         prefix_caching=True,
+        state_slots=12,
     )
     back = info_from_pb(shard_pb2.InfoResponse.FromString(info_to_pb(info).SerializeToString()))
     assert back == info and back.is_seq2seq

@@ -134,6 +134,7 @@ def plan_to_pb(plan: StepPlan) -> shard_pb2.StepRequest:
             cached_tokens=s.cached_tokens,
             draft_token_ids=s.draft_token_ids,
             spec_tokens=s.spec_tokens,
+            state_slot=s.state_slot,
         )
     return pb
 
@@ -163,6 +164,7 @@ def plan_from_pb(pb: shard_pb2.StepRequest) -> StepPlan:
                 s.cached_tokens,
                 tuple(s.draft_token_ids),
                 s.spec_tokens,
+                s.state_slot if s.HasField("state_slot") else None,
             )
             for s in pb.scheduled
         ),
@@ -247,6 +249,7 @@ def info_to_pb(info: ShardInfo) -> shard_pb2.InfoResponse:
         prefix_caching=info.prefix_caching,
         speculation=info.speculation,
         draft_model=info.draft_model,
+        state_slots=info.state_slots,
     )
 
 
@@ -269,6 +272,7 @@ def info_from_pb(pb: shard_pb2.InfoResponse) -> ShardInfo:
         prefix_caching=pb.prefix_caching,
         speculation=pb.speculation,
         draft_model=pb.draft_model,
+        state_slots=pb.state_slots,
     )
 
 

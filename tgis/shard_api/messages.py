@@ -180,6 +180,9 @@ class ScheduledSequence:
     draft_token_ids: tuple[int, ...] = ()
     spec_tokens: int = 0
     """Drafts the shard's draft model proposes and verifies (``ShardInfo.draft_model``)."""
+    state_slot: int | None = None
+    """The sequence's recurrent-state slot (``ShardInfo.state_slots``; None: the model has
+    none). A chunk from position 0 starts from a zero state, any other from the slot's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +296,9 @@ class ShardInfo:
     draft_model: bool = False
     """The engine starts sequences after cached tokens (``ScheduledSequence.cached_tokens``);
     False for the transformers fallback and encoder-decoder engines."""
+    state_slots: int = 0
+    """Slots of per-sequence recurrent state (a hybrid model's Mamba layers; 0 for models
+    without): every running sequence holds one (``ScheduledSequence.state_slot``)."""
 
     @property
     def is_seq2seq(self) -> bool:
