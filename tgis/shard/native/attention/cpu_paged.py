@@ -6,7 +6,8 @@ more than the attention itself: a step of 32 sequences at 150 tokens copies ~10 
 layer. The kernel instead walks each sequence's blocks in place: 16 keys at a time for each
 query head, a numerically stable softmax in float32, then every value row for each query
 head's output (csrc/cpu_attention.c); with a layer's sliding window it reads only the
-blocks that hold the last ``window`` keys. Prompts and prompt chunks still go through the
+blocks that hold the last ``window`` keys; with attention sinks (gpt-oss's) each query head's
+sink logit joins its softmax's denominator. Prompts and prompt chunks still go through the
 reference (``TorchPagedAttention``). Used for float32 and bfloat16 caches (queries, softmax
 and output in float32) when the extension was built (``setup.py``; it needs a C compiler at
 install time), else the reference runs alone. The kernel shares its (sequence, KV head)
@@ -57,6 +58,7 @@ class CpuPagedAttention(TorchPagedAttention):
 
     name = "cpu_paged"
     supports_softcap = True  # the C kernel caps the decode scores; prompts as the reference
+    supports_sinks = True  # the C kernel adds each head's sink to the decode softmax
     masks_decodes = False  # the kernel bounds each sequence by its context length
 
     def __init__(self, block_size: int, kernel: ModuleType) -> None:
@@ -72,7 +74,7 @@ class CpuPagedAttention(TorchPagedAttention):
                 ", ".join(sorted(runtimes)),
             )
 
-    def _decode(
+    def _decode(  # noqa: PLR0913 - the step's tensors and the layer's options
         self,
         q: torch.Tensor,
         k_blocks: torch.Tensor,
@@ -82,6 +84,7 @@ class CpuPagedAttention(TorchPagedAttention):
         cache_dtype: torch.dtype,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if (
             metadata.decode_tables is None
@@ -90,9 +93,11 @@ class CpuPagedAttention(TorchPagedAttention):
             or q.device.type != "cpu"
         ):
             return super()._decode(
-                q, k_blocks, v_blocks, metadata, scale, cache_dtype, window, softcap
+                q, k_blocks, v_blocks, metadata, scale, cache_dtype, window, softcap, sinks
             )
         assert metadata.decode_rows is not None
+        if sinks is not None:
+            sinks = sinks.float().contiguous()  # [heads], read by the kernel in place
         queries = q[metadata.decode_rows].float().contiguous()  # [decodes, heads, dim]
         seqs, heads, head_dim = queries.shape
         kv_heads = k_blocks.shape[1] // (self.block_size * head_dim)
@@ -118,5 +123,6 @@ class CpuPagedAttention(TorchPagedAttention):
             torch.get_num_threads() if self.shares_torch_threads else 1,
             window or 0,
             softcap or 0.0,
+            0 if sinks is None else sinks.data_ptr(),
         )
         return out.to(q.dtype)

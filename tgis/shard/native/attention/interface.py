@@ -91,6 +91,7 @@ class AttentionBackend(Protocol):
         scale: float | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend: ``q`` [tokens, heads, dim], ``k``/``v`` [tokens, kv_heads, dim] → like ``q``.
 
@@ -101,6 +102,11 @@ class AttentionBackend(Protocol):
         ``softcap`` (None: none) caps the scaled scores to ``softcap * tanh(score /
         softcap)`` before the softmax (Gemma 2's ``attn_logit_softcapping``); only the
         backends whose ``supports_softcap`` is true take it (``layers.check_softcap``).
+        ``sinks`` (None: none), float32 [heads] (this rank's query heads), are attention
+        sinks (gpt-oss's): a learned logit per query head that joins each row's softmax
+        denominator, ``exp(sink)`` beside the ``exp(score)`` of every key seen, and
+        contributes no value; only the backends whose ``supports_sinks`` is true take it
+        (``layers.check_sinks``).
         """
         ...
 
@@ -110,3 +116,10 @@ def refuse_softcap(backend: str, softcap: float | None) -> None:
     ``supports_softcap`` at start-up, so this is only a guard against wrong results)."""
     if softcap is not None:
         raise ValueError(f"the {backend} attention backend cannot soft-cap attention scores")
+
+
+def refuse_sinks(backend: str, sinks: torch.Tensor | None) -> None:
+    """For the backends without attention sinks (the models that have them check
+    ``supports_sinks`` at start-up, so this is only a guard against wrong results)."""
+    if sinks is not None:
+        raise ValueError(f"the {backend} attention backend cannot attend with attention sinks")

@@ -3,7 +3,9 @@
 It defines the semantics every other backend reproduces (``interface.AttentionBackend``):
 the step's new keys and values are stored in their slots, then each query row attends
 causally to its sequence's cached keys, read through the block table; with a layer's
-sliding ``window``, a query at position ``p`` only to the keys at ``p - window < t <= p``.
+sliding ``window``, a query at position ``p`` only to the keys at ``p - window < t <= p``;
+soft-capped scores and attention sinks by an explicit float32 softmax
+(``explicit_attention``).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class TorchPagedAttention:
     """
 
     name = "torch_paged"
-    supports_softcap = True  # the soft-capped layers attend through _softcapped_attention
+    supports_softcap = True  # the soft-capped layers attend through explicit_attention
+    supports_sinks = True  # so do the layers with attention sinks
     # The decode group's padded key mask is built once per step (backends that attend to
     # decodes otherwise skip it).
     masks_decodes = True
@@ -122,11 +125,13 @@ class TorchPagedAttention:
         scale: float | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store ``k``/``v`` in their slots, then attend causally over each sequence's cache
         (softmax scale ``scale``, default 1/sqrt(dim); ``window``: the keys at ``p - window
         < t <= p`` only, None for all of them; ``softcap``: the scores capped to ``softcap *
-        tanh(score / softcap)`` before the softmax)."""
+        tanh(score / softcap)`` before the softmax; ``sinks``: each query head's sink logit
+        in the softmax's denominator)."""
         num_blocks, _, num_kv_heads, head_dim = k_cache.shape
         k = k.to(k_cache.dtype)
         v = v.to(v_cache.dtype)
@@ -137,7 +142,7 @@ class TorchPagedAttention:
         decode_rows = metadata.decode_rows
         if decode_rows is not None and not metadata.prefill and isinstance(decode_rows, slice):
             return self._decode(
-                q, k_blocks, v_blocks, metadata, scale, k_cache.dtype, window, softcap
+                q, k_blocks, v_blocks, metadata, scale, k_cache.dtype, window, softcap, sinks
             )
         out = torch.empty_like(q)
         for index, seq in enumerate(metadata.prefill):
@@ -160,15 +165,16 @@ class TorchPagedAttention:
                 mask,
                 scale,
                 softcap,
+                sinks,
             )
             out[rows] = attn[0].transpose(0, 1)
         if decode_rows is not None:
             out[decode_rows] = self._decode(
-                q, k_blocks, v_blocks, metadata, scale, k_cache.dtype, window, softcap
+                q, k_blocks, v_blocks, metadata, scale, k_cache.dtype, window, softcap, sinks
             )
         return out
 
-    def _decode(
+    def _decode(  # noqa: PLR0913 - the step's tensors and the layer's options
         self,
         q: torch.Tensor,
         k_blocks: torch.Tensor,
@@ -178,6 +184,7 @@ class TorchPagedAttention:
         cache_dtype: torch.dtype,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The one-token sequences, in one SDPA call over their gathered contexts (the
         last ``window`` keys of each, when given)."""
@@ -195,8 +202,8 @@ class TorchPagedAttention:
             mask = _cached(metadata, window, -1, partial(_key_mask, context, width, window))
         elif mask is None:
             mask = _key_mask(context, width)
-        attn = _attention(queries, keys.to(q.dtype), values.to(q.dtype), mask, scale, softcap)
-        return attn.squeeze(2)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        return _attention(queries, keys, values, mask, scale, softcap, sinks).squeeze(2)
 
 
 def _attention(
@@ -206,38 +213,47 @@ def _attention(
     mask: torch.Tensor | None,
     scale: float | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SDPA of [batch, heads, rows, dim] queries over [batch, kv_heads, keys, dim] keys and
     values (grouped-query), ``mask`` [rows, keys] or broadcastable (None: causal); with a
-    ``softcap``, the explicit softmax of the capped scores."""
-    if softcap is None:
+    ``softcap`` or ``sinks``, the explicit softmax (``explicit_attention``)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
-    return softcapped_attention(q, k, v, mask, scale, softcap)
+    return explicit_attention(q, k, v, mask, scale, softcap, sinks)
 
 
-def softcapped_attention(
+def explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float | None,
-    softcap: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``softmax(softcap * tanh(q k^T * scale / softcap) + mask) v`` (scale default
-    1/sqrt(dim); ``mask`` boolean, True where a key is seen; None: causal, the rows the last
-    of the keys), in float32, cast back to ``q``'s dtype."""
+    """``softmax(cap(q k^T * scale) + mask) v`` (scale default 1/sqrt(dim); ``cap``:
+    ``softcap * tanh(score / softcap)`` when ``softcap`` is given; ``mask`` boolean, True
+    where a key is seen; None: causal, the rows the last of the keys), in float32, cast back
+    to ``q``'s dtype. With ``sinks`` ([heads]) each head's sink logit joins the softmax as
+    one more column whose probability is dropped (it weighs no value)."""
     group = q.shape[1] // k.shape[1]
     k32 = k.float().repeat_interleave(group, dim=1)
     v32 = v.float().repeat_interleave(group, dim=1)
     scores = q.float() @ k32.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         rows, keys = scores.shape[-2:]
         mask = torch.ones(rows, keys, dtype=torch.bool, device=q.device).tril(keys - rows)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ v32).to(q.dtype)
+    if sinks is None:
+        return (torch.softmax(scores, dim=-1) @ v32).to(q.dtype)
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs @ v32).to(q.dtype)
 
 
 def _key_mask(context: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:

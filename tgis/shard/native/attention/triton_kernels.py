@@ -20,7 +20,10 @@ Every kernel walks a sequence's block table and loads each key/value row from it
   tiles of the last ``window`` keys are read (and split).
 
 ``window`` (a layer's sliding window, ``2**30`` for full attention): the query at position
-``p`` sees the keys ``p - window < t <= p``.
+``p`` sees the keys ``p - window < t <= p``. ``HAS_SINKS`` (gpt-oss's attention sinks): each
+query head's sink logit (``sinks_ptr``, natural-log units) joins the softmax's maximum and
+denominator once, after the key tiles (``_fold_sink``; for split decodes in
+``combine_kernel``).
 
 Head dims are padded to a power of two (at least 16) with masked loads and stores. Scores,
 softmax and accumulators are float32; ``DOT_FP32`` makes every product float32 and
@@ -136,6 +139,17 @@ def _softmax_step(  # noqa: PLR0913 - a Triton function takes every pointer, str
 
 
 @triton.jit
+def _fold_sink(m_i, l_i, acc, sink):
+    """The running max, sum and accumulator with the sink logit ``sink`` (natural-log units,
+    one per row or one for all) added to the softmax: it raises the max where it is larger
+    and adds its exp to the sum; it weighs no value."""
+    sink2 = sink * 1.4426950408889634  # base 2, as the scores
+    m_new = tl.maximum(m_i, sink2)
+    alpha = tl.exp2(m_i - m_new)
+    return l_i * alpha + tl.exp2(sink2 - m_new), acc * alpha[:, None]
+
+
+@triton.jit
 def _in_window(keys, positions, window):
     """[rows, keys]: key position in ``(row position - window, row position]``."""
     return (keys[None, :] <= positions[:, None]) & (keys[None, :] > positions[:, None] - window)
@@ -153,6 +167,7 @@ def prefill_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, st
     query_lens_ptr,
     context_lens_ptr,
     tables_ptr,
+    sinks_ptr,
     scale_log2,
     window,
     stride_qt,
@@ -165,6 +180,7 @@ def prefill_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, st
     stride_table,
     group,
     head_dim,
+    HAS_SINKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -257,6 +273,8 @@ def prefill_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, st
         visible = _in_window(keys, positions, window) & valid[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION)
 
+    if HAS_SINKS:
+        l_i, acc = _fold_sink(m_i, l_i, acc, tl.load(sinks_ptr + head))
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offs = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -275,6 +293,7 @@ def decode_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, str
     query_starts_ptr,
     context_lens_ptr,
     tables_ptr,
+    sinks_ptr,
     scale_log2,
     window,
     stride_qt,
@@ -288,6 +307,7 @@ def decode_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, str
     num_heads,
     group,
     head_dim,
+    HAS_SINKS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -350,6 +370,9 @@ def decode_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, str
         m_i, l_i, acc = _softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, scale_log2, PRECISION)
 
     if SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=members < group, other=0.0)
+            l_i, acc = _fold_sink(m_i, l_i, acc, sink)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_offs = row * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -368,16 +391,19 @@ def combine_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, st
     part_sum_ptr,
     decode_seqs_ptr,
     query_starts_ptr,
+    sinks_ptr,
     stride_ot,
     stride_oh,
     num_heads,
     head_dim,
+    HAS_SINKS: tl.constexpr,
     SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
     """Program (decode, head): rescale each split's partial result to the global max and
-    normalise by the total sum (an empty split has max -1e30 and sum 0: weight 0)."""
+    normalise by the total sum (an empty split has max -1e30 and sum 0: weight 0); a head's
+    sink logit, with ``HAS_SINKS``, joins the max and the sum."""
     decode = tl.program_id(0)
     head = tl.program_id(1)
     row = tl.load(query_starts_ptr + tl.load(decode_seqs_ptr + decode))
@@ -389,8 +415,14 @@ def combine_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, st
     l_s = tl.load(part_sum_ptr + part, mask=ok, other=0.0)
     mask = ok[:, None] & (dims[None, :] < head_dim)
     acc_s = tl.load(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], mask=mask, other=0.0)
-    weights = tl.exp2(m_s - tl.max(m_s, 0))
+    m_all = tl.max(m_s, 0)
+    if HAS_SINKS:
+        sink2 = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m_all = tl.maximum(m_all, sink2)
+    weights = tl.exp2(m_s - m_all)
     total = tl.sum(weights * l_s, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink2 - m_all)
     out = tl.sum(acc_s * weights[:, None], 0) / total
     o_offs = row * stride_ot + head * stride_oh + dims
     tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)

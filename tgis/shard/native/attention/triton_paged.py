@@ -5,7 +5,8 @@ and values are stored in their slots, then query row ``i`` of a sequence with ``
 tokens and context ``c`` attends to the sequence's keys ``0 .. c - n + i`` (causal,
 aligned to the end of the context, which covers prefill, chunked prefill and decode), with
 a float32 online softmax; a layer's sliding ``window`` keeps the keys ``c - n + i - window
-< t <= c - n + i``, and the tiles before it are never read. No context is gathered or
+< t <= c - n + i``, and the tiles before it are never read; attention ``sinks`` (one logit
+per query head) join each row's softmax denominator after its key tiles. No context is gathered or
 copied: every kernel (``triton_kernels.py``) walks the sequence's block table.
 
 Up to four launches per layer, over grids built from per-step metadata (``prepare``: one
@@ -78,6 +79,7 @@ class TritonPagedAttention:
     """
 
     name = "triton_paged"
+    supports_sinks = True  # folded into each row's softmax after its key tiles
 
     def __init__(
         self,
@@ -164,10 +166,12 @@ class TritonPagedAttention:
         scale: float | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store ``k``/``v`` in their slots, then attend each query row to its sequence's
         keys up to its own position (softmax scale ``scale``, default 1/sqrt(dim); the last
-        ``window`` of them only, when given)."""
+        ``window`` of them only, when given; ``sinks``: each query head's sink logit in the
+        softmax's denominator)."""
         refuse_softcap(self.name, softcap)
         q, k, v = _contiguous_rows(q), _contiguous_rows(k), _contiguous_rows(v)
         self._write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
@@ -175,10 +179,12 @@ class TritonPagedAttention:
         head_dim = q.shape[2]
         scale_log2 = (1.0 / math.sqrt(head_dim) if scale is None else scale) * LOG2E
         span = FULL_WINDOW if window is None else window
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()
         if metadata.tile_seqs.numel():
-            self._prefill(q, k_cache, v_cache, out, metadata, scale_log2, span)
+            self._prefill(q, k_cache, v_cache, out, metadata, scale_log2, span, sinks)
         if metadata.decode_seqs.numel():
-            self._decode(q, k_cache, v_cache, out, metadata, scale_log2, span)
+            self._decode(q, k_cache, v_cache, out, metadata, scale_log2, span, sinks)
         return out
 
     def _write_kv(
@@ -232,6 +238,7 @@ class TritonPagedAttention:
         metadata: TritonPagedMetadata,
         scale_log2: float,
         window: int,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         heads, head_dim = q.shape[1], q.shape[2]
         d_pad, row_bytes, dot_fp32, precision = self._operands(q, k_cache)
@@ -250,6 +257,7 @@ class TritonPagedAttention:
             metadata.query_lens,
             metadata.context_lens,
             metadata.block_tables,
+            q if sinks is None else sinks,  # never read without sinks
             scale_log2,
             window,
             q.stride(0),
@@ -262,6 +270,7 @@ class TritonPagedAttention:
             metadata.block_tables.stride(0),
             heads // k_cache.shape[2],
             head_dim,
+            HAS_SINKS=sinks is not None,
             BLOCK_SIZE=self.block_size,
             BLOCK_M=self.prefill_tile,
             BLOCK_N=kv_tile,
@@ -280,6 +289,7 @@ class TritonPagedAttention:
         metadata: TritonPagedMetadata,
         scale_log2: float,
         window: int,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = k_cache.shape[2]
@@ -307,6 +317,7 @@ class TritonPagedAttention:
             metadata.query_starts,
             metadata.context_lens,
             metadata.block_tables,
+            q if sinks is None else sinks,  # never read without sinks
             scale_log2,
             window,
             q.stride(0),
@@ -320,6 +331,7 @@ class TritonPagedAttention:
             heads,
             group,
             head_dim,
+            HAS_SINKS=sinks is not None,
             BLOCK_SIZE=self.block_size,
             GROUP_PAD=group_pad,
             BLOCK_N=kv_tile,
@@ -330,7 +342,7 @@ class TritonPagedAttention:
             num_warps=warps,
         )
         if splits > 1:
-            _combine(out, parts, metadata, head_dim, d_pad)
+            _combine(out, parts, metadata, head_dim, d_pad, sinks)
 
     def _decode_splits(self, device: torch.device, programs: int, max_context: int) -> int:
         """Key splits per decode: 1 when (sequence, KV head) programs already fill the GPU
@@ -376,8 +388,10 @@ def _combine(
     metadata: TritonPagedMetadata,
     head_dim: int,
     d_pad: int,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Merge the decode splits into each one-token sequence's output rows."""
+    """Merge the decode splits into each one-token sequence's output rows (with each head's
+    sink logit in the denominator, when given)."""
     decodes, heads = metadata.decode_seqs.numel(), out.shape[1]
     combine_kernel[(decodes, heads)](
         out,
@@ -386,10 +400,12 @@ def _combine(
         parts.sum,
         metadata.decode_seqs,
         metadata.query_starts,
+        out if sinks is None else sinks,  # never read without sinks
         out.stride(0),
         out.stride(1),
         heads,
         head_dim,
+        HAS_SINKS=sinks is not None,
         SPLITS=parts.splits,
         SPLITS_PAD=triton.next_power_of_2(parts.splits),
         D_PAD=d_pad,

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tgis.shard.native.attention.interface import BatchLayout, refuse_softcap
+from tgis.shard.native.attention.interface import BatchLayout, refuse_sinks, refuse_softcap
 
 
 @dataclass(frozen=True)
@@ -173,9 +173,11 @@ class SdpaVarlenAttention:
         scale: float | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V in the paged cache, gather the padded contexts, attend."""
         refuse_softcap(self.name, softcap)
+        refuse_sinks(self.name, sinks)
         flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.packed.slot_mapping)
         keys = flat_k[metadata.padded_slots].to(q.dtype)  # one gather, straight to padded
         values = flat_v[metadata.padded_slots].to(q.dtype)
@@ -237,9 +239,11 @@ class FlashVarlenAttention:
         scale: float | None = None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this step's K/V in the paged cache, gather the packed contexts, attend."""
         refuse_softcap(self.name, softcap)
+        refuse_sinks(self.name, sinks)
         flat_k, flat_v = _write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out: torch.Tensor = self._kernel(
             q,

@@ -47,10 +47,12 @@ def paged_attention(
     scale: float,
     window: int,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store ``k``/``v`` in layer ``layer``'s paged cache and attend (``scale`` <= 0: the
     backend's default, 1/sqrt(dim); ``window`` <= 0: no sliding window; ``softcap`` <= 0: no
-    soft-capping of the scores). The cache is the step's, outside the graph."""
+    soft-capping of the scores; ``sinks``: the heads' attention sinks, None: none). The
+    cache is the step's, outside the graph."""
     active = _ACTIVE[0]
     if active is None:
         raise RuntimeError("tgis::paged_attention called outside a step")
@@ -58,20 +60,14 @@ def paged_attention(
     k_cache, v_cache = kv_cache.layer(layer)
     scale_or_none = scale if scale > 0 else None
     window_or_none = window if window > 0 else None
-    if softcap <= 0:
-        return backend.forward(
-            q, k, v, k_cache, v_cache, metadata, scale=scale_or_none, window=window_or_none
-        )
+    # A backend that never soft-caps, or has no sinks, need not take those arguments.
+    extra: dict[str, Any] = {}
+    if softcap > 0:
+        extra["softcap"] = softcap
+    if sinks is not None:
+        extra["sinks"] = sinks
     return backend.forward(
-        q,
-        k,
-        v,
-        k_cache,
-        v_cache,
-        metadata,
-        scale=scale_or_none,
-        window=window_or_none,
-        softcap=softcap,
+        q, k, v, k_cache, v_cache, metadata, scale=scale_or_none, window=window_or_none, **extra
     )
 
 
@@ -84,6 +80,7 @@ def _(
     scale: float,
     window: int,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 
@@ -96,9 +93,10 @@ def _opaque_attend(
     scale: float | None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return paged_attention(
-        q, k, v, layer, -1.0 if scale is None else scale, window or 0, softcap or 0.0
+        q, k, v, layer, -1.0 if scale is None else scale, window or 0, softcap or 0.0, sinks
     )
 
 

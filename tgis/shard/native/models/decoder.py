@@ -37,12 +37,17 @@ def paged_attend(backend: AttentionBackend, kv_cache: KVCache, metadata: Any) ->
         scale: float | None,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache.layer(layer)
-        if softcap is None:  # a backend that never soft-caps need not take the argument
-            return backend.forward(q, k, v, k_cache, v_cache, metadata, scale=scale, window=window)
+        # A backend that never soft-caps, or has no sinks, need not take those arguments.
+        extra: dict[str, Any] = {}
+        if softcap is not None:
+            extra["softcap"] = softcap
+        if sinks is not None:
+            extra["sinks"] = sinks
         return backend.forward(
-            q, k, v, k_cache, v_cache, metadata, scale=scale, window=window, softcap=softcap
+            q, k, v, k_cache, v_cache, metadata, scale=scale, window=window, **extra
         )
 
     return attend

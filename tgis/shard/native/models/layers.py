@@ -108,6 +108,18 @@ def check_softcap(attention: object, architecture: str) -> None:
         )
 
 
+def check_sinks(attention: object, architecture: str) -> None:
+    """StartupError unless the attention backend adds attention sinks to the softmax
+    (``supports_sinks``: torch_paged, cpu_paged, triton_paged)."""
+    if not getattr(attention, "supports_sinks", False):
+        name = getattr(attention, "name", type(attention).__name__)
+        raise StartupError(
+            f"{architecture} has attention sinks (a learned logit per head in the softmax), "
+            f"which the {name} attention backend cannot do (TGIS_ATTENTION_BACKEND="
+            "triton_paged, cpu_paged or torch_paged can)"
+        )
+
+
 class RMSNorm:
     """RMSNorm (``name`` is its weight), whole on every rank."""
 
@@ -263,13 +275,24 @@ QKNormFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tens
 before rotary (``norms.py``)."""
 
 AttendFn = Callable[
-    [int, torch.Tensor, torch.Tensor, torch.Tensor, float | None, int | None, float | None],
+    [
+        int,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        float | None,
+        int | None,
+        float | None,
+        torch.Tensor | None,
+    ],
     torch.Tensor,
 ]
-"""``attend(layer, q, k, v, scale, window, softcap)``: store ``k``/``v`` in layer ``layer``'s
-cache and attend (q [tokens, heads, dim], k/v [tokens, kv_heads, dim] → like q), over the last
-``window`` keys of each query when the layer has a sliding window (else None), the scores
-soft-capped to ``softcap * tanh(score / softcap)`` when the layer caps them (else None)."""
+"""``attend(layer, q, k, v, scale, window, softcap, sinks)``: store ``k``/``v`` in layer
+``layer``'s cache and attend (q [tokens, heads, dim], k/v [tokens, kv_heads, dim] → like q),
+over the last ``window`` keys of each query when the layer has a sliding window (else None),
+the scores soft-capped to ``softcap * tanh(score / softcap)`` when the layer caps them (else
+None), with each query head's sink logit in the softmax when the layer has attention sinks
+(``sinks``: float32 [heads] of this rank; else None)."""
 
 
 @dataclass(frozen=True)
@@ -303,6 +326,7 @@ class Attention:
         self.scale = scale
         self.window: int | None = None  # the layer's sliding window, if it has one
         self.softcap: float | None = None  # the layer's attention logit soft-cap, if any
+        self.sinks: torch.Tensor | None = None  # this rank's heads' sink logits, if any
         self.qk_norm = qk_norm
 
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -316,7 +340,7 @@ class Attention:
             q, k = self.qk_norm(q, k)
         if ctx.rope is not None:
             q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
-        attn = ctx.attend(self.index, q, k, v, self.scale, self.window, self.softcap)
+        attn = ctx.attend(self.index, q, k, v, self.scale, self.window, self.softcap, self.sinks)
         return self.out(attn.reshape(tokens, h.q_size), ctx.lora)
 
 

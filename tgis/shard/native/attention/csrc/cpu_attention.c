@@ -9,6 +9,9 @@
  *   (or softcap * tanh(score / softcap) when softcap > 0: Gemma 2's logit soft-capping)
  *   out[s, h*G + g] = sum_t softmax(score[g])[t] * V[t, h]
  *
+ * (with attention sinks, gpt-oss's, sinks[h*G + g] is one more logit in the softmax's
+ * denominator: softmax over the scores and the sink, the sink's share dropped)
+ *
  * where start is 0, or context_lens[s] - window for a layer with a sliding window (the keys
  * p - window < t <= p of the query at p = context_lens[s] - 1): the blocks wholly before
  * start are never read (nor checked: they may have been given back).
@@ -55,6 +58,7 @@ typedef struct {
     int64_t window;           /* > 0: a sliding window, the last ``window`` keys only */
     float scale;
     float softcap;            /* > 0: scores capped to softcap * tanh(score / softcap) */
+    const float *sinks;       /* [heads] each query head's sink logit, or NULL: none */
 } DecodeArgs;
 
 /* 16 lanes in one vector (GCC's generic vectors: one AVX-512, two AVX2 or four SSE registers,
@@ -148,9 +152,10 @@ static inline vec16 exp16_nonpositive(vec16 x) {
 /* The same for one value (the lanes past a multiple of 16). */
 static inline float exp_nonpositive(float x) { return exp16_nonpositive((vec16){0} + x)[0]; }
 
-/* sc[0 .. n) <- softmax(sc), n >= 1: 16 lanes at a time, the rest one by one. */
-static inline void softmax_in_place(float *restrict sc, int64_t n) {
-    float max = sc[0];
+/* sc[0 .. n) <- softmax(sc), n >= 1: 16 lanes at a time, the rest one by one; with a
+ * ``sink`` (not NULL) its logit joins the maximum and the denominator only. */
+static inline void softmax_in_place(float *restrict sc, int64_t n, const float *sink) {
+    float max = sink != NULL && *sink > sc[0] ? *sink : sc[0];
     int64_t t = 0;
     if (n >= 16) {
         vec16 top = load16_f32(sc);
@@ -174,6 +179,7 @@ static inline void softmax_in_place(float *restrict sc, int64_t n) {
         total += sc[t];
     }
     for (int i = 0; i < 16; i++) total += sum[i];
+    if (sink != NULL) total += exp_nonpositive(*sink - max);
     const float inv = 1.0f / total;
     for (t = 0; t + 16 <= n; t += 16) *(vec16 *)(sc + t) = load16_f32(sc + t) * inv;
     for (; t < n; t++) sc[t] *= inv;
@@ -223,7 +229,8 @@ static int NAME(const DecodeArgs *a, int64_t s, int64_t h, float *scores) { \
             } \
         } \
     } \
-    for (int64_t g = 0; g < group; g++) softmax_in_place(scores + g * keys, keys); \
+    for (int64_t g = 0; g < group; g++) \
+        softmax_in_place(scores + g * keys, keys, a->sinks ? a->sinks + h * group + g : NULL); \
     const ELEM *v_head = (const ELEM *)a->v_cache + h * dim; \
     for (int64_t g = 0; g < group; g++) { \
         const float *w = scores + g * keys - start; /* w[t]: key t's weight */ \
@@ -316,10 +323,11 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     int bf16 = 0, threads = 1;
     long long window = 0;
     double softcap = 0.0;
-    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|iiLd", &q, &k_cache, &v_cache, &out, &tables,
+    Py_ssize_t sinks = 0;
+    if (!PyArg_ParseTuple(args, "nnnnnnLLLLLLLLd|iiLdn", &q, &k_cache, &v_cache, &out, &tables,
                           &context, &seqs, &heads, &kv_heads, &head_dim, &block_size,
                           &table_stride, &num_blocks, &max_context, &scale, &bf16, &threads,
-                          &window, &softcap)) {
+                          &window, &softcap, &sinks)) {
         return NULL;
     }
 #ifndef _OPENMP
@@ -349,6 +357,7 @@ static PyObject *paged_decode_attention(PyObject *self, PyObject *args) {
     a.window = window;
     a.scale = (float)scale;
     a.softcap = (float)softcap;
+    a.sinks = (const float *)sinks;
     float *scores = malloc((size_t)(max_context > 0 ? max_context : 1) *
                            (size_t)(heads / kv_heads) * (size_t)threads * sizeof(float));
     if (scores == NULL) return PyErr_NoMemory();
@@ -370,10 +379,12 @@ static PyMethodDef methods[] = {
     {"paged_decode_attention", paged_decode_attention, METH_VARARGS,
      "paged_decode_attention(q, k_cache, v_cache, out, block_tables, context_lens, seqs, heads, "
      "kv_heads, head_dim, block_size, table_stride, num_blocks, max_context, scale[, bf16[, "
-     "threads[, window[, softcap]]]]): decode attention (float32 queries and output) over a "
+     "threads[, window[, softcap[, sinks]]]]]): decode attention (float32 queries and output) over a "
      "float32 cache, or a bfloat16 one when bf16 is 1, by data pointers (see cpu_paged.py), on "
      "``threads`` OpenMP threads (1 when built without OpenMP), over the last ``window`` "
-     "keys of each sequence when window > 0, the scores soft-capped when softcap > 0."},
+     "keys of each sequence when window > 0, the scores soft-capped when softcap > 0, with "
+     "each query head's sink logit in the softmax when sinks (a float32 [heads] pointer) is "
+     "not 0."},
     {NULL, NULL, 0, NULL},
 };
 
