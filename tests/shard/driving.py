@@ -27,7 +27,9 @@ class Router:
     """What the real router does for the shard: block allocation and Step plans.
 
     Blocks come from a shuffled free list, so block tables are never contiguous and freed
-    blocks (with stale keys/values) are reused.
+    blocks (with stale keys/values) are reused. A model with recurrent state gets each
+    running sequence a state slot, highest first, given back when it finishes or is
+    preempted (so a freed slot, with a stale state, is reused).
     """
 
     def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
@@ -46,6 +48,8 @@ class Router:
         # Leading blocks borrowed from another sequence (a prefix-cache hit), by request.
         self.shared: dict[int, int] = {}
         self._cached: dict[int, int] = {}
+        self.free_slots = list(range(runner.info.state_slots))
+        self.slots: dict[int, int] = {}
 
     def add(
         self,
@@ -86,7 +90,20 @@ class Router:
         """Free the sequence's blocks (not borrowed ones); the shard forgets it with the
         next step."""
         self.free.extend(self.tables.pop(request_id)[self.shared.pop(request_id, 0) :])
+        self._release_slot(request_id)
         self._finished.append(request_id)
+
+    def _release_slot(self, request_id: int) -> None:
+        if request_id in self.slots:
+            self.free_slots.append(self.slots.pop(request_id))
+
+    def _slot(self, request_id: int) -> int | None:
+        """The sequence's state slot (taken at its first step), if the model has slots."""
+        if not self.runner.info.state_slots:
+            return None
+        if request_id not in self.slots:
+            self.slots[request_id] = self.free_slots.pop()
+        return self.slots[request_id]
 
     def preempt(self, request_id: int) -> None:
         """Take the sequence's blocks back; the shard drops its block table with the next
@@ -94,6 +111,7 @@ class Router:
         self.free.extend(self.tables[request_id][self.shared.pop(request_id, 0) :])
         self.tables[request_id] = []
         self.computed[request_id] = 0
+        self._release_slot(request_id)
         self._preempted.append(request_id)
 
     def step(self, schedule: Mapping[int, int]) -> StepOutput:
@@ -107,7 +125,8 @@ class Router:
             cached = self._cached.pop(rid, 0)
             if cached:  # the first step after a hit sends the whole table
                 blocks = list(self.tables[rid])
-            scheduled.append(ScheduledSequence(rid, n, tuple(blocks), cached))
+            slot = self._slot(rid)
+            scheduled.append(ScheduledSequence(rid, n, tuple(blocks), cached, state_slot=slot))
         self.step_id += 1
         plan = StepPlan(
             step_id=self.step_id,
@@ -140,7 +159,8 @@ class Router:
             need = math.ceil((self.computed[rid] + n + spec) / self.block_size)
             blocks = [self.free.pop() for _ in range(max(need - len(self.tables[rid]), 0))]
             self.tables[rid].extend(blocks)
-            scheduled.append(ScheduledSequence(rid, n, tuple(blocks), 0, ids, spec))
+            slot = self._slot(rid)
+            scheduled.append(ScheduledSequence(rid, n, tuple(blocks), 0, ids, spec, slot))
         self.step_id += 1
         plan = StepPlan(step_id=self.step_id, new_sequences=(), scheduled=tuple(scheduled))
         output = self.runner.step(plan)

@@ -12,6 +12,8 @@ so it is decided once at start-up, by rules both engines share:
 * **measured** — the native engine on a GPU otherwise (``native/loading/cuda_capacity.py``).
 
 Either way one sequence of ``max_sequence_length`` tokens must fit, else start-up fails.
+A model with recurrent state (Mamba layers) also gets its state slots here
+(``configured_state_slots``).
 """
 
 from __future__ import annotations
@@ -71,3 +73,28 @@ def check_fits(num_blocks: int, block_size: int, max_sequence_length: int, where
             f"not enough KV cache ({where}): {num_blocks} blocks of {block_size} tokens, one "
             f"sequence of --max-sequence-length {max_sequence_length} needs {needed}"
         )
+
+
+DEFAULT_STATE_SLOTS = 256
+"""Recurrent-state slots when --max-batch-size is unset (the router's default batch
+ceiling, ``shard_api.messages.DEFAULT_MAX_BATCH_SIZE``)."""
+
+
+def configured_state_slots(max_batch_size: int | None, bytes_per_slot: int, memory: int) -> int:
+    """Recurrent-state slots of a model with Mamba layers: one per sequence of
+    ``--max-batch-size`` (else ``DEFAULT_STATE_SLOTS``), as many as fit in a quarter of
+    ``memory`` counting each twice (a step stages its sequences' new states beside their
+    slots), at least one. The router runs at most this many sequences at once."""
+    wanted = max_batch_size or DEFAULT_STATE_SLOTS
+    fitting = memory // 4 // max(2 * bytes_per_slot, 1)
+    return max(1, min(wanted, fitting))
+
+
+def device_memory(device: object) -> int:
+    """Memory free for the state slots: on CUDA the device's free memory now, elsewhere
+    ``available_memory()``."""
+    import torch
+
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return available_memory()

@@ -13,7 +13,7 @@ from tgis.shard.errors import InvalidStepError
 from tgis.shard.step.sequence import Sequence
 from tgis.shard_api.messages import ScheduledSequence
 
-__all__ = ["PlanLimits", "check_cached", "check_drafts"]
+__all__ = ["PlanLimits", "check_cached", "check_drafts", "check_state_slot"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class PlanLimits:
     speculation: bool = False
     # The engine has a draft model (ScheduledSequence.spec_tokens).
     draft_model: bool = False
+    # Recurrent-state slots (ScheduledSequence.state_slot; 0: the model has none).
+    state_slots: int = 0
 
 
 def check_cached(s: ScheduledSequence, seq: Sequence, computed: int, limits: PlanLimits) -> None:
@@ -52,6 +54,18 @@ def check_cached(s: ScheduledSequence, seq: Sequence, computed: int, limits: Pla
         problem = "the sequence asked for input-token details"
     if problem is not None:
         raise InvalidStepError(f"request {rid}: cached_tokens {cached}: {problem}")
+
+
+def check_state_slot(s: ScheduledSequence, limits: PlanLimits) -> None:
+    """InvalidStepError unless ``s.state_slot`` is set exactly when the model has state
+    slots, and names one of them."""
+    rid, slot, slots = s.request_id, s.state_slot, limits.state_slots
+    if slot is None and slots:
+        raise InvalidStepError(f"request {rid}: no state_slot (the model has {slots})")
+    if slot is not None and not 0 <= slot < slots:
+        raise InvalidStepError(
+            f"request {rid}: state_slot {slot} out of range (state slots {slots})"
+        )
 
 
 def check_drafts(s: ScheduledSequence, seq: Sequence, computed: int, limits: PlanLimits) -> None:

@@ -24,7 +24,12 @@ from dataclasses import dataclass, replace
 from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes, PrefixUnavailable
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
 from tgis.shard.errors import InvalidStepError
-from tgis.shard.step.chunk_checks import PlanLimits, check_cached, check_drafts
+from tgis.shard.step.chunk_checks import (
+    PlanLimits,
+    check_cached,
+    check_drafts,
+    check_state_slot,
+)
 from tgis.shard.step.guided import NO_GRAMMARS, Grammars, GuidedUnavailable
 from tgis.shard.step.sequence import Sequence
 from tgis.shard_api.messages import (
@@ -60,6 +65,8 @@ class WorkItem:
     drafts: tuple[int, ...] = ()
     # Tokens the shard's draft model is to draft (then set as ``drafts``).
     spec_tokens: int = 0
+    # The sequence's recurrent-state slot (models with Mamba layers; None: none).
+    state_slot: int | None = None
 
     @classmethod
     def plan(
@@ -253,6 +260,7 @@ def _work(
     scheduled twice or unknown."""
     work: list[WorkItem] = []
     seen: set[int] = set()
+    slots: set[int] = set()
     for s in plan.scheduled:
         rid = s.request_id
         if rid in known.failed:
@@ -260,6 +268,10 @@ def _work(
         if rid in seen:
             raise InvalidStepError(f"request {rid} is scheduled twice")
         seen.add(rid)
+        if s.state_slot is not None:
+            if s.state_slot in slots:
+                raise InvalidStepError(f"request {rid}: state_slot {s.state_slot} used twice")
+            slots.add(s.state_slot)
         seq = known.get(rid)
         if seq is None:
             if rid in known.dropped and rid not in known.finished:
@@ -282,6 +294,7 @@ def _work_item(s: ScheduledSequence, seq: Sequence, restart: bool, limits: PlanL
     drafts = s.draft_token_ids
     if drafts or s.spec_tokens:
         check_drafts(s, seq, computed, limits)
+    check_state_slot(s, limits)
     uncomputed = len(seq.token_ids) + len(drafts) - computed
     if not 1 <= s.num_tokens <= uncomputed:
         raise InvalidStepError(
@@ -303,6 +316,8 @@ def _work_item(s: ScheduledSequence, seq: Sequence, restart: bool, limits: PlanL
     item = WorkItem.plan(
         seq, s.num_tokens, s.new_block_ids, computed, fresh_table=cached > 0, drafts=drafts
     )
+    if s.state_slot is not None:
+        item = replace(item, state_slot=s.state_slot)
     return replace(item, spec_tokens=s.spec_tokens) if s.spec_tokens else item
 
 

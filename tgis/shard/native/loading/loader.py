@@ -43,6 +43,7 @@ from tgis.shard.native.loading.forward import (
     compile_step,
     pack_cpu_weights,
 )
+from tgis.shard.native.loading.recurrent import recurrent_states
 from tgis.shard.native.models import CausalLM, ForwardFn, ModelFactory, model_class
 from tgis.shard.native.models.decoder import DecoderLM
 from tgis.shard.native.runtime.model_runner import ModelRunner
@@ -94,9 +95,12 @@ def _load(
     _log_quantization(model, quantization)
     spec = model.kv_cache_spec
     info = _info(config, model_config, spec, attention, device, dtype)
-    forward = choose_forward(model, tp, device, config.engine)
+    states = recurrent_states(config, model, device)
+    if states is not None:  # no prefix cache, no speculation: recurrent.py says why
+        info = replace(info, state_slots=states.num_slots, prefix_caching=False, speculation=False)
+    forward = model.forward if states else choose_forward(model, tp, device, config.engine)
     pack_cpu_weights(model, forward, device, dtype)
-    draft = load_draft(config, model_config, attention, device, dtype, tp)
+    draft = None if states else load_draft(config, model_config, attention, device, dtype, tp)
     draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
     num_blocks = min_over_ranks(
         tp, _kv_cache_blocks(config, model, spec, attention, info, device, forward, draft_bytes)
@@ -107,7 +111,9 @@ def _load(
     prefixes, adapters = _stores(config, model_config, model, device, dtype)
     if config.adapter_cache:
         info = with_adapters(info, adapters)
-    runner = ModelRunner(model, kv_cache, attention, info, device, forward, prefixes, adapters)
+    runner = ModelRunner(
+        model, kv_cache, attention, info, device, forward, prefixes, adapters, states
+    )
     runner.use_lora_kernel(config.engine.lora_kernel)
     if draft is not None:
         runner.attach_draft(
@@ -116,7 +122,8 @@ def _load(
             )
         )
     compile_step(runner, model, config.engine)
-    capture_decode_graphs(runner, config, tp)
+    if states is None:
+        capture_decode_graphs(runner, config, tp)
     timing = runner.calibrate_cpu_threads()
     if timing is not None and runner.threads is not None:
         log.info(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,7 @@ from tgis.shard.native.linear.lora_rows import LoraRows, lora_rows
 from tgis.shard.native.linear.lora_rows import lora_kernel as choose_lora_kernel
 from tgis.shard.native.models import CausalLM, ForwardFn
 from tgis.shard.native.models.decoder import EmbeddingRows
+from tgis.shard.native.models.recurrent_state import RecurrentStates, StateStep
 from tgis.shard.native.runtime.prefix_rows import embedding_rows
 from tgis.shard.native.speculation.draft_model import DraftModel, draft_computed_after
 from tgis.shard.step.guided import PendingMasks
@@ -71,12 +72,14 @@ class _FlatBatch:
     draft_items: tuple[WorkItem, ...]
     # Input-token details: (item, first row, number of rows) per asking sequence.
     detail_spans: tuple[tuple[WorkItem, int, int], ...]
+    # The sequences' recurrent-state slots (a model with Mamba layers; None: none).
+    state: StateStep | None = None
 
 
 class ModelRunner(SequenceRunner):
     """Executes StepPlans against one model replica (one rank)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the runner's parts, each optional but the first five
         self,
         model: CausalLM,
         kv_cache: KVCache,
@@ -86,8 +89,11 @@ class ModelRunner(SequenceRunner):
         forward: ForwardFn | None = None,
         prefixes: Prefixes | None = None,
         adapters: Adapters | None = None,
+        states: RecurrentStates | None = None,
     ) -> None:
         self.model = model
+        # The recurrent-state slots of a model with Mamba layers (recurrent_state.py).
+        self.states = states
         self.prefixes = prefixes or NO_PREFIXES
         self.adapters = adapters or NO_ADAPTERS
         # Which computes LoRA deltas (TGIS_LORA_KERNEL; lora_rows.lora_kernel): auto's
@@ -115,7 +121,8 @@ class ModelRunner(SequenceRunner):
             block_size=kv_cache.block_size,
             device=device,
             prefix_caching=info.prefix_caching,
-            speculation=True,
+            speculation=states is None,
+            state_slots=0 if states is None else states.num_slots,
         )
 
     def reset(self) -> None:
@@ -132,10 +139,10 @@ class ModelRunner(SequenceRunner):
         """Run a prompt and a decode step through the forward (compiling it, if it is
         compiled) and forget them."""
         prompt = tuple(range(3, 3 + min(4, self.kv_cache.block_size)))
-        self.step(
-            StepPlan(1, (NewSequence(1, prompt),), (ScheduledSequence(1, len(prompt), (0,)),))
-        )
-        self.step(StepPlan(2, (), (ScheduledSequence(1, 1),)))
+        slot = self._own_slot
+        first = ScheduledSequence(1, len(prompt), (0,), state_slot=slot)
+        self.step(StepPlan(1, (NewSequence(1, prompt),), (first,)))
+        self.step(StepPlan(2, (), (ScheduledSequence(1, 1, state_slot=slot),)))
         self.reset()
 
     def calibrate_cpu_threads(self) -> StepTiming | None:
@@ -164,15 +171,22 @@ class ModelRunner(SequenceRunner):
                 prompt_plan = StepPlan(
                     first,
                     (NewSequence(first, prompt),),
-                    (ScheduledSequence(first, length, blocks),),
+                    (ScheduledSequence(first, length, blocks, state_slot=self._own_slot),),
                 )
                 prompt_s = min(prompt_s, self._timed_step(prompt_plan, saved.small))
-                decode_plan = StepPlan(first + 1, (), (ScheduledSequence(first, 1),))
+                decode = ScheduledSequence(first, 1, state_slot=self._own_slot)
+                decode_plan = StepPlan(first + 1, (), (decode,))
                 decode_s = min(decode_s, self._timed_step(decode_plan, saved.small))
                 self.reset()
         finally:
             self.threads = saved
         return StepTiming.from_two_steps(decode_s, length, prompt_s)
+
+    @property
+    def _own_slot(self) -> int | None:
+        """The state slot of the runner's own steps (warm-up, calibration), if the model
+        has slots."""
+        return None if self.states is None else 0
 
     def _timed_step(self, plan: StepPlan, threads: int) -> float:
         """Run ``plan``; its seconds on ``threads`` threads, not counting the time other
@@ -201,10 +215,14 @@ class ModelRunner(SequenceRunner):
                 work = self.draft.draft(work, self.block_tables)
             batch = self._flatten(work)
             masks = start_masks(batch.sample_items, self.grammars, self.device)
-            hidden = self._hidden_states(batch.layout, batch.prefix_rows, batch.lora_rows)
+            hidden = self._hidden_states(
+                batch.layout, batch.prefix_rows, batch.lora_rows, batch.state
+            )
             sampled, errors = self._sample(hidden, batch, masks)
             accepted = self._verify(hidden, batch, sampled, errors)
             input_details = self._input_details(hidden, batch, work)
+            if batch.state is not None:  # the step succeeded: its new states count
+                batch.state.commit()
         except BaseException:
             for seq in resolved.new:  # never registered: give their rows back
                 self.block_tables.release(seq.request_id)
@@ -228,12 +246,24 @@ class ModelRunner(SequenceRunner):
         return completed
 
     def _hidden_states(
-        self, layout: BatchLayout, prefix_rows: EmbeddingRows | None, lora: LoraRows | None
+        self,
+        layout: BatchLayout,
+        prefix_rows: EmbeddingRows | None,
+        lora: LoraRows | None,
+        state: StateStep | None = None,
     ) -> torch.Tensor:
         """The forward pass of the step: a decode or verify step that fits a captured bucket
         replays its CUDA graph (``cuda_graphs.py``), a step computing prefix rows or using
         LoRA adapters runs the eager forward (the only one that takes them), any other step
-        runs ``self.forward``."""
+        runs ``self.forward``; a model with recurrent state always runs its eager forward,
+        with the step's ``state``."""
+        if state is not None:
+            input_ids, positions, slot_mapping = layout.to_device(self.device)
+            metadata = self.attention.prepare(layout, self.device, slot_mapping)
+            stateful: Any = self.model
+            return stateful.forward(
+                input_ids, positions, self.kv_cache, metadata, prefix_rows, lora, state=state
+            )
         eager_only = prefix_rows is not None or lora is not None
         for graphs in () if eager_only else self.graph_sets:
             bucket = graphs.bucket_for(layout)
@@ -276,6 +306,21 @@ class ModelRunner(SequenceRunner):
             draft_rows=torch.tensor(draft_rows, dtype=torch.long, device=self.device),
             draft_items=tuple(draft_items),
             detail_spans=tuple(detail_spans),
+            state=self._state_step(work, layout),
+        )
+
+    def _state_step(self, work: SequenceOf[WorkItem], layout: BatchLayout) -> StateStep | None:
+        """The step's sequences with their state slots, for a model with recurrent state."""
+        if self.states is None:
+            return None
+        slots = [item.state_slot for item in work]
+        assert None not in slots  # resolve_plan checked every scheduled sequence has one
+        return StateStep.build(
+            self.states,
+            layout.query_starts.tolist(),
+            layout.query_lens.tolist(),
+            slots,  # type: ignore[arg-type]
+            [item.start for item in work],
         )
 
     def _sample(
