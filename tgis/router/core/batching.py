@@ -38,10 +38,14 @@ class SchedulerLimits:
 def scheduler_limits(config: RouterConfig, info: ShardInfo) -> SchedulerLimits:
     """The scheduler's budgets from the flags and the shard's facts. Decided here only:
     an encoder-decoder shard, which cannot recompute generated tokens, gets no preemption
-    (each request's worst case is reserved at admission instead)."""
+    (each request's worst case is reserved at admission instead); a model with recurrent
+    state runs at most as many sequences as the shard has state slots."""
     max_waiting_tokens, waiting_served_ratio = config.joining_rule
+    batch = config.effective_max_batch_size
+    if info.state_slots:  # a model with recurrent state: one slot per running sequence
+        batch = min(batch, info.state_slots)
     return SchedulerLimits(
-        max_batch_size=config.effective_max_batch_size,
+        max_batch_size=batch,
         max_batch_prefill_tokens=config.prefill_budget(on_cpu=info.device == "cpu"),
         max_batch_total_tokens=config.max_batch_total_tokens,
         max_waiting_tokens=max_waiting_tokens,

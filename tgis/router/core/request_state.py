@@ -79,6 +79,9 @@ class RequestState:
     """Tokens whose KV entries are in the shard's cache once the steps sent have run."""
     preemptions: int = 0
     """Times it was taken out of the running batch to be recomputed later."""
+    state_slot: int | None = None
+    """Its recurrent-state slot while it runs (``state_slots.py``; a model with Mamba
+    layers), None otherwise."""
     aborted: bool = False
     """Set by the servicer when the client went away; acted on by the engine."""
     known_to_shard: bool = False

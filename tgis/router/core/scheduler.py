@@ -44,6 +44,7 @@ from tgis.router.core.request_state import (
     RequestStatus,
 )
 from tgis.router.core.speculation import Speculation, SpeculationConfig
+from tgis.router.core.state_slots import StateSlots
 from tgis.router.core.step_draft import StepDraft
 from tgis.router.core.steps import ScheduledStep, StepUpdate
 from tgis.router.errors import generation_failure
@@ -65,11 +66,15 @@ class Scheduler:
         prefix_caching: bool = False,
         speculation: SpeculationConfig | None = None,
         shard_drafts: bool = False,
+        state_slots: int = 0,
     ) -> None:
         self.blocks = blocks
         self.cache = PrefixCache(blocks, prefix_caching)
         self.speculation = None if speculation is None else Speculation(speculation, shard_drafts)
         self.limits = limits
+        self.state_slots = StateSlots(state_slots) if state_slots else None
+        """The recurrent-state slots of a model with Mamba layers (None: no such state);
+        ``limits.max_batch_size`` is at most their number."""
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         # Blocks kept free when admitting next to running sequences (vLLM keeps 1 %).
@@ -146,6 +151,10 @@ class Scheduler:
         self.blocks.release(state.block_ids)
         state.blocks_sent = 0
         state.registered_blocks = 0
+        if state.state_slot is not None:
+            assert self.state_slots is not None
+            self.state_slots.give_back(state.state_slot)
+            state.state_slot = None
 
     # ---- a step's output -------------------------------------------------------------------
 
@@ -371,6 +380,8 @@ class Scheduler:
             draft.cache_queried += hit.queried
             draft.cache_hits += hit.tokens
             state.status = RequestStatus.RUNNING
+            if self.state_slots is not None:
+                state.state_slot = self.state_slots.take()
             if state.started_at is None:
                 state.started_at = now
             if state.preemptions == 0:
@@ -393,4 +404,11 @@ def new_scheduler(
     pool = BlockPool(kv_capacity_blocks(limits, info), info.block_size)
     drafts = speculation if info.speculation else None
     caching = prefix_caching and info.prefix_caching
-    return Scheduler(pool, limits, caching, drafts, shard_drafts=info.draft_model)
+    return Scheduler(
+        pool,
+        limits,
+        caching,
+        drafts,
+        shard_drafts=info.draft_model,
+        state_slots=info.state_slots,
+    )

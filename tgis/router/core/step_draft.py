@@ -66,7 +66,15 @@ class StepDraft:
             state.pending_tokens += 1
             self.samples.add(state.request_id)
         self.scheduled.append(
-            ScheduledSequence(state.request_id, num_tokens, new_blocks, cached, drafts, spec_tokens)
+            ScheduledSequence(
+                state.request_id,
+                num_tokens,
+                new_blocks,
+                cached,
+                drafts,
+                spec_tokens,
+                state.state_slot,
+            )
         )
         if drafts or spec_tokens:
             self.drafted[state.request_id] = len(drafts) or spec_tokens
