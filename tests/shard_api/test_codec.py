@@ -130,6 +130,7 @@ def test_info_round_trip() -> None:
         max_loras=3,
         prefix_caching=True,
         state_slots=12,
+        kv_window=4096,
     )
     back = info_from_pb(shard_pb2.InfoResponse.FromString(info_to_pb(info).SerializeToString()))
     assert back == info and back.is_seq2seq
@@ -137,6 +138,7 @@ def test_info_round_trip() -> None:
     # An older shard's Info (no adapter fields) reads as adapters disabled, no prefix cache.
     plain = info_from_pb(shard_pb2.InfoResponse(block_size=16))
     assert (plain.adapters_enabled, plain.max_loras, plain.prefix_caching) == (False, 0, False)
+    assert plain.kv_window == 0  # no window announced: no block goes early
 
 
 def test_adapter_lookup_response_round_trip() -> None:

@@ -299,6 +299,10 @@ class ShardInfo:
     state_slots: int = 0
     """Slots of per-sequence recurrent state (a hybrid model's Mamba layers; 0 for models
     without): every running sequence holds one (``ScheduledSequence.state_slot``)."""
+    kv_window: int = 0
+    """The largest sliding window over the model's layers, in tokens (0: some layer, or the
+    draft model, reads every position): a query at ``p`` reads no key at or before
+    ``p - kv_window``, so the router gives back the blocks behind that."""
 
     @property
     def is_seq2seq(self) -> bool:

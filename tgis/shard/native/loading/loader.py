@@ -46,6 +46,7 @@ from tgis.shard.native.loading.forward import (
 from tgis.shard.native.loading.recurrent import recurrent_states
 from tgis.shard.native.models import CausalLM, ForwardFn, ModelFactory, model_class
 from tgis.shard.native.models.decoder import DecoderLM
+from tgis.shard.native.models.kv_window import kv_window
 from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.native.speculation.draft_loading import load_draft
 from tgis.shard.parallel.distributed import min_over_ranks
@@ -94,7 +95,7 @@ def _load(
     model = _build_model(config, factory, model_config, attention, device, dtype, tp, quantization)
     _log_quantization(model, quantization)
     spec = model.kv_cache_spec
-    info = _info(config, model_config, spec, attention, device, dtype)
+    info = _info(config, model_config, spec, attention, device, dtype, kv_window(model))
     states = recurrent_states(config, model, device)
     if states is not None:  # no prefix cache, no speculation: recurrent.py says why
         info = replace(info, state_slots=states.num_slots, prefix_caching=False, speculation=False)
@@ -161,8 +162,10 @@ def _info(
     attention: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
+    window: int,
 ) -> ShardInfo:
-    """The runner's facts, its number of KV blocks still to be measured (0)."""
+    """The runner's facts, its number of KV blocks still to be measured (0); ``window``:
+    the model's ``kv_window``."""
     return ShardInfo(
         model_kind=ModelKind.CAUSAL_LM,
         eos_token_ids=model_config.eos_token_ids,
@@ -177,6 +180,7 @@ def _info(
         attention_backend=attention.name,
         prefix_caching=config.prefix_caching,
         speculation=True,
+        kv_window=window,
     )
 
 

@@ -231,10 +231,12 @@ class ModelRunner(SequenceRunner):
         return Computed(sampled, input_details, errors, accepted, drafted)
 
     def attach_draft(self, draft: DraftModel) -> None:
-        """Draft with ``draft`` when a step asks (``ScheduledSequence.spec_tokens``)."""
+        """Draft with ``draft`` when a step asks (``ScheduledSequence.spec_tokens``). Its
+        cache shares the target's block tables and catches up from any position, so no
+        block may be given back early (``kv_window`` 0)."""
         self.draft = draft
         self.limits = replace(self.limits, draft_model=True)
-        self.info = replace(self.info, draft_model=True)
+        self.info = replace(self.info, draft_model=True, kv_window=0)
 
     def _commit(self, resolved: ResolvedStep, computed: Computed) -> tuple[InputTokenDetails, ...]:
         """The step's commit, then each drafted sequence's valid draft-cache positions."""
