@@ -663,6 +663,14 @@ class SimSequence:
         token up to it (drafted ones past the known tokens)."""
         return self.identity, tuple((self.tokens + list(drafts))[: position + 1])
 
+    def first_read(self, window: int) -> int:
+        """The first position its next query reads (its whole past without a window)."""
+        return max(self.computed - window + 1, 0) if window else 0
+
+    def readable(self, window: int, block_size: int) -> list[int]:
+        """The blocks of its table that its next queries read."""
+        return self.table[self.first_read(window) // block_size :]
+
 
 class StepRefused(Exception):
     def __init__(self, stale: bool) -> None:
@@ -675,13 +683,21 @@ class SimShard:
 
     It remembers what every KV slot was computed from (``SimSequence.slot``), so a
     prefix-cache hit is checked to hold exactly the sequence's own keys and values, and a
-    block another live sequence holds is never written."""
+    block another live sequence still reads is never written. With a sliding ``window``
+    the queries read only the keys ``p - window < t <= p`` (each checked to hold the
+    sequence's own entry): the blocks of a table before them may be reused."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, rng: random.Random, cycle: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        rng: random.Random,
+        cycle: int = 0,
+        window: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window
         self.rng = rng
         self.cycle = cycle  # token_for's period
         self.drafted = self.accepted = 0
@@ -749,9 +765,18 @@ class SimShard:
                 assert 1 <= chunk.num_tokens <= len(seq.tokens) - seq.computed
             seq.table += chunk.new_block_ids
             assert len(seq.table) * self.block_size >= seq.computed + chunk.num_tokens
+            if self.window:  # the keys its first query reads are its own
+                for position in range(seq.first_read(self.window), seq.computed):
+                    block = seq.table[position // self.block_size]
+                    slot = self.slots.get(block * self.block_size + position % self.block_size)
+                    assert slot == seq.slot(position), f"request {rid} lost KV at {position}"
             for position in range(seq.computed, seq.computed + chunk.num_tokens):
                 block = seq.table[position // self.block_size]
-                others = [r for r, o in self.seqs.items() if r != rid and block in o.table]
+                others = [
+                    r
+                    for r, o in self.seqs.items()
+                    if r != rid and block in o.readable(self.window, self.block_size)
+                ]
                 assert not others, f"request {rid} writes block {block} that {others} hold"
                 self.slots[block * self.block_size + position % self.block_size] = seq.slot(
                     position, drafts
@@ -768,7 +793,8 @@ class SimShard:
         live = [b for seq in self.seqs.values() for b in seq.table]
         assert all(0 <= b < self.num_blocks for b in live)
         for seq in self.seqs.values():
-            assert len(seq.table) == len(set(seq.table)), "a block twice in one table"
+            readable = seq.readable(self.window, self.block_size)
+            assert len(readable) == len(set(readable)), "a block twice in one table"
         self.last_completed = plan.step_id
         return StepOutput(plan.step_id, tuple(tokens), errors=tuple(errors))
 
@@ -802,8 +828,8 @@ class SimShard:
 
 def check_invariants(scheduler: Scheduler, lim: SchedulerLimits, cycle: int = 0) -> None:
     pool = scheduler.blocks
-    held = Counter(b for s in scheduler.running for b in s.block_ids)
-    assert all(len(s.block_ids) == len(set(s.block_ids)) for s in scheduler.running)
+    held = Counter(b for s in scheduler.running for b in s.held_blocks)
+    assert all(len(s.held_blocks) == len(set(s.held_blocks)) for s in scheduler.running)
     assert len(held) == pool.num_used <= pool.num_blocks
     assert all(pool.refs(b) == held.get(b, 0) for b in range(pool.num_blocks))
     if not scheduler.cache.enabled:
@@ -827,7 +853,7 @@ def check_invariants(scheduler: Scheduler, lim: SchedulerLimits, cycle: int = 0)
 
 
 def run_random_workload(
-    seed: int, caching: bool = False, speculating: bool = False
+    seed: int, caching: bool = False, speculating: bool = False, window: int = 0
 ) -> tuple[Scheduler, SimShard]:
     """Random arrivals (long and short), cancellations and timeouts of queued or running
     requests, EOS, per-sequence errors, failed shard calls, tight KV capacity (so preemption
@@ -838,7 +864,8 @@ def run_random_workload(
     their contents) and its own after a preemption. With ``speculating``, the simulated
     model's tokens repeat (so prompt lookup drafts some right) and decodes carry drafts
     while few sequences run: the shard checks each drafted chunk, confirms the drafts equal
-    to its tokens, and the router's counts must follow."""
+    to its tokens, and the router's counts must follow. With a sliding ``window``, blocks
+    behind it are given back and reused while their sequences run."""
     rng = random.Random(seed)
     prefix_rng = random.Random(seed + 1_000_000)  # leaves the workload's own draws alone
     adapter_rng = random.Random(seed + 2_000_000)  # so does this one
@@ -867,9 +894,11 @@ def run_random_workload(
         if speculating
         else None
     )
-    scheduler = Scheduler(BlockPool(num_blocks, block_size), lim, caching, speculation)
+    scheduler = Scheduler(
+        BlockPool(num_blocks, block_size), lim, caching, speculation, kv_window=window
+    )
     cycle = 5 if speculating else 0
-    shard = SimShard(num_blocks, block_size, rng, cycle)
+    shard = SimShard(num_blocks, block_size, rng, cycle, window)
     states: list[RequestState] = []
     in_flight: deque[ScheduledStep] = deque()
     next_id = 1

@@ -66,8 +66,13 @@ class RequestState:
     pending_tokens: int = 0
     """Tokens the shard samples in steps sent but not answered yet (the overlap)."""
     block_ids: list[int] = field(default_factory=list)
-    """KV blocks this request holds (none while queued, preempted included); the first
-    ones may be shared cached blocks."""
+    """KV blocks of this request's positions, in order (none while queued, preempted
+    included); the first ones may be shared cached blocks. It holds all of them but the
+    first ``released_blocks``."""
+    released_blocks: int = 0
+    """How many of the first ``block_ids`` it gave back, wholly behind every layer's
+    sliding window (``Scheduler.kv_window``): their ids stay in place, so every block keeps
+    its position's index, and the shard's table keeps them too but never reads them."""
     registered_blocks: int = 0
     """How many of ``block_ids`` are in the prefix cache (shared, or registered by it)."""
     block_hashes: list[bytes] = field(default_factory=list)
@@ -94,6 +99,11 @@ class RequestState:
     """The client's x-correlation-id, for the engine's log lines about this request."""
     ngram: NgramIndex | None = None
     """Its ids' n-grams, built when speculative decoding first drafts for it."""
+
+    @property
+    def held_blocks(self) -> list[int]:
+        """The blocks it holds: ``block_ids`` after the released ones."""
+        return self.block_ids[self.released_blocks :]
 
     @property
     def prompt_length(self) -> int:

@@ -22,6 +22,8 @@ Policy in brief (ARCHITECTURE.md, "Scheduling", has all of it and the why):
   without preemption, for encoder-decoder engines), one more each ``block_size`` decoded
   tokens. A decode without a free block preempts the youngest running sequences; a step
   that preempted admits nothing.
+* **Sliding window** (``window_blocks.py``): when every layer slides one, the blocks behind
+  it go back as each step's output comes, so a generation holds about its window's blocks.
 * **Prefix cache** (``prefix_cache.py``): an admitted request starts with the cached
   blocks of its longest cached prefix, already computed (only the rest counts against the
   prefill budget); the blocks each step filled are registered when its output is back.
@@ -47,6 +49,7 @@ from tgis.router.core.speculation import Speculation, SpeculationConfig
 from tgis.router.core.state_slots import StateSlots
 from tgis.router.core.step_draft import StepDraft
 from tgis.router.core.steps import ScheduledStep, StepUpdate
+from tgis.router.core.window_blocks import release_behind_window
 from tgis.router.errors import generation_failure
 from tgis.router.request_types import StopReason
 from tgis.shard_api.messages import (
@@ -67,8 +70,11 @@ class Scheduler:
         speculation: SpeculationConfig | None = None,
         shard_drafts: bool = False,
         state_slots: int = 0,
+        kv_window: int = 0,
     ) -> None:
         self.blocks = blocks
+        self.kv_window = kv_window
+        """``ShardInfo.kv_window`` (0: some layer reads every position, nothing goes early)."""
         self.cache = PrefixCache(blocks, prefix_caching)
         self.speculation = None if speculation is None else Speculation(speculation, shard_drafts)
         self.limits = limits
@@ -85,6 +91,8 @@ class Scheduler:
         """Preemptions so far."""
         self.budget_holds = 0
         """Steps that left the queue's head waiting only because the prefill budget ran out."""
+        self.window_released = 0
+        """Blocks given back behind the sliding window so far (``kv_window``)."""
         self._finished_ids: list[int] = []
         self._preempted_ids: list[int] = []
         self._steps_since_admission = 0
@@ -148,7 +156,9 @@ class Scheduler:
         self.waiting.appendleft(state)
 
     def _release(self, state: RequestState) -> None:
-        self.blocks.release(state.block_ids)
+        self.blocks.release(state.held_blocks)
+        state.block_ids.clear()
+        state.released_blocks = 0
         state.blocks_sent = 0
         state.registered_blocks = 0
         if state.state_slot is not None:
@@ -160,9 +170,9 @@ class Scheduler:
 
     def update(self, step: ScheduledStep, output: StepOutput, now: float) -> StepUpdate:
         """Apply a step's output: per-sequence errors, the blocks it filled into the prefix
-        cache, input-token details, then one token per sampling sequence (detokenized,
-        checked against its stopping criteria; finished requests leave at once). Tokens of
-        requests that already ended are dropped."""
+        cache (those behind the window given back), input-token details, then one token
+        per sampling sequence (detokenized, checked against its stopping criteria; finished
+        requests leave at once). Tokens of requests that already ended are dropped."""
         update = StepUpdate()
         states = step.states
         for rid in step.samples:
@@ -180,6 +190,10 @@ class Scheduler:
             # A request that ended or was preempted since let go of these blocks.
             if state.status is RequestStatus.RUNNING:
                 self.cache.register(state, computed)
+                if self.kv_window:
+                    self.window_released += release_behind_window(
+                        self.cache, state, computed, self.kv_window
+                    )
         for details in output.input_tokens:
             state = states[details.request_id]
             if state.status is not RequestStatus.FINISHED:
@@ -278,7 +292,8 @@ class Scheduler:
         speculating = speculation is not None and speculation.applies(demand)
         if base_step_id and (speculating or (speculation is not None and speculation.in_flight)):
             return ScheduledStep(StepPlan(base_step_id=base_step_id), {}, frozenset(), {}, 0)
-        draft = StepDraft(self.limits.max_batch_prefill_tokens, caching=self.cache.enabled)
+        budget = self.limits.max_batch_prefill_tokens
+        draft = StepDraft(budget, caching=self.cache.enabled, windowed=self.kv_window > 0)
         preemptions = self._schedule_running(draft, speculating)
         self._steps_since_admission += 1
         already_running = bool(self.running)
@@ -410,5 +425,6 @@ def new_scheduler(
         caching,
         drafts,
         shard_drafts=info.draft_model,
+        kv_window=info.kv_window,
         state_slots=info.state_slots,
     )

@@ -21,13 +21,17 @@ class StepDraft:
     caching: bool = False
     """The prefix cache is on: new sequences carry their prefix and adapter versions, and
     the blocks a step fills are registered once it succeeded (``computed_after``)."""
+    windowed: bool = False
+    """The model slides a window over every layer: every request's ``computed_after`` is
+    kept (the blocks behind the window go once the step succeeded)."""
     prompt_tokens: int = 0
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     new_sequences: list[NewSequence] = field(default_factory=list)
     states: dict[int, RequestState] = field(default_factory=dict)
     samples: set[int] = field(default_factory=set)
     computed_after: dict[int, int] = field(default_factory=dict)
-    """Positions computed after the step, of the requests whose chunk fills a block."""
+    """Positions computed after the step, of the requests whose chunk fills a block (of
+    every request when ``windowed``)."""
     cache_queried: int = 0
     cache_hits: int = 0
     drafted: dict[int, int] = field(default_factory=dict)
@@ -60,7 +64,8 @@ class StepDraft:
         state.blocks_sent = len(state.block_ids)
         before = state.num_computed
         state.num_computed += num_tokens - len(drafts)
-        if self.caching and before // blocks.block_size < state.num_computed // blocks.block_size:
+        size = blocks.block_size
+        if self.windowed or (self.caching and before // size < state.num_computed // size):
             self.computed_after[state.request_id] = state.num_computed
         if state.num_computed == state.known_length:
             state.pending_tokens += 1
