@@ -84,3 +84,28 @@ def test_convolution_continues_from_its_state() -> None:
     torch.testing.assert_close(step_out[0], rest[0])
     torch.testing.assert_close(step_states[0], torch.cat([mid[1:], x[5:6]]))
     torch.testing.assert_close(step_out[1], conv_sequence(x[6:7], zero, weight, bias)[0][0])
+
+
+def test_triton_scan_of_a_step_equals_each_sequence_s_recurrence() -> None:
+    """``ssm_triton.scan_step`` (Triton's interpreter on the CPU): sequences of 7, 1, 3 and
+    1 tokens in one launch, two of them from zeros (their slots hold other states), B and
+    C per group (2 heads each), channels not a power of two."""
+    from tgis.shard.native.models.ssm_triton import scan_step
+
+    g = torch.Generator().manual_seed(7)
+    heads, channels, size, groups, lengths = 4, 6, 5, 2, [7, 1, 3, 1]
+    tokens = sum(lengths)
+    x = torch.randn(tokens, heads, channels, generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(tokens, heads, generator=g))
+    b, c = (torch.randn(tokens, groups, size, generator=g) for _ in range(2))
+    pool = torch.randn(6, heads, channels, size, generator=g)
+    slots, fresh = torch.tensor([4, 0, 2, 5]), torch.tensor([True, False, False, True])
+    starts = torch.tensor([0, 7, 8, 11])
+    y, states = scan_step(x, dt, A, b, c, D, pool, slots, fresh, starts, torch.tensor(lengths))
+    for i, length in enumerate(lengths):
+        rows = slice(int(starts[i]), int(starts[i]) + length)
+        start = torch.zeros(heads, channels, size) if fresh[i] else pool[slots[i]]
+        per_head = [t[rows].repeat_interleave(heads // groups, dim=1) for t in (b, c)]
+        y_ref, s_ref = ssm_sequential(x[rows], dt[rows], A, *per_head, D, start)
+        torch.testing.assert_close(y[rows], y_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(states[i], s_ref, rtol=1e-5, atol=1e-5)

@@ -14,7 +14,9 @@ still use (the device's free memory, and at most ``--cuda-process-memory-fractio
 total, already set as torch's per-process limit), holds back ``--batch-safety-margin``
 percent of it, subtracts the activation peak, and divides by the bytes of one block. The
 result is capped by ``--max-batch-total-tokens`` when given. With tensor parallelism every
-rank measures and the smallest count wins (``loader``).
+rank measures and the smallest count wins (``loader``). A model with recurrent state
+(Mamba layers) warms up on its state slots (allocated before, so not in the budget), its
+mixed step no larger than the slots allow (``slotted``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tgis.shard.errors import StartupError
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.attention.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.native.models import CausalLM, ForwardFn
+from tgis.shard.native.models.recurrent_state import RecurrentStates
 from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard_api.messages import (
     DetailOptions,
@@ -159,14 +162,16 @@ def warm_up(
     device: torch.device,
     plan: WarmUpPlan,
     forward: ForwardFn | None = None,
+    states: RecurrentStates | None = None,
 ) -> list[StepOutput]:
-    """Run ``plan``'s steps through a throw-away runner and cache; their outputs."""
+    """Run ``plan``'s steps through a throw-away runner and cache (on ``states``' slots,
+    for a model with recurrent state); their outputs."""
     cache = KVCache(spec, plan.num_blocks, device)
-    runner = ModelRunner(
-        model, cache, attention, replace(info, num_blocks=plan.num_blocks), device, forward
-    )
+    info = replace(info, num_blocks=plan.num_blocks)
+    runner = ModelRunner(model, cache, attention, info, device, forward, states=states)
+    steps = plan.steps if states is None else slotted(plan.steps, states.num_slots)
     outputs = []
-    for step in plan.steps:
+    for step in steps:
         output = runner.step(step)
         if output.errors:
             raise RuntimeError(f"warm-up step {step.step_id} failed: {output.errors[0].message}")
@@ -174,6 +179,22 @@ def warm_up(
     del runner, cache
     gc.collect()
     return outputs
+
+
+def slotted(steps: tuple[StepPlan, ...], num_slots: int) -> tuple[StepPlan, ...]:
+    """``steps`` with a state slot for each sequence, taken at its first step and kept
+    (the warm-up's sequences never end); ValueError if they need more than ``num_slots``."""
+    slot_of: dict[int, int] = {}
+    result = []
+    for step in steps:
+        scheduled = []
+        for s in step.scheduled:
+            slot = slot_of.setdefault(s.request_id, len(slot_of))
+            if slot >= num_slots:
+                raise ValueError(f"the warm-up needs more than {num_slots} state slots")
+            scheduled.append(replace(s, state_slot=slot))
+        result.append(replace(step, scheduled=tuple(scheduled)))
+    return tuple(result)
 
 
 class MeasureSettings(TypedDict):
@@ -195,11 +216,15 @@ def measure_cuda_blocks(
     *,
     forward: ForwardFn | None = None,
     held_back: int = 0,
+    states: RecurrentStates | None = None,
     **settings: Unpack[MeasureSettings],
 ) -> int:
     """The GPU measurement (see the module docstring); ``held_back`` bytes are left for the
-    prompt-prefix cache."""
+    prompt-prefix cache; ``states``: a model's recurrent-state slots."""
     max_prefill_tokens, max_batch_size = settings["max_prefill_tokens"], settings["max_batch_size"]
+    if states is not None:  # the router runs no more sequences than slots: nor does this
+        chunk = blocks_for(max_prefill_tokens, max(1, settings["max_sequence_length"] - 1))
+        max_batch_size = max(1, min(max_batch_size, states.num_slots - chunk))
     plan = warmup_plans(
         max_prefill_tokens,
         settings["max_sequence_length"],
@@ -211,7 +236,7 @@ def measure_cuda_blocks(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     try:
-        warm_up(model, spec, attention, info, device, plan, forward)
+        warm_up(model, spec, attention, info, device, plan, forward, states)
     except torch.cuda.OutOfMemoryError as e:
         raise StartupError(
             f"out of GPU memory in the warm-up (a prefill of --max-batch-prefill-tokens "

@@ -47,6 +47,7 @@ from tgis.shard.native.loading.recurrent import recurrent_states
 from tgis.shard.native.models import CausalLM, ForwardFn, ModelFactory, model_class
 from tgis.shard.native.models.decoder import DecoderLM
 from tgis.shard.native.models.kv_window import kv_window
+from tgis.shard.native.models.recurrent_state import RecurrentStates
 from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard.native.speculation.draft_loading import load_draft
 from tgis.shard.parallel.distributed import min_over_ranks
@@ -104,7 +105,10 @@ def _load(
     draft = None if states else load_draft(config, model_config, attention, device, dtype, tp)
     draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
     num_blocks = min_over_ranks(
-        tp, _kv_cache_blocks(config, model, spec, attention, info, device, forward, draft_bytes)
+        tp,
+        _kv_cache_blocks(
+            config, model, spec, attention, info, device, forward, draft_bytes, states
+        ),
     )
     kv_cache = KVCache(spec, num_blocks, device, commit=config.prefix_caching)
     info = replace(info, num_blocks=num_blocks)
@@ -274,7 +278,7 @@ def _build_model(
     return model
 
 
-def _kv_cache_blocks(
+def _kv_cache_blocks(  # noqa: PLR0913 - the model, its cache and what shares the memory
     config: ShardConfig,
     model: CausalLM,
     spec: KVCacheSpec,
@@ -283,10 +287,12 @@ def _kv_cache_blocks(
     device: torch.device,
     forward: ForwardFn,
     draft_bytes: int = 0,
+    states: RecurrentStates | None = None,
 ) -> int:
     """This rank's KV capacity in blocks (``tgis.shard.capacity`` and ``cuda_capacity``
     explain the rules); ``draft_bytes``: a draft model's cache bytes per block, which every
-    block also takes."""
+    block also takes; ``states``: a model's recurrent-state slots (the GPU warm-up runs on
+    them)."""
     block_size = spec.block_size
     if device.type != "cuda" or config.kv_cache_blocks is not None:
         return configured_blocks(
@@ -310,6 +316,7 @@ def _kv_cache_blocks(
         memory_fraction=config.cuda_process_memory_fraction,
         safety_margin=config.batch_safety_margin,
         held_back=config.prompt_cache_bytes if config.prefix_store_path else 0,
+        states=states,
     )
     # The warm-up measured the target's bytes per block; the draft's cache shares the room.
     measured = measured * spec.bytes_per_block // (spec.bytes_per_block + draft_bytes)

@@ -133,6 +133,9 @@ class MambaMixer:
         self.a = -torch.exp(weights.get(f"{prefix}.A_log").float())
         self.d = weights.get(f"{prefix}.D").float()
         self.norm_weight = weights.get(f"{prefix}.norm.weight").float()
+        # The step's scan in one Triton kernel (``ssm_triton.py``) on CUDA; the torch forms
+        # elsewhere (tests set it on the CPU, where Triton's interpreter runs it).
+        self.triton_scan = weights.device.type == "cuda"
 
     def __call__(self, x: torch.Tensor, state: StateStep) -> torch.Tensor:
         """``x``: normed hidden states [tokens, hidden] → the mixer's output [tokens, hidden];
@@ -140,6 +143,9 @@ class MambaMixer:
         args, tokens = self.args, x.shape[0]
         z, xbc, dt = self.in_proj(x).split([args.inner, args.conv_dim, args.heads], dim=-1)
         dt = torch.clamp(F.softplus(dt.float() + self.dt_bias), args.dt_min, args.dt_max)
+        if self.triton_scan:
+            y = self._scan_in_one_launch(xbc, dt, state)
+            return self.out_proj(self._gated_norm(y.view(tokens, args.inner), z).to(x.dtype))
         y = torch.empty(tokens, args.heads, args.head_dim, dtype=torch.float32, device=x.device)
         for segment in state.segments:
             span = slice(segment.start, segment.start + segment.length)
@@ -148,11 +154,49 @@ class MambaMixer:
             state.stage_segment(self.index, segment, conv, ssm)
         if state.single_rows.numel():
             rows = state.single_rows
-            conv, ssm = state.single_states(self.index)
-            y[rows], conv, ssm = self._single(xbc[rows], dt[rows], conv, ssm)
+            conv, before = state.single_states(self.index)
+            assert before is not None
+            y[rows], conv, ssm = self._single(xbc[rows], dt[rows], conv, before)
             state.stage(self.index, state.single_slots, conv, ssm)
         normed = self._gated_norm(y.view(tokens, args.inner), z)
         return self.out_proj(normed.to(x.dtype))
+
+    def _scan_in_one_launch(
+        self, xbc: torch.Tensor, dt: torch.Tensor, state: StateStep
+    ) -> torch.Tensor:
+        """The convolution per sequence (the one-token ones batched), then every
+        sequence's scan in one kernel launch; the new states staged. Returns y [T, H, P]."""
+        from tgis.shard.native.models.ssm_triton import scan_step
+
+        args, tokens = self.args, xbc.shape[0]
+        out = torch.empty(tokens, args.conv_dim, dtype=torch.float32, device=xbc.device)
+        for segment in state.segments:
+            span = slice(segment.start, segment.start + segment.length)
+            conv, _ = state.segment_state(self.index, segment)
+            out[span], conv = conv_sequence(xbc[span], conv, self.conv_weight, self.conv_bias)
+            state.stage_conv(self.index, segment, conv)
+        if state.single_rows.numel():
+            rows = state.single_rows
+            conv, _ = state.single_states(self.index, ssm=False)
+            out[rows], conv = conv_step(xbc[rows], conv, self.conv_weight, self.conv_bias)
+            state.stage_conv_rows(self.index, state.single_slots, conv)
+        group = args.groups * args.state_size
+        x, b, c = F.silu(out).split([args.inner, group, group], dim=-1)
+        y, ssm = scan_step(
+            x.reshape(tokens, args.heads, args.head_dim),
+            dt,
+            self.a,
+            b.reshape(tokens, args.groups, args.state_size),
+            c.reshape(tokens, args.groups, args.state_size),
+            self.d,
+            state.states.ssm[self.index],
+            state.slots,
+            state.fresh,
+            state.starts,
+            state.lengths,
+        )
+        state.stage_ssm(self.index, state.slots, ssm)
+        return y
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolved, activated ``xbc`` [T, C] (float32) as x [T, H, P] and B, C

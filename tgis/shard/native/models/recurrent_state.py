@@ -73,9 +73,14 @@ class StateStep:
     single_rows: torch.Tensor  # [S] long
     single_slots: torch.Tensor  # [S] long
     single_fresh: torch.Tensor  # [S] bool
-    _staged: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(
-        default_factory=list
-    )
+    # Every sequence of the step, in work order (the Triton scan's launch): first row,
+    # rows, slot, starts from zeros.
+    starts: torch.Tensor  # [sequences] long
+    lengths: torch.Tensor  # [sequences] long
+    slots: torch.Tensor  # [sequences] long
+    fresh: torch.Tensor  # [sequences] bool
+    # (a layer's pool of conv or SSM states, slots, their new states) until ``commit``.
+    _staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -98,12 +103,20 @@ class StateStep:
                 fresh.append(position == 0)
             else:
                 segments.append(Segment(start, length, slot, position == 0))
+        every = torch.tensor(
+            [list(starts), list(lengths), list(slots), [int(p == 0) for p in positions]],
+            dtype=torch.long,
+        ).to(device)
         return cls(
             states,
             tuple(segments),
             torch.tensor(rows, dtype=torch.long, device=device),
             torch.tensor(single_slots, dtype=torch.long, device=device),
             torch.tensor(fresh, dtype=torch.bool, device=device),
+            every[0],
+            every[1],
+            every[2],
+            every[3].bool(),
         )
 
     def segment_state(self, layer: int, segment: Segment) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,30 +126,49 @@ class StateStep:
             return torch.zeros_like(conv), torch.zeros_like(ssm)
         return conv, ssm
 
-    def single_states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def single_states(
+        self, layer: int, ssm: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The (conv [S, K - 1, C], ssm [S, H, P, N]) states the one-token sequences start
-        from (copies)."""
+        from (copies; the SSM states only if ``ssm``)."""
+        fresh = self.single_fresh
+        any_fresh = bool(fresh.any())
         conv = self.states.conv[layer].index_select(0, self.single_slots)
-        ssm = self.states.ssm[layer].index_select(0, self.single_slots)
-        if bool(self.single_fresh.any()):  # where, not a product: a stale slot may hold NaN
-            fresh = self.single_fresh
+        if any_fresh:  # where, not a product: a stale slot may hold NaN
             conv = torch.where(fresh[:, None, None], torch.zeros_like(conv), conv)
-            ssm = torch.where(fresh[:, None, None, None], torch.zeros_like(ssm), ssm)
-        return conv, ssm
+        if not ssm:
+            return conv, None
+        states = self.states.ssm[layer].index_select(0, self.single_slots)
+        if any_fresh:
+            states = torch.where(fresh[:, None, None, None], torch.zeros_like(states), states)
+        return conv, states
 
     def stage(self, layer: int, slots: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> None:
         """Keep layer ``layer``'s new states of ``slots`` until ``commit``."""
-        self._staged.append((layer, slots, conv, ssm))
+        self.stage_conv_rows(layer, slots, conv)
+        self.stage_ssm(layer, slots, ssm)
 
     def stage_segment(
         self, layer: int, segment: Segment, conv: torch.Tensor, ssm: torch.Tensor
     ) -> None:
-        slot = torch.tensor([segment.slot], dtype=torch.long, device=conv.device)
+        slot = self._slot(segment, conv.device)
         self.stage(layer, slot, conv[None], ssm[None])
+
+    def stage_conv(self, layer: int, segment: Segment, conv: torch.Tensor) -> None:
+        self.stage_conv_rows(layer, self._slot(segment, conv.device), conv[None])
+
+    def stage_conv_rows(self, layer: int, slots: torch.Tensor, conv: torch.Tensor) -> None:
+        self._staged.append((self.states.conv[layer], slots, conv))
+
+    def stage_ssm(self, layer: int, slots: torch.Tensor, ssm: torch.Tensor) -> None:
+        self._staged.append((self.states.ssm[layer], slots, ssm))
+
+    @staticmethod
+    def _slot(segment: Segment, device: torch.device) -> torch.Tensor:
+        return torch.tensor([segment.slot], dtype=torch.long, device=device)
 
     def commit(self) -> None:
         """Write every staged state into its slot (the step succeeded)."""
-        for layer, slots, conv, ssm in self._staged:
-            self.states.conv[layer].index_copy_(0, slots, conv.to(self.states.conv.dtype))
-            self.states.ssm[layer].index_copy_(0, slots, ssm)
+        for pool, slots, values in self._staged:
+            pool.index_copy_(0, slots, values.to(pool.dtype))
         self._staged.clear()
