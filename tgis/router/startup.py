@@ -67,6 +67,8 @@ def log_prefix_caching(asked: bool, info: ShardInfo) -> None:
     """Say once whether prompts' cached KV blocks are reused, and why not."""
     if not asked:
         log.info("prefix caching: off (--disable-prefix-caching)")
+    elif info.state_slots:
+        log.info("prefix caching: off, the model keeps recurrent state (Mamba layers)")
     elif not info.prefix_caching:
         log.info(
             "prefix caching: off, the %s engine does not support it (%s)",
@@ -81,6 +83,8 @@ def log_speculation(speculation: SpeculationConfig | None, info: ShardInfo) -> N
     """Say once whether decodes carry drafted tokens, and why not."""
     if speculation is None:
         log.info("speculative decoding: off (--speculate 0)")
+    elif info.state_slots:
+        log.info("speculative decoding: off, the model keeps recurrent state (Mamba layers)")
     elif not info.speculation:
         log.info(
             "speculative decoding: off, the %s engine does not verify drafts",
