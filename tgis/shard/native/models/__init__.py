@@ -23,6 +23,7 @@ from tgis.shard.native.models.falcon import FalconForCausalLM
 from tgis.shard.native.models.gemma2 import Gemma2ForCausalLM
 from tgis.shard.native.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tgis.shard.native.models.gpt_neox import GPTNeoXForCausalLM
+from tgis.shard.native.models.granite_hybrid import GraniteHybridForCausalLM
 from tgis.shard.native.models.layers import Shapes
 from tgis.shard.native.models.llama import LlamaForCausalLM
 from tgis.shard.native.models.llama_moe import LlamaMoeForCausalLM
@@ -101,6 +102,7 @@ ARCHITECTURES: dict[str, ModelFactory] = {
     "Qwen2MoeForCausalLM": LlamaMoeForCausalLM,
     "Qwen3MoeForCausalLM": LlamaMoeForCausalLM,
     "GraniteMoeForCausalLM": LlamaMoeForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteHybridForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
@@ -121,6 +123,7 @@ MODEL_TYPES: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "granitemoe": "GraniteMoeForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "gpt_bigcode": "GPTBigCodeForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "falcon": "FalconForCausalLM",
