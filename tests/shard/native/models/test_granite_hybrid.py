@@ -22,6 +22,7 @@ from tgis.shard.config import ShardConfig
 from tgis.shard.errors import InvalidStepError, StartupError
 from tgis.shard.loader import load_runner
 from tgis.shard.native.models import model_class
+from tgis.shard.native.models.recurrent_state import StateStep
 from tgis.shard.native.runtime.model_runner import ModelRunner
 from tgis.shard_api.messages import NewSequence, ScheduledSequence, StepPlan
 
@@ -94,6 +95,21 @@ def test_a_prompt_split_anywhere_gives_the_whole_prefill_s_tokens(
     for _ in range(FEW - 1):
         router.decode([2])
     assert router.generated[2] == reference[2][:FEW]
+
+
+def test_the_tokens_depend_on_the_state_carried_between_steps(
+    model: TinyModel, reference: dict[int, list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The oracle sees the recurrent state: a shard that dropped it after each step (every
+    decode from a zero state) would not give the lone run's tokens."""
+    monkeypatch.setattr(StateStep, "commit", lambda self: None)
+    router = Router(make_runner(model.path, max_batch_size=4))
+    router.add(2, PROMPTS[2])
+    router.step({2: len(PROMPTS[2])})
+    for _ in range(FEW - 1):
+        router.decode([2])
+    assert router.generated[2][0] == reference[2][0]  # the prompt's pass needs no state
+    assert router.generated[2] != reference[2][:FEW]
 
 
 def test_a_failed_step_leaves_the_states_as_they_were(
