@@ -81,6 +81,7 @@ def test_compiled_equals_eager(variant: str, tmp_path: Path) -> None:
 @pytest.mark.gpu
 def test_compiled_llama_equals_eager_and_transformers(tiny_model: TinyModel) -> None:
     """The plain Llama, also against transformers' own greedy generation."""
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     runner = runner_for(tiny_model.path, True)
     compiled = drive(runner, SEEDED, None, DETAILS)
     eager = drive(runner_for(tiny_model.path, False), SEEDED, None, DETAILS)
@@ -88,9 +89,10 @@ def test_compiled_llama_equals_eager_and_transformers(tiny_model: TinyModel) -> 
     for rid in (1, 2):
         expected = tiny_model.greedy(PROMPTS[rid], len(compiled.generated[rid]))[0]
         assert compiled.generated[rid] == expected
-    # One graph serves every step size (one sequence decoding included): new step shapes
-    # compile nothing more.
+    # One graph serves every step size (one sequence decoding included) and every offset of
+    # the step's inputs in their buffers: new step shapes compile nothing more.
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == before + 1
     runner.reset()
     drive(runner, {}, Preemption(1, after_tokens=2, pause_steps=0, chunk=3), DETAILS)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

@@ -136,6 +136,12 @@ class CompiledForward:
         kv_cache: KVCache,
         attn_metadata: Any,
     ) -> torch.Tensor:
+        # Views into the step's staging buffers start at any offset: 0/1 specialisation
+        # would compile a second graph for the offsets 0 and 1; an own copy always starts at 0.
+        if input_ids.storage_offset():
+            input_ids = input_ids.clone()
+        if positions.storage_offset():
+            positions = positions.clone()
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
         with _active_step(self.model.attention, kv_cache, attn_metadata):
