@@ -7,6 +7,7 @@ tokens are transformers' greedy ones. The shard announces the window it reads
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from tests.shard.native.models.test_families import make_runner
 from tgis.router.core.batching import SchedulerLimits
 from tgis.router.core.request_state import RequestState
 from tgis.router.core.scheduler import Scheduler, new_scheduler
+from tgis.router.core.steps import ScheduledStep
 from tgis.router.core.stopping import StopChecker
 from tgis.router.request_types import ResponseOptions
 from tgis.shard.native.models.kv_window import kv_window
@@ -73,18 +75,27 @@ def run(
     runner: ModelRunner,
     states: list[RequestState],
     newcomer: Callable[[int], RequestState] | None = None,
+    depth: int = 1,
 ) -> int:
-    """Drive ``states`` to the end one step at a time; returns the most blocks in use. With
+    """Drive ``states`` to the end with ``depth`` steps in flight (2: each planned on top of
+    the one before it, as the engine overlaps them); returns the most blocks in use. With
     ``newcomer``, a step that gave blocks back is followed by a new request (its id the
     argument), whose first prompt chunk fills the block given back last."""
     for state in states:
         scheduler.add(state)
     most = 0
+    in_flight: deque[ScheduledStep] = deque()
     for _ in range(1000):
-        if not scheduler.has_work:
+        while len(in_flight) < depth:
+            base = in_flight[-1].plan.step_id if in_flight else 0
+            step = scheduler.schedule(0.0, base)
+            if not step.plan.has_message:
+                break
+            in_flight.append(step)
+        if not in_flight:
+            assert not scheduler.has_work, "requests left but nothing to do: stuck"
             return most
-        step = scheduler.schedule(0.0)
-        assert step.plan.has_message, "nothing to do but requests left: stuck"
+        step = in_flight.popleft()
         released = scheduler.window_released
         output = runner.step(step.plan)
         for sampled in output.tokens:
@@ -97,17 +108,20 @@ def run(
     pytest.fail("the generation did not end")
 
 
-def test_long_generations_run_in_the_window_s_blocks_and_match_hf(mistral: TinyModel) -> None:
+@pytest.mark.parametrize("depth", [1, 2])
+def test_long_generations_run_in_the_window_s_blocks_and_match_hf(
+    mistral: TinyModel, depth: int
+) -> None:
     """Two sequences side by side in a pool of 10 blocks of 16 (160 tokens, less than one
-    190-token sequence). Whenever blocks are given back a short request arrives, whose
-    first chunk overwrites the last one given back in the very next step: a block given
-    back while a query still reads it would change the tokens."""
+    190-token sequence), one step in flight or two. Whenever blocks are given back a short
+    request arrives, whose first chunk overwrites the last one given back as soon as it
+    can: a block given back while a query still reads it would change the tokens."""
     runner = make_runner(mistral.path, max_sequence_length=256)
     assert runner.info.kv_window == 8 == kv_window(runner.model)
     scheduler = new_scheduler(limits(160), runner.info, prefix_caching=False)
     assert (scheduler.blocks.num_blocks, scheduler.kv_window) == (10, 8)
     states = [request(1, PROMPT, NEW), request(2, OTHER, NEW)]
-    most = run(scheduler, runner, states, lambda rid: request(rid, prompt_of(16, rid), 2))
+    most = run(scheduler, runner, states, lambda rid: request(rid, prompt_of(16, rid), 2), depth)
     assert len(states) >= 12 and scheduler.preemption_count == 0
     for state in states:
         assert_matches_hf(mistral, state)
