@@ -28,7 +28,7 @@ def _experts(tp: TensorParallel = SINGLE) -> Experts:
         a, b = cols
         return gate[e, a:b], up[e, a:b], down[e, :, a:b]
 
-    return Experts(read, EXPERTS, INTER, tp, F.silu)
+    return Experts(read, EXPERTS, INTER, tp, "silu")
 
 
 def _reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from tgis.shard.native.linear.moe import (
     Experts,
     Routing,
     SparseMoE,
+    expert_kernel,
     fused_experts,
     refuse_quantized,
 )
@@ -174,7 +175,12 @@ class HybridLayer:
                 weights, f"{moe}.input_linear.weight", f"{moe}.output_linear.weight"
             )
             experts = Experts(
-                reader, args.routing.num_experts, args.expert_size, weights.tp, F.silu
+                reader,
+                args.routing.num_experts,
+                args.expert_size,
+                weights.tp,
+                "silu",
+                expert_kernel(weights.device),  # fused Triton kernels on CUDA
             )
             router = weights.get(f"{moe}.router.layer.weight")
             self.moe = SparseMoE(router, args.routing, experts, weights.tp)

@@ -31,6 +31,7 @@ from tgis.shard.native.linear.moe import (
     Routing,
     SharedExpert,
     SparseMoE,
+    expert_kernel,
     fused_experts,
     refuse_quantized,
     separate_experts,
@@ -153,6 +154,7 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
     ) -> None:
         refuse_quantized(weights, config.architecture)
         self.moe = _parse(config, max_sequence_length)[1]
+        self.expert_kernel = expert_kernel(weights.device)  # fused Triton kernels on CUDA
         super().__init__(config, weights, attention, max_sequence_length)
         if self.moe.family == "qwen3_moe":  # Qwen3's attention: q/k heads normed
             for index, layer in enumerate(self.layers):
@@ -170,7 +172,8 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             moe.routing.num_experts,
             moe.expert_size,
             weights.tp,
-            F.silu,
+            "silu",
+            self.expert_kernel,
         )
         shared = None
         if moe.shared_size:
