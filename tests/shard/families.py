@@ -325,6 +325,23 @@ FAMILIES: dict[str, Family] = {
             logits_scaling=2.5,
         ),
     ),
+    # Gemma 3: Gemma 2's layer with offset q/k norms per head, layer 0 sliding (8 keys, its own
+    # rope base 100), layer 1 global (base 10000, linear scaling 4), the final logit soft-cap.
+    "gemma3": Family(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            _LLAMA_SHAPE,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            sliding_window_pattern=2,
+            rope_theta=10000.0,
+            rope_scaling=dict(rope_type="linear", factor=4.0),
+            rope_local_base_freq=100.0,
+            final_logit_softcapping=4.0,
+        ),
+    ),
     "starcoder2-untied": Family(
         "Starcoder2Config",
         "Starcoder2ForCausalLM",

@@ -93,6 +93,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_LLAMA, pad_token_id=0)),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(_LLAMA, sliding_window=64)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_LLAMA, head_dim=16, sliding_window=8)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(_LLAMA, head_dim=16, sliding_window=8),
+    ),
     "gpt-bigcode-mqa": (
         "GPTBigCodeConfig",
         "GPTBigCodeForCausalLM",

@@ -1,7 +1,8 @@
 """Read a model directory's ``config.json`` and ``generation_config.json`` (no transformers).
 
 Only the fields every architecture shares live here; each model class parses its own
-architecture-specific fields from ``raw``.
+architecture-specific fields from ``raw``. A vision-language checkpoint is read as its
+language model (``text_config.text_model_config``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tgis.model_files import MAX_SEQUENCE_LENGTH_KEYS
+from tgis.shard.checkpoints.text_config import text_model_config
 from tgis.shard.errors import StartupError
 
 
@@ -34,6 +36,7 @@ class ModelConfig:
         raw = _read_json(model_dir / "config.json")
         if raw is None:
             raise StartupError(f"no config.json in {model_dir}")
+        raw = text_model_config(raw)
         architectures = raw.get("architectures") or []
         model_type = str(raw.get("model_type", ""))
         if not architectures and not model_type:

@@ -247,6 +247,8 @@ TP_VARIANTS = {
     "olmo2": 1,
     "phi3-longrope": 1,
     "starcoder2-window": 1,
+    "gemma2": 1,
+    "gemma3": 1,
 }
 TP_DETAILS = DetailOptions(logprobs=True, ranks=True, top_n=2, generated_tokens=True)
 

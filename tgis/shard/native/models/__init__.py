@@ -21,6 +21,7 @@ from tgis.shard.native.linear.lora_rows import LoraRows
 from tgis.shard.native.models.decoder import EmbeddingRows
 from tgis.shard.native.models.falcon import FalconForCausalLM
 from tgis.shard.native.models.gemma2 import Gemma2ForCausalLM
+from tgis.shard.native.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from tgis.shard.native.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tgis.shard.native.models.gpt_neox import GPTNeoXForCausalLM
 from tgis.shard.native.models.granite_hybrid import GraniteHybridForCausalLM
@@ -111,6 +112,8 @@ ARCHITECTURES: dict[str, ModelFactory] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # its language model
     "RWForCausalLM": FalconForCausalLM,  # Falcon's original remote-code checkpoints
 }
 # Fallback when a config names no architecture.
@@ -132,6 +135,8 @@ MODEL_TYPES: dict[str, str] = {
     "phi3": "Phi3ForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "RefinedWeb": "RWForCausalLM",
     "RefinedWebModel": "RWForCausalLM",
 }

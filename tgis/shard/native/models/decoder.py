@@ -97,6 +97,7 @@ class DecoderLM:
     final_norm: Callable[[torch.Tensor], torch.Tensor]
     lm_head: LMHead
     rotary: RotaryEmbedding | None = None
+    local_rotary: RotaryEmbedding | None = None  # the local_rope layers' (Gemma 3's sliding)
 
     @classmethod
     def check_config(cls, config: ModelConfig, max_sequence_length: int) -> None:
@@ -156,7 +157,9 @@ class DecoderLM:
         """Embed, every layer (attending through ``attend``), final norm."""
         x = self.embed_tokens(input_ids, positions, rows)
         rope = None if self.rotary is None else self.rotary.cos_sin(positions, x.dtype)
-        ctx = StepContext(attend, rope, lora)
+        local = self.local_rotary
+        local_rope = None if local is None else local.cos_sin(positions, x.dtype)
+        ctx = StepContext(attend, rope, lora, local_rope)
         for layer in self.layers:
             x = layer.forward(x, ctx)
         return self.final_norm(x)

@@ -302,13 +302,15 @@ class StepContext:
     attend: AttendFn
     rope: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin; None: no rotary embedding
     lora: LoraRows | None = None  # the step's LoRA adapters and their rows
+    local_rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the local layers' cos, sin
 
 
 class Attention:
     """One layer's self-attention over the paged KV cache: the column-parallel ``qkv``
     gives this rank's heads as [q | k | v], ``qk_norm`` (if any) norms q and k, rotary turns
-    them (when the step has cos/sin), the backend writes k/v to the cache and attends,
-    ``out`` is row-parallel."""
+    them (when the step has cos/sin; a ``local_rope`` layer with the step's ``local_rope``,
+    Gemma 3's sliding layers' own rope base), the backend writes k/v to the cache and
+    attends, ``out`` is row-parallel."""
 
     def __init__(
         self,
@@ -327,6 +329,7 @@ class Attention:
         self.window: int | None = None  # the layer's sliding window, if it has one
         self.softcap: float | None = None  # the layer's attention logit soft-cap, if any
         self.sinks: torch.Tensor | None = None  # this rank's heads' sink logits, if any
+        self.local_rope = False  # turned by the step's local_rope instead of its rope
         self.qk_norm = qk_norm
 
     def __call__(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -338,8 +341,9 @@ class Attention:
         v = v.view(tokens, h.num_kv_heads, h.head_dim)
         if self.qk_norm is not None:
             q, k = self.qk_norm(q, k)
-        if ctx.rope is not None:
-            q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
+        rope = ctx.local_rope if self.local_rope else ctx.rope
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         attn = ctx.attend(self.index, q, k, v, self.scale, self.window, self.softcap, self.sinks)
         return self.out(attn.reshape(tokens, h.q_size), ctx.lora)
 

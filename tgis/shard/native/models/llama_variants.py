@@ -1,7 +1,9 @@
 """The Llama-shaped decoder of the newer families, each a module of its own that says which
 options it takes (``Variant``): Qwen3 (per-head q/k norms), OLMo 2 (post-sub-layer norms and
 whole-projection q/k norms), Phi-3 (fused ``qkv_proj``/``gate_up_proj`` tensors, LongRoPE,
-partial rotary).
+partial rotary), Gemma 2 and 3 (offset norms before and after each sub-layer, GeGLU, scaled
+embeddings, soft-caps; Gemma 3's sliding layers with a rope of their own, its language model
+read under a multimodal checkpoint's prefix: ``VariantForCausalLM.decoder``).
 
 The config is read as Llama's (``LlamaArgs``); the layer puts together the shared pieces:
 ``norms.py``'s ``SubLayerNorms`` and q/k norms, ``layers.py``'s fused-tensor loaders and
@@ -12,7 +14,7 @@ tensor parallelism, LoRA sites) is as for Llama.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -85,6 +87,8 @@ class VariantArgs:
     embedding_scale: float | None = None  # embeddings times it, in the model's dtype
     attn_softcap: float | None = None  # every layer's attention logit soft-cap
     final_softcap: float | None = None  # the logits' soft-cap
+    local_rope: dict[str, Any] | None = None  # the local_rope_layers' rope (else llama.rope)
+    local_rope_layers: tuple[int, ...] = ()  # the layers turned by local_rope
 
     @property
     def rotary_dim(self) -> int:
@@ -94,8 +98,10 @@ class VariantArgs:
 class VariantLayer:
     """One decoder layer: attention, then the gated MLP, each inside its ``SubLayerNorms``."""
 
-    def __init__(self, args: VariantArgs, heads: Heads, weights: Weights, index: int) -> None:
-        prefix = f"model.layers.{index}"
+    def __init__(
+        self, args: VariantArgs, heads: Heads, weights: Weights, index: int, decoder: str = "model"
+    ) -> None:
+        prefix = f"{decoder}.layers.{index}"
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         llama, variant = args.llama, args.variant
         eps = llama.rms_norm_eps
@@ -111,6 +117,7 @@ class VariantLayer:
         )
         self.attn.window = llama.window(index)
         self.attn.softcap = args.attn_softcap
+        self.attn.local_rope = index in args.local_rope_layers
         self.act = ACTIVATIONS[variant.activation]
         if variant.fused:
             self.gate_up = fused_gate_up_linear(weights, f"{mlp}.gate_up_proj", llama.mlp_bias)
@@ -140,7 +147,7 @@ def _qkv(weights: Weights, attn: str, args: VariantArgs, heads: Heads) -> Column
 def _qk_norm(weights: Weights, attn: str, args: VariantArgs, heads: Heads) -> QKNormFn | None:
     eps = args.llama.rms_norm_eps
     if args.variant.qk_norm == "head":
-        return HeadQKNorm(weights, attn, eps)
+        return HeadQKNorm(weights, attn, eps, args.variant.norm)
     if args.variant.qk_norm == "projection":
         return ProjectionQKNorm(weights, attn, heads, eps)
     return None
@@ -148,10 +155,16 @@ def _qk_norm(weights: Weights, attn: str, args: VariantArgs, heads: Heads) -> QK
 
 class VariantForCausalLM(DecoderLM):
     """The decoder stack plus LM head of a family of ``Variant`` options (its subclass names
-    them in ``variant``, and may read more of the config in ``variant_args``)."""
+    them in ``variant``, and may read more of the config in ``variant_args``).
+
+    ``decoder`` is the checkpoint module holding ``embed_tokens``, ``layers`` and ``norm``
+    (a multimodal checkpoint's language model has its own: ``decoder_of``); ``lm_head_names``
+    the names an untied LM head may have, the first the one ``checkpoint_shapes`` gives."""
 
     parse_args = LlamaArgs.from_config  # the fields read as Llama's; see variant_args
     variant: ClassVar[Variant] = Variant()
+    decoder: ClassVar[str] = "model"
+    lm_head_names: ClassVar[tuple[str, ...]] = ("lm_head.weight",)
 
     @classmethod
     def variant_args(cls, config: ModelConfig, max_sequence_length: int) -> VariantArgs:
@@ -179,14 +192,30 @@ class VariantForCausalLM(DecoderLM):
         if args.attn_softcap is not None:
             check_softcap(attention, config.architecture)
         self.heads = Heads.split(llama.num_heads, llama.num_kv_heads, llama.head_dim, weights.tp)
-        self.embed = VocabEmbedding(weights, "model.embed_tokens.weight")
-        self.layers = [VariantLayer(args, self.heads, weights, i) for i in range(llama.num_layers)]
-        self.final_norm = args.variant.norm(weights, "model.norm.weight", llama.rms_norm_eps)
+        decoder = self.decoder_of(weights)
+        self.embed = VocabEmbedding(weights, f"{decoder}.embed_tokens.weight")
+        self.layers = [
+            VariantLayer(args, self.heads, weights, i, decoder) for i in range(llama.num_layers)
+        ]
+        self.final_norm = args.variant.norm(weights, f"{decoder}.norm.weight", llama.rms_norm_eps)
         self.lm_head = load_lm_head(
-            weights, self.embed, llama.vocab_size, llama.tie_word_embeddings
+            weights, self.embed, llama.vocab_size, llama.tie_word_embeddings, self.lm_head_names
         )
-        self.rotary = RotaryEmbedding.from_parameters(
-            llama.rope, args.rotary_dim, llama.max_position_embeddings, weights.device
+        self.rotary = self._rotary(llama.rope, args, weights)
+        if args.local_rope is not None:
+            self.local_rotary = self._rotary(args.local_rope, args, weights)
+
+    @classmethod
+    def decoder_of(cls, weights: Weights) -> str:
+        """The checkpoint module of the decoder stack in ``weights`` (``decoder``)."""
+        del weights
+        return cls.decoder
+
+    @staticmethod
+    def _rotary(rope: dict[str, Any], args: VariantArgs, weights: Weights) -> RotaryEmbedding:
+        llama = args.llama
+        return RotaryEmbedding.from_parameters(
+            rope, args.rotary_dim, llama.max_position_embeddings, weights.device
         )
 
     def word_embeddings(
@@ -214,12 +243,13 @@ class VariantForCausalLM(DecoderLM):
         """Every tensor of a checkpoint of ``config`` (the names this class reads)."""
         args = cls.variant_args(config, max_sequence_length)
         llama = args.llama
-        shapes: Shapes = {"model.embed_tokens.weight": (llama.vocab_size, llama.hidden_size)}
+        decoder = cls.decoder
+        shapes: Shapes = {f"{decoder}.embed_tokens.weight": (llama.vocab_size, llama.hidden_size)}
         for i in range(llama.num_layers):
-            shapes |= _layer_shapes(args, f"model.layers.{i}")
-        shapes["model.norm.weight"] = (llama.hidden_size,)
+            shapes |= _layer_shapes(args, f"{decoder}.layers.{i}")
+        shapes[f"{decoder}.norm.weight"] = (llama.hidden_size,)
         if not llama.tie_word_embeddings:
-            shapes["lm_head.weight"] = (llama.vocab_size, llama.hidden_size)
+            shapes[cls.lm_head_names[0]] = (llama.vocab_size, llama.hidden_size)
         return shapes
 
 

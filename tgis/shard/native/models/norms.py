@@ -70,11 +70,14 @@ def sublayer_norm_shapes(prefix: str, names: tuple[str | None, str | None], size
 
 
 class HeadQKNorm:
-    """RMSNorm of every query and key head over ``head_dim`` (weights [head_dim])."""
+    """RMSNorm of every query and key head over ``head_dim`` (weights [head_dim]): the
+    family's ``norm`` (Qwen3's plain one, Gemma 3's ``OffsetRMSNorm``)."""
 
-    def __init__(self, weights: Weights, prefix: str, eps: float) -> None:
-        self.q = RMSNorm(weights, f"{prefix}.q_norm.weight", eps)
-        self.k = RMSNorm(weights, f"{prefix}.k_norm.weight", eps)
+    def __init__(
+        self, weights: Weights, prefix: str, eps: float, norm: type[RMSNorm] = RMSNorm
+    ) -> None:
+        self.q = norm(weights, f"{prefix}.q_norm.weight", eps)
+        self.k = norm(weights, f"{prefix}.k_norm.weight", eps)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q(q), self.k(k)
