@@ -129,6 +129,13 @@ def _load(
     compile_step(runner, model, config.engine)
     if states is None:
         capture_decode_graphs(runner, config, tp)
+    _calibrate_cpu_threads(runner)
+    return runner
+
+
+def _calibrate_cpu_threads(runner: ModelRunner) -> None:
+    """On the CPU, measure the model's step cost for the thread policy and say what it
+    chose (``ModelRunner.calibrate_cpu_threads``)."""
     timing = runner.calibrate_cpu_threads()
     if timing is not None and runner.threads is not None:
         log.info(
@@ -140,7 +147,6 @@ def _load(
             timing.one_token_s * 1e3,
             timing.per_token_s * 1e3,
         )
-    return runner
 
 
 def _log_loaded(
