@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from tgis.shard.native.linear.moe import EXPERT_ACTIVATIONS, Experts
+from tgis.shard.native.linear.moe import Experts
+from tgis.shard.native.linear.moe_grouped import EXPERT_ACTIVATIONS
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 
 pytest.importorskip("triton")

@@ -13,12 +13,13 @@ each row by its routing weight and adds it back to its token with ``index_add``.
 partial sums of the experts (and of a shared expert, Qwen2-MoE's, gated by a sigmoid) are
 all-reduced once per layer.
 
-The grouped path reads each expert's count on the host, which neither a compiled step nor a
-CUDA graph can hold. On CUDA (``expert_kernel``: where Triton imports) the experts are
-stacked per expert instead and run by the fused Triton kernels (``moe_triton.py``: no host
-reads, so the compiled step and CUDA graphs include the layer). Elsewhere the compiled step
-calls the grouped path as one opaque operator (``tgis::grouped_moe``), as it calls
-attention; the eager step calls it directly (with oneDNN-packed weights on the CPU).
+The grouped path (``moe_grouped.py``) reads each expert's count on the host, which neither a
+compiled step nor a CUDA graph can hold. On CUDA (``moe_grouped.expert_kernel``: where
+Triton imports) the experts are stacked per expert instead and run by the fused Triton
+kernels (``moe_triton.py``: no host reads, so the compiled step and CUDA graphs include the
+layer). Elsewhere the compiled step calls the grouped path as one opaque operator
+(``tgis::grouped_moe``), as it calls attention; the eager step calls it directly (with
+oneDNN-packed weights on the CPU).
 
 Quantized expert matrices are not read: a model with them is refused at start
 (``refuse_quantized``).
@@ -26,9 +27,6 @@ Quantized expert matrices are not read: a model with them is refused at start
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,51 +35,15 @@ import torch.nn.functional as F
 
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
-from tgis.shard.native.linear.cpu_gemm import linear
 from tgis.shard.native.linear.lora_rows import LoraRows
+from tgis.shard.native.linear.moe_grouped import EXPERT_ACTIVATIONS, KERNELS, grouped
 from tgis.shard.native.linear.sharded import ColumnLinear, RowLinear, column_linear, row_linear
 from tgis.shard.parallel.group import TensorParallel
-
-log = logging.getLogger(__name__)
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 ExpertReader = Callable[[int, tuple[int, int]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 """``read(expert, (first, last))``: that expert's gate rows, up rows and down columns
 [first, last) of its intermediate dimension (this rank's slice)."""
-
-# The gated experts' activations by name (the fused kernel's constants: moe_triton.ACTIVATIONS).
-EXPERT_ACTIVATIONS: dict[str, Activation] = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
-}
-KERNELS = ("triton", "grouped")
-
-
-def expert_kernel(device: torch.device) -> str:
-    """``triton`` (the fused kernels, ``moe_triton.py``) on CUDA where Triton imports, else
-    ``grouped``; logs the choice, and why a CUDA device runs the grouped path."""
-    if device.type != "cuda":
-        return "grouped"
-    if _triton_imports():
-        log.info("Mixture-of-experts layers: the fused Triton kernels")
-        return "triton"
-    log.warning(
-        "Mixture-of-experts layers: Triton does not import, so the grouped path runs on CUDA; "
-        "it reads its counts on the host, and CUDA graphs will not capture the step"
-    )
-    return "grouped"
-
-
-def _triton_imports() -> bool:
-    """Whether Triton is there and imports (a broken install means the grouped path)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    try:
-        import tgis.shard.native.linear.moe_triton  # noqa: F401 - registers tgis::fused_moe
-    except Exception:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -195,35 +157,6 @@ class Experts:
         return grouped(x, weights, ids, self.gate_up, self.down, self.act)
 
 
-def grouped(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    gate_up: Sequence[Callable[[torch.Tensor], torch.Tensor]],
-    down: Sequence[Callable[[torch.Tensor], torch.Tensor]],
-    act: Activation,
-) -> torch.Tensor:
-    """The grouped path: the (token, expert) pairs sorted by expert, one GEMM per expert
-    with pairs (``gate_up[e]``, then ``down[e]`` on ``act(gate) * up``), each row scaled by
-    its routing weight and added back to its token."""
-    k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    rows = torch.div(order, k, rounding_mode="floor")
-    counts = torch.bincount(flat, minlength=len(gate_up)).tolist()
-    grouped_x = x.index_select(0, rows)
-    out = torch.empty_like(grouped_x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            stop = start + count
-            gate, up = gate_up[expert](grouped_x[start:stop]).chunk(2, dim=-1)
-            out[start:stop] = down[expert](act(gate) * up)
-            start = stop
-    out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    return torch.zeros_like(x).index_add_(0, rows, out)
-
-
 def _stacked(
     read: ExpertReader, num_experts: int, cols: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,39 +174,6 @@ def _dense(weight: object) -> torch.Tensor:
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"the compiled grouped experts take dense weights, not {type(weight)}")
     return weight
-
-
-@torch.library.custom_op("tgis::grouped_moe", mutates_args=())
-def grouped_moe(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    gate_up: list[torch.Tensor],
-    down: list[torch.Tensor],
-    activation: str,
-) -> torch.Tensor:
-    """``grouped`` over dense expert matrices, for the compiled step (which cannot trace
-    its host reads): one operator call per layer."""
-    return grouped(
-        x,
-        weights,
-        ids,
-        [functools.partial(linear, weight=w) for w in gate_up],
-        [functools.partial(linear, weight=w) for w in down],
-        EXPERT_ACTIVATIONS[activation],
-    )
-
-
-@grouped_moe.register_fake
-def _grouped_moe_shape(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    gate_up: list[torch.Tensor],
-    down: list[torch.Tensor],
-    activation: str,
-) -> torch.Tensor:
-    return torch.empty_like(x)
 
 
 class SharedExpert:

@@ -35,10 +35,10 @@ from tgis.shard.native.linear.moe import (
     Experts,
     Routing,
     SparseMoE,
-    expert_kernel,
     fused_experts,
     refuse_quantized,
 )
+from tgis.shard.native.linear.moe_grouped import expert_kernel
 from tgis.shard.native.linear.sharded import VocabEmbedding, row_linear
 from tgis.shard.native.models.decoder import DecoderLM, EmbeddingRows, paged_attend
 from tgis.shard.native.models.layers import (

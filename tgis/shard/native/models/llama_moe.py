@@ -31,11 +31,11 @@ from tgis.shard.native.linear.moe import (
     Routing,
     SharedExpert,
     SparseMoE,
-    expert_kernel,
     fused_experts,
     refuse_quantized,
     separate_experts,
 )
+from tgis.shard.native.linear.moe_grouped import expert_kernel
 from tgis.shard.native.models.layers import Shapes, linear_shapes
 from tgis.shard.native.models.llama import LlamaArgs, LlamaForCausalLM, LlamaLayer, MLPFn
 from tgis.shard.native.models.norms import HeadQKNorm, qk_norm_shapes
