@@ -7,6 +7,7 @@ weights."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ import pytest
 import torch
 
 from tests.shard.driving import NEW_TOKENS, PROMPTS, Preemption, Router, drive
-from tests.shard.families import FAMILIES
+from tests.shard.families import FAMILIES, LOGPROBS, assert_matches_hf
+from tests.shard.families import NEW_TOKENS as HF_TOKENS
+from tests.shard.families import PROMPTS as PROMPTS_HF
 from tests.shard.models import TinyModel
 from tgis.shard.checkpoints.dummy_weights import parameter_count
 from tgis.shard.checkpoints.model_config import ModelConfig
@@ -61,6 +64,34 @@ def reference(model: TinyModel) -> dict[int, list[int]]:
         router.step({})
     assert tokens[2] == model.greedy(PROMPTS[2], NEW_TOKENS)[0]
     return tokens
+
+
+def test_no_position_embedding_and_the_older_layer_names_match_hf(tmp_path: Path) -> None:
+    """Granite 4.0's published configs: no rotary embedding (``position_embedding_type``
+    "nope"), the layer kinds by their older names ("mamba", "attention"); transformers'
+    greedy tokens and logprobs, and the tokens differ from the same weights with RoPE."""
+    params = dict(FAMILY.params, position_embedding_type="nope")
+    hf = replace(FAMILY, params=params).build(tmp_path / "nope")
+    raw = json.loads((tmp_path / "nope" / "config.json").read_text())
+    older = {"linear_attention": "mamba", "full_attention": "attention"}
+    raw["layer_types"] = [older[kind] for kind in raw["layer_types"]]
+    (tmp_path / "nope" / "config.json").write_text(json.dumps(raw))
+    prompts = {3: PROMPTS_HF[3]}
+    router = Router(make_runner(tmp_path / "nope", max_batch_size=2))
+    router.add(3, prompts[3], details=LOGPROBS)
+    router.step({3: len(prompts[3])})
+    for _ in range(HF_TOKENS - 1):
+        router.decode([3])
+    nope = TinyModel(tmp_path / "nope", hf)
+    assert_matches_hf(router, nope, prompts)
+    raw["position_embedding_type"] = "rope"
+    (tmp_path / "nope" / "config.json").write_text(json.dumps(raw))
+    rope = Router(make_runner(tmp_path / "nope", max_batch_size=2))
+    rope.add(3, prompts[3])
+    rope.step({3: len(prompts[3])})
+    for _ in range(HF_TOKENS - 1):
+        rope.decode([3])
+    assert rope.generated[3] != router.generated[3]
 
 
 def test_info_announces_slots_and_turns_off_prefix_caching_and_speculation(
