@@ -35,6 +35,8 @@ LOG = logging.getLogger("test-launcher")
         ({"seq_len": 500}, 500, "model"),
         ({"max_position_embeddings": "4096", "seq_len": 500}, 500, "model"),  # not an integer
         ({"max_position_embeddings": True, "seq_len": 64}, 64, "model"),  # bool is not a length
+        ({"text_config": {"max_position_embeddings": 8192}}, 8192, "model"),  # Gemma 3 4B+
+        ({"text_config": {"model_type": "gemma3_text"}}, 131_072, "model"),  # its default
         ({"hidden_size": 64}, 2048, "default"),
         ({}, 2048, "default"),
     ],

@@ -1,5 +1,6 @@
 """The model as the launcher sees it: its directory, and what its config.json says about the
-context length (max_sequence_length)."""
+context length (max_sequence_length; a vision-language model's, its language model's:
+``text_config.text_model_config``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from tgis.launcher.config import ConfigError, LauncherConfig
 from tgis.model_files import MAX_SEQUENCE_LENGTH_KEYS, ModelNotFoundError, resolve_model_dir
+from tgis.shard.checkpoints.text_config import text_model_config
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 2048
 
@@ -51,7 +53,7 @@ def find_model_dir(model_name: str | None, revision: str | None) -> Path:
 
 
 def read_model_config(model_dir: Path) -> dict[str, Any]:
-    """Parse `<model_dir>/config.json`."""
+    """Parse `<model_dir>/config.json`: the language model's part, as the shard reads it."""
     path = model_dir / "config.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -61,7 +63,7 @@ def read_model_config(model_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read model config {path}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"model config {path} is not a JSON object")
-    return data
+    return text_model_config(data)
 
 
 def model_max_sequence_length(model_config: Mapping[str, Any]) -> int | None:
