@@ -97,7 +97,7 @@ def _load(
     _log_quantization(model, quantization)
     spec = model.kv_cache_spec
     info = _info(config, model_config, spec, attention, device, dtype, kv_window(model))
-    states = recurrent_states(config, model, device)
+    states = recurrent_states(config, model, device, tp)
     if states is not None:  # no prefix cache, no speculation: recurrent.py says why
         info = replace(info, state_slots=states.num_slots, prefix_caching=False, speculation=False)
     forward = model.forward if states else choose_forward(model, tp, device, config.engine)

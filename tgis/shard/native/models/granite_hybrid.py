@@ -14,7 +14,8 @@ logits divided by ``logits_scaling``. Only the attention layers have KV caches.
 
 The step's sequences and their slots reach the Mamba layers through ``forward``'s
 ``state`` (``StateStep``); the forward always runs eagerly (no compiled step or CUDA
-graphs) and on one rank.
+graphs). With tensor parallelism every rank holds its heads' share of each Mamba layer
+(``MambaMixer``) and of its state.
 """
 
 from __future__ import annotations
@@ -224,11 +225,6 @@ class GraniteHybridForCausalLM(DecoderLM):
         max_sequence_length: int,
     ) -> None:
         args = HybridArgs.from_config(config, max_sequence_length)
-        if weights.tp.is_parallel:
-            raise StartupError(
-                f"{config.architecture}: tensor parallelism is not supported for its Mamba "
-                "layers yet; serve it with --num-shard 1"
-            )
         if args.routing is not None:
             refuse_quantized(weights, config.architecture)
         self.args = args
@@ -265,8 +261,10 @@ class GraniteHybridForCausalLM(DecoderLM):
 
     @property
     def state_spec(self) -> StateSpec:
-        """One recurrent-state slot: every Mamba layer's convolution and SSM states."""
-        return self.args.mamba.state_spec(self.args.mamba_layers, self.dtype)
+        """One recurrent-state slot: every Mamba layer's convolution and SSM states (of
+        this rank's heads)."""
+        local = next(layer.mamba.args for layer in self.hybrid_layers if layer.mamba)
+        return local.state_spec(self.args.mamba_layers, self.dtype)
 
     def forward(
         self,

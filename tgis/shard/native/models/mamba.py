@@ -14,15 +14,16 @@ form; the one-token sequences of a step (decodes) in one batched update.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from tgis.shard.adapters.lora_layout import LoraSite
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
-from tgis.shard.native.linear.sharded import column_linear, row_linear
+from tgis.shard.native.linear.sharded import ColumnLinear, lora_part, row_linear
 from tgis.shard.native.models.layers import Shapes, linear_shapes
 from tgis.shard.native.models.recurrent_state import StateSpec, StateStep
 from tgis.shard.native.models.ssm_scan import conv_sequence, conv_step, ssm_chunked, ssm_step
@@ -120,19 +121,44 @@ def _time_step_limit(value: Any) -> tuple[float, float]:
 
 
 class MambaMixer:
-    """One Mamba-2 layer on one rank (tensor parallelism is refused for these models)."""
+    """One Mamba-2 layer on this rank: with tensor parallelism its heads are split evenly
+    (``in_proj``'s z, x and dt rows, the convolution's x channels, dt_bias, A_log, D and
+    the norm's channels; ``out_proj`` row-parallel, one all-reduce), its groups' B and C
+    split too when the ranks divide them, else (one group) on every rank, the gated norm's
+    sum of squares then summed over the ranks."""
 
     def __init__(self, weights: Weights, prefix: str, args: MambaArgs, index: int) -> None:
-        self.args = args
+        tp = weights.tp
+        heads = tp.split(args.heads, "mamba_n_heads") if tp.is_parallel else (0, args.heads)
+        groups = (0, args.groups)
+        if tp.is_parallel and args.groups > 1:
+            groups = tp.split(args.groups, "mamba_n_groups")
+        self.args = replace(args, heads=heads[1] - heads[0], groups=groups[1] - groups[0])
         self.index = index  # its place among the model's Mamba layers (its state's)
-        self.in_proj = column_linear(weights, [f"{prefix}.in_proj"], args.proj_bias)
+        self.tp = tp
+        # One group spread over the ranks: the gated norm's statistics are summed over them.
+        self.norm_channels = args.inner if tp.is_parallel and args.groups == 1 else 0
+        p, n, inner, per_group = args.head_dim, args.state_size, args.inner, args.state_size
+        x_rows = (heads[0] * p, heads[1] * p)
+        b_rows = (inner + groups[0] * per_group, inner + groups[1] * per_group)
+        c_rows = (b_rows[0] + args.groups * n, b_rows[1] + args.groups * n)
+        conv_rows = [x_rows, b_rows, c_rows]
+        dt_rows = (inner + args.conv_dim + heads[0], inner + args.conv_dim + heads[1])
+        in_rows = [x_rows, *((inner + a, inner + b) for a, b in conv_rows), dt_rows]
+        in_proj = f"{prefix}.in_proj"
+        bias = weights.get_row_ranges(f"{in_proj}.bias", in_rows) if args.proj_bias else None
+        site = LoraSite((lora_part(weights, in_proj, in_rows),), row_parallel=False)
+        self.in_proj = ColumnLinear(weights.linear(in_proj, rows=in_rows), bias, site)
         self.out_proj = row_linear(weights, f"{prefix}.out_proj", args.proj_bias)
-        self.conv_weight = weights.get(f"{prefix}.conv1d.weight")[:, 0, :]  # [C, K]
-        self.conv_bias = weights.get(f"{prefix}.conv1d.bias") if args.conv_bias else None
-        self.dt_bias = weights.get(f"{prefix}.dt_bias").float()
-        self.a = -torch.exp(weights.get(f"{prefix}.A_log").float())
-        self.d = weights.get(f"{prefix}.D").float()
-        self.norm_weight = weights.get(f"{prefix}.norm.weight").float()
+        conv = weights.get_row_ranges(f"{prefix}.conv1d.weight", conv_rows)
+        self.conv_weight = conv[:, 0, :]  # [C, K]
+        self.conv_bias = None
+        if args.conv_bias:
+            self.conv_bias = weights.get_row_ranges(f"{prefix}.conv1d.bias", conv_rows)
+        self.dt_bias = weights.get_rows(f"{prefix}.dt_bias", *heads).float()
+        self.a = -torch.exp(weights.get_rows(f"{prefix}.A_log", *heads).float())
+        self.d = weights.get_rows(f"{prefix}.D", *heads).float()
+        self.norm_weight = weights.get_rows(f"{prefix}.norm.weight", *x_rows).float()
         # The step's scan in one Triton kernel (``ssm_triton.py``) on CUDA; the torch forms
         # elsewhere (tests set it on the CPU, where Triton's interpreter runs it).
         self.triton_scan = weights.device.type == "cuda"
@@ -236,5 +262,9 @@ class MambaMixer:
         args = self.args
         gated = y * F.silu(z.float())
         grouped = gated.view(y.shape[0], args.groups, args.inner // args.groups)
-        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + args.eps)
+        if self.norm_channels:  # the group's channels on every rank
+            mean = self.tp.all_reduce(grouped.pow(2).sum(-1, keepdim=True)) / self.norm_channels
+        else:
+            mean = grouped.pow(2).mean(-1, keepdim=True)
+        normed = grouped * torch.rsqrt(mean + args.eps)
         return normed.view(y.shape[0], args.inner) * self.norm_weight
