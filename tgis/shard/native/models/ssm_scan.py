@@ -97,9 +97,13 @@ def ssm_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of ``S`` sequences: ``x`` [S, H, P], ``dt`` [S, H], ``b``/``c``
     [S, H, N], ``state`` [S, H, P, N] → (y [S, H, P], new states)."""
-    decay = torch.exp(dt * a)[..., None, None]
-    state = state * decay + (dt[..., None] * x)[..., None] * b[:, :, None, :]
-    return torch.einsum("shpn,shn->shp", state, c) + d[:, None] * x, state
+    count, heads, channels = x.shape
+    size = b.shape[-1]
+    state = state * torch.exp(dt * a)[..., None, None]  # the one new [S, H, P, N] tensor
+    flat = state.view(count * heads, channels, size)
+    flat.baddbmm_((dt[..., None] * x).reshape(-1, channels, 1), b.reshape(-1, 1, size))
+    y = torch.bmm(flat, c.reshape(-1, size, 1)).view(count, heads, channels)
+    return y + d[:, None] * x, state
 
 
 def conv_sequence(
