@@ -308,3 +308,31 @@ def test_two_ranks_match_one(groups: int, tmp_path: Path) -> None:
     assert sum(len(o.tokens) for o in reports[0].outputs if not isinstance(o, str)) == 9
     assert_same_outputs(single.outputs, reports[0].outputs)
     assert reports[1].worker_error is None
+
+
+def test_a_lora_adapter_on_attention_and_mamba_projections_matches_peft(
+    model: TinyModel, tmp_path: Path
+) -> None:
+    """A LoRA adapter on q/o and the Mamba layers' in_proj/out_proj: PEFT's greedy tokens
+    and logprobs, beside a request without it."""
+    from tests.lora_oracle import lora_greedy, save_random_lora
+
+    targets = ["q_proj", "o_proj", "in_proj", "out_proj"]
+    save_random_lora(model.path, tmp_path / "adapters" / "a", seed=1, targets=targets)
+    runner = make_runner(model.path, adapter_cache=str(tmp_path / "adapters"))
+    runner.lookup_adapter("a")
+    router = Router(runner)
+    router.add(1, PROMPTS_HF[2], details=LOGPROBS, adapter_id="a")
+    router.add(2, PROMPTS_HF[3], details=LOGPROBS)
+    router.step({1: len(PROMPTS_HF[2]), 2: len(PROMPTS_HF[3])})
+    for _ in range(FEW - 1):
+        router.decode([1, 2])
+    cases = ((1, tmp_path / "adapters" / "a", PROMPTS_HF[2]), (2, None, PROMPTS_HF[3]))
+    for rid, adapter, prompt in cases:
+        tokens, logits = lora_greedy(model.path, adapter, prompt, FEW)
+        assert router.generated[rid] == tokens, rid
+        details = [t.token for o in router.outputs for t in o.tokens if t.request_id == rid]
+        for detail, step_logits in zip(details, logits, strict=True):
+            expected = torch.log_softmax(step_logits, dim=-1)[detail.token_id].item()
+            assert abs(detail.logprob - expected) < 1e-4, rid
+    assert router.generated[1] != lora_greedy(model.path, None, PROMPTS_HF[2], FEW)[0]

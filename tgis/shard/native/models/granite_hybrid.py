@@ -194,7 +194,7 @@ class HybridLayer:
         h = self.input_norm(x)
         if self.mamba is not None:
             assert state is not None
-            h = self.mamba(h, state)
+            h = self.mamba(h, state, ctx.lora)
         else:
             assert self.attn is not None
             h = self.attn(h, ctx)

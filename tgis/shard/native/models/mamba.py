@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tgis.shard.adapters.lora_layout import LoraSite
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
+from tgis.shard.native.linear.lora_rows import LoraRows
 from tgis.shard.native.linear.sharded import ColumnLinear, lora_part, row_linear
 from tgis.shard.native.models.layers import Shapes, linear_shapes
 from tgis.shard.native.models.recurrent_state import StateSpec, StateStep
@@ -163,15 +164,19 @@ class MambaMixer:
         # elsewhere (tests set it on the CPU, where Triton's interpreter runs it).
         self.triton_scan = weights.device.type == "cuda"
 
-    def __call__(self, x: torch.Tensor, state: StateStep) -> torch.Tensor:
-        """``x``: normed hidden states [tokens, hidden] → the mixer's output [tokens, hidden];
-        the sequences' new states are staged in ``state``."""
+    def __call__(
+        self, x: torch.Tensor, state: StateStep, lora: LoraRows | None = None
+    ) -> torch.Tensor:
+        """``x``: normed hidden states [tokens, hidden] → the mixer's output [tokens, hidden]
+        (with the step's LoRA adapters on in_proj and out_proj); the sequences' new states
+        are staged in ``state``."""
         args, tokens = self.args, x.shape[0]
-        z, xbc, dt = self.in_proj(x).split([args.inner, args.conv_dim, args.heads], dim=-1)
+        z, xbc, dt = self.in_proj(x, lora).split([args.inner, args.conv_dim, args.heads], dim=-1)
         dt = torch.clamp(F.softplus(dt.float() + self.dt_bias), args.dt_min, args.dt_max)
         if self.triton_scan:
             y = self._scan_in_one_launch(xbc, dt, state)
-            return self.out_proj(self._gated_norm(y.view(tokens, args.inner), z).to(x.dtype))
+            normed = self._gated_norm(y.view(tokens, args.inner), z)
+            return self.out_proj(normed.to(x.dtype), lora)
         y = torch.empty(tokens, args.heads, args.head_dim, dtype=torch.float32, device=x.device)
         for segment in state.segments:
             span = slice(segment.start, segment.start + segment.length)
@@ -185,7 +190,7 @@ class MambaMixer:
             y[rows], conv, ssm = self._single(xbc[rows], dt[rows], conv, before)
             state.stage(self.index, state.single_slots, conv, ssm)
         normed = self._gated_norm(y.view(tokens, args.inner), z)
-        return self.out_proj(normed.to(x.dtype))
+        return self.out_proj(normed.to(x.dtype), lora)
 
     def _scan_in_one_launch(
         self, xbc: torch.Tensor, dt: torch.Tensor, state: StateStep
