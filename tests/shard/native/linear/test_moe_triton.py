@@ -27,6 +27,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 # Without a GPU, tests/conftest.py sets TRITON_INTERPRET=1 before anything imports triton.
 from tgis.shard.native.linear.moe_triton import (  # noqa: E402
+    Gating,
     Tiles,
     align,
     capacity,
@@ -119,7 +120,7 @@ def test_align_puts_every_pair_once_in_blocks_of_one_expert() -> None:
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
 def test_fused_equals_the_grouped_path_and_the_reference(activation: str) -> None:
     x, weights, ids, w13, w2 = _problem(len(IDS), torch.float32)
-    fused = fused_moe_with(x, weights, ids, w13, w2, activation, SMALL)
+    fused = fused_moe_with(x, weights, ids, w13, w2, Gating(activation), SMALL)
     grouped = _experts(w13, w2, "grouped", activation)(x, weights, ids)
     torch.testing.assert_close(fused, grouped, rtol=1e-5, atol=1e-5)
     expected = _reference(x, weights, ids, w13, w2, activation)
@@ -153,3 +154,27 @@ def test_tensor_parallel_slices_add_up() -> None:
     total = parts[0](x, weights, ids) + parts[1](x, weights, ids)
     torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(whole.cpu(), _reference(x, weights, ids, w13, w2, "silu"))
+
+
+def test_clamped_swiglu_with_biases() -> None:
+    """gpt-oss's experts: biases on gate/up and down, gate clamped above, up both sides
+    (a limit small enough to clamp), ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    x, weights, ids, w13, w2 = _problem(len(IDS), torch.float32, seed=3)
+    g = torch.Generator().manual_seed(4)
+    b13 = torch.randn(EXPERTS, 2 * INTER, generator=g).to(DEVICE)
+    b2 = torch.randn(EXPERTS, HIDDEN, generator=g).to(DEVICE)
+    alpha, limit = 1.702, 0.5
+    got = torch.ops.tgis.fused_moe(
+        x, weights, ids, w13, w2, "clamped_swiglu", b13, b2, alpha, limit
+    )
+    expected = torch.zeros(x.shape)
+    cpu = [t.cpu() for t in (x, w13, w2, b13, b2)]
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist(), strict=True):
+            xt, w13e, w2e, b13e, b2e = cpu[0][t], cpu[1][e], cpu[2][e], cpu[3][e], cpu[4][e]
+            gate = (w13e[:INTER] @ xt + b13e[:INTER]).clamp(max=limit)
+            up = (w13e[INTER:] @ xt + b13e[INTER:]).clamp(-limit, limit)
+            h = gate * torch.sigmoid(alpha * gate) * (up + 1)
+            expected[t] += w * (w2e @ h + b2e)
+    assert (w13[:, :INTER] @ x[0].view(-1, 1)).abs().max() > limit  # the clamp bites
+    torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)

@@ -15,9 +15,13 @@ GEMM per expert. Here every size is an upper bound known from the shapes alone:
   its pairs' token rows of ``x``, multiplies them by the block's expert's gate and up rows
   (two float32 accumulators) and stores ``act(gate) * up`` at the pair's row of a
   [P, intermediate] buffer. The activation is a constant of the kernel (``ACTIVATIONS``:
-  SiLU, GELU, GELU's tanh form).
+  SiLU, GELU, GELU's tanh form, and gpt-oss's clamped SwiGLU, ``(clamp(up, -limit, limit)
+  + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``); optional biases are added
+  to gate and up first.
 - ``_down_kernel``: the same blocks over that buffer and the expert's down matrix, each row
-  scaled by its pair's routing weight, stored at the pair's row of [P, hidden]; a sum over
+  plus the expert's optional down bias, scaled by its pair's routing weight, stored at the
+  pair's row of [P, hidden] (a rank other than 0 passes no down bias: the all-reduce adds
+  it once); a sum over
   the ``top_k`` rows of each token (float32) gives the token's output.
 
 No two programs write the same element, so the result does not depend on scheduling (no
@@ -43,7 +47,7 @@ import triton
 import triton.language as tl
 
 # The activations of the gated experts: name → the kernel's constant.
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "clamped_swiglu": 3}
 SMALL_BLOCK_M, LARGE_BLOCK_M = 16, 64
 LARGE_FROM_PAIRS = 1024  # pairs from which blocks of LARGE_BLOCK_M rows are used
 BLOCK_N = 64
@@ -101,14 +105,18 @@ def align(ids: torch.Tensor, experts: int, block_m: int) -> Alignment:
 
 
 @triton.jit
-def _activation(g, ACTIVATION: tl.constexpr):
-    """``ACTIVATIONS``' function of float32 ``g``."""
+def _gated(g, u, alpha, limit, ACTIVATION: tl.constexpr):
+    """``ACTIVATIONS``' gated product of float32 ``g`` (gate) and ``u`` (up)."""
     if ACTIVATION == 0:
-        out = g * tl.sigmoid(g)
+        out = g * tl.sigmoid(g) * u
     elif ACTIVATION == 1:
-        out = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-    else:  # 0.5 * (1 + tanh(u)) = sigmoid(2u)
-        out = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g))
+        out = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
+    elif ACTIVATION == 2:  # 0.5 * (1 + tanh(v)) = sigmoid(2v)
+        out = g * tl.sigmoid(1.5957691216057308 * (g + 0.044715 * g * g * g)) * u
+    else:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        out = g * tl.sigmoid(alpha * g) * (u + 1.0)
     return out
 
 
@@ -124,6 +132,7 @@ def _block_rows(pairs_ptr, block, total, top_k, BLOCK_M: tl.constexpr):
 def _gate_up_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, size and tile
     x_ptr,
     w13_ptr,
+    b13_ptr,
     h_ptr,
     pairs_ptr,
     block_experts_ptr,
@@ -132,10 +141,13 @@ def _gate_up_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, s
     experts,
     hidden,
     inter,
+    alpha,
+    limit,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -169,7 +181,11 @@ def _gate_up_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, s
                 b_up = b_up.to(tl.float32)
             acc_gate += tl.dot(a, b_gate, input_precision=PRECISION)
             acc_up += tl.dot(a, b_up, input_precision=PRECISION)
-        h = _activation(acc_gate, ACTIVATION) * acc_up
+        if HAS_BIAS:
+            bias = b13_ptr + expert.to(tl.int64) * 2 * inter + n
+            acc_gate += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(bias + inter, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        h = _gated(acc_gate, acc_up, alpha, limit, ACTIVATION)
         tl.store(
             h_ptr + pair.to(tl.int64)[:, None] * inter + n[None, :],
             h.to(h_ptr.dtype.element_ty),
@@ -181,6 +197,7 @@ def _gate_up_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, s
 def _down_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, size and tile
     h_ptr,
     w2_ptr,
+    b2_ptr,
     weights_ptr,
     y_ptr,
     pairs_ptr,
@@ -193,10 +210,11 @@ def _down_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, size
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """``y[pair, n] = weight[pair] * (h[pair] . down_e[n])`` for the block's pairs and
+    """``y[pair, n] = weight[pair] * (h[pair] . down_e[n] + b_e[n])`` for the block's pairs and
     ``BLOCK_N`` columns ``n`` of the hidden dimension."""
     block = tl.program_id(0)
     expert = tl.load(block_experts_ptr + block)
@@ -223,6 +241,9 @@ def _down_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, size
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc += tl.dot(a, b, input_precision=PRECISION)
+        if HAS_BIAS:
+            bias = b2_ptr + expert.to(tl.int64) * hidden + n
+            acc += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         weight = tl.load(weights_ptr + pair, mask=valid, other=0.0)
         tl.store(
             y_ptr + pair.to(tl.int64)[:, None] * hidden + n[None, :],
@@ -231,18 +252,37 @@ def _down_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, size
         )
 
 
-def fused_moe(
+def fused_moe(  # noqa: PLR0913 - an operator takes its tensors and constants flat
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     activation: str,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     """This rank's partial sum [tokens, hidden] of each token's experts' outputs: ``x``
     [tokens, hidden], ``weights`` [tokens, top_k] (float32) and ``ids`` [tokens, top_k] the
-    routing, ``w13`` [E, 2 x inter, hidden] and ``w2`` [E, hidden, inter] the experts."""
-    return fused_moe_with(x, weights, ids, w13, w2, activation, tiles_for(ids.numel()))
+    routing, ``w13`` [E, 2 x inter, hidden] and ``w2`` [E, hidden, inter] the experts,
+    ``b13`` [E, 2 x inter] and ``b2`` [E, hidden] their biases (None: none), ``alpha`` and
+    ``limit`` the clamped SwiGLU's (unused by the other activations)."""
+    gating = Gating(activation, b13, b2, alpha, limit)
+    return fused_moe_with(x, weights, ids, w13, w2, gating, tiles_for(ids.numel()))
+
+
+@dataclass(frozen=True)
+class Gating:
+    """The experts' activation (``ACTIVATIONS``), optional biases and clamped-SwiGLU
+    constants."""
+
+    activation: str
+    b13: torch.Tensor | None = None
+    b2: torch.Tensor | None = None
+    alpha: float = 1.702
+    limit: float = 7.0
 
 
 def fused_moe_with(
@@ -251,7 +291,7 @@ def fused_moe_with(
     ids: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    activation: str,
+    gating: Gating,
     tiles: Tiles,
 ) -> torch.Tensor:
     """``fused_moe`` with the given tile sizes (the tests' small tiles)."""
@@ -259,15 +299,19 @@ def fused_moe_with(
     top_k = ids.shape[1]
     experts, inter = w13.shape[0], w2.shape[2]
     total = tokens * top_k
+    if total == 0:
+        return torch.zeros_like(x)
     x = x.contiguous()
     layout = align(ids, experts, tiles.block_m)
     dot_fp32 = x.device.type == "cpu" or x.dtype == torch.float32
     precision = "ieee" if dot_fp32 else "tf32"  # tf32: unused on 16-bit operands
     h = torch.empty(total, inter, dtype=x.dtype, device=x.device)
     blocks = layout.block_experts.numel()
+    b13, b2 = gating.b13, gating.b2
     _gate_up_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
         x,
         w13,
+        w13 if b13 is None else b13,
         h,
         layout.pairs,
         layout.block_experts,
@@ -276,10 +320,13 @@ def fused_moe_with(
         experts,
         hidden,
         inter,
+        gating.alpha,
+        gating.limit,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
-        ACTIVATION=ACTIVATIONS[activation],
+        ACTIVATION=ACTIVATIONS[gating.activation],
+        HAS_BIAS=b13 is not None,
         DOT_FP32=dot_fp32,
         PRECISION=precision,
     )
@@ -287,6 +334,7 @@ def fused_moe_with(
     _down_kernel[(blocks, triton.cdiv(hidden, tiles.block_n))](
         h,
         w2,
+        w2 if b2 is None else b2,
         weights.float().contiguous(),
         y,
         layout.pairs,
@@ -299,6 +347,7 @@ def fused_moe_with(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
+        HAS_BIAS=b2 is not None,
         DOT_FP32=dot_fp32,
         PRECISION=precision,
     )
@@ -309,12 +358,16 @@ _OPERATOR = torch.library.custom_op("tgis::fused_moe", fused_moe, mutates_args=(
 
 
 @_OPERATOR.register_fake
-def _fused_moe_shape(
+def _fused_moe_shape(  # noqa: PLR0913 - the operator's arguments
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     activation: str,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     return torch.empty_like(x)
