@@ -300,6 +300,23 @@ FAMILIES: dict[str, Family] = {
             final_logit_softcapping=4.0,
         ),
     ),
+    # Gemma 3: Gemma 2's layer with offset q/k norms per head, layer 0 sliding (8 keys, its own
+    # rope base 100), layer 1 global (base 10000, linear scaling 4), the final logit soft-cap.
+    "gemma3": Family(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            _LLAMA_SHAPE,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            sliding_window_pattern=2,
+            rope_theta=10000.0,
+            rope_scaling=dict(rope_type="linear", factor=4.0),
+            rope_local_base_freq=100.0,
+            final_logit_softcapping=4.0,
+        ),
+    ),
     # Granite 4.0 hybrid: Mamba-2 layers 0 and 2 (8 heads in 2 groups, chunks of 8 tokens),
     # attention at layer 1 with RoPE, 4 experts beside a shared MLP, Granite's multipliers.
     "granite-hybrid": Family(
@@ -325,21 +342,20 @@ FAMILIES: dict[str, Family] = {
             logits_scaling=2.5,
         ),
     ),
-    # Gemma 3: Gemma 2's layer with offset q/k norms per head, layer 0 sliding (8 keys, its own
-    # rope base 100), layer 1 global (base 10000, linear scaling 4), the final logit soft-cap.
-    "gemma3": Family(
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
+    # gpt-oss: attention sinks, biased q/k/v/o, layer 0 sliding (8 keys), layer 1 full, yarn
+    # rope (transformers' default), 4 experts (top 2) with biases, a router bias and a clamped
+    # SwiGLU whose limit (1.0) the tiny activations reach; sizes a multiple of MXFP4's blocks.
+    "gpt-oss": Family(
+        "GptOssConfig",
+        "GptOssForCausalLM",
         dict(
             _LLAMA_SHAPE,
             head_dim=16,
-            query_pre_attn_scalar=24,
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
             sliding_window=8,
-            sliding_window_pattern=2,
-            rope_theta=10000.0,
-            rope_scaling=dict(rope_type="linear", factor=4.0),
-            rope_local_base_freq=100.0,
-            final_logit_softcapping=4.0,
+            swiglu_limit=1.0,
         ),
     ),
     "starcoder2-untied": Family(

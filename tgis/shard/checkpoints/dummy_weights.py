@@ -136,8 +136,9 @@ class RandomQuantizedLayout:
 
 
 def random_layout(quantization: QuantScheme | None, device: torch.device) -> LayoutReader | None:
-    """The dummy counterpart of ``quantization``'s layout (None: dense)."""
-    if quantization is None:
+    """The dummy counterpart of ``quantization``'s layout (None: dense; MXFP4 experts are
+    created in their dequantized, dense form)."""
+    if quantization is None or quantization.method == "mxfp4":
         return None
     if not quantization.pre_quantized:
         return AtLoadReader(quantization.method)

@@ -12,9 +12,10 @@ from tgis.shard.checkpoints.quantized.source import LayoutReader
 
 
 def layout_reader(scheme: QuantScheme | None) -> LayoutReader | None:
-    """How ``scheme``'s linear layers are read (None: a dense model); StartupError, in one
-    line naming the format, for a variant tgis does not read."""
-    if scheme is None:
+    """How ``scheme``'s linear layers are read (None: a dense model, or MXFP4, whose
+    linear layers are dense and whose experts gpt-oss dequantizes itself); StartupError, in
+    one line naming the format, for a variant tgis does not read."""
+    if scheme is None or scheme.method == "mxfp4":
         return None
     if not scheme.pre_quantized:
         return AtLoadReader(scheme.method)

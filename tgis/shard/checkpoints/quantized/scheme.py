@@ -3,7 +3,8 @@
 ``--quantize`` / ``QUANTIZE`` flag, checked against each other at start-up.
 
 Formats named here: ``gptq``, ``awq``, ``compressed-tensors`` and ``fp8`` (pre-quantized
-checkpoints), and ``int8`` / ``fp8`` quantized at load from a dense checkpoint;
+checkpoints), ``mxfp4`` (gpt-oss's experts, dequantized at load by the family itself:
+``native/models/gpt_oss.py``), and ``int8`` / ``fp8`` quantized at load from a dense checkpoint;
 ``bitsandbytes`` and ``eetq`` are TGIS's and TGI's names for weight-only int8. How each
 format's tensors are read is in the layout modules beside this one (``readers.py``).
 """
@@ -28,7 +29,7 @@ QUANTIZE_ALIASES = {"bitsandbytes": "int8", "eetq": "int8"}
 """TGIS's and TGI's names for weight-only int8 quantized at load."""
 
 # The checkpoint formats (quant_method) tgis knows.
-_METHOD_FAMILIES = ("gptq", "awq", "compressed-tensors", "fp8")
+_METHOD_FAMILIES = ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4")
 # Checkpoint formats other servers read and tgis will not: named in the error.
 _UNSUPPORTED_METHODS = (
     "gptq_marlin",

@@ -21,8 +21,14 @@ layer). Elsewhere the compiled step calls the grouped path as one opaque operato
 (``tgis::grouped_moe``), as it calls attention; the eager step calls it directly (with
 oneDNN-packed weights on the CPU).
 
-Quantized expert matrices are not read: a model with them is refused at start
-(``refuse_quantized``).
+gpt-oss's experts (``Experts``' named options, the grouped path only): biases on gate/up
+and down (``biases``: the down bias added on rank 0 alone, before the routing weight, so the
+all-reduce adds it once), a clamped SwiGLU (``ClampedSwiGLU``), a router with a bias
+(``SparseMoE.router_bias``), and their checkpoint layout (``interleaved_experts``: input-major
+3-D tensors, gate and up interleaved, or MXFP4 blocks dequantized at load).
+
+Quantized expert matrices are not read (MXFP4 aside, dequantized): a model with them is
+refused at start (``refuse_quantized``).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tgis.shard.checkpoints.quantized import mxfp4
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.linear.lora_rows import LoraRows
@@ -108,12 +115,80 @@ def fused_experts(weights: Weights, gate_up: str, down: str) -> ExpertReader:
     return read
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts' activation: gate clamped to at most ``limit``, up to [-limit,
+    limit], out = (up + 1) * gate * sigmoid(alpha * gate). Run as the grouped path's
+    ``act(gate) * up``: ``clamp`` turns a [gate | up] projection into [clamped gate |
+    clamped up + 1], ``act`` is the gate's half."""
+
+    alpha: float
+    limit: float
+
+    def clamp(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        limit = self.limit
+        return torch.cat([gate.clamp(max=limit), up.clamp(-limit, limit) + 1], dim=-1)
+
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return gate * torch.sigmoid(gate * self.alpha)
+
+
+def interleaved_experts(weights: Weights, prefix: str) -> tuple[ExpertReader, ExpertReader]:
+    """gpt-oss's experts (``<prefix>.gate_up_proj``, ``.down_proj`` and their ``_bias``):
+    the matrix reader and the bias reader (``Experts``' ``biases``). The dense tensors are
+    input-major, ``gate_up_proj`` [experts, hidden, 2 x inter] with gate and up columns
+    interleaved (gate ``2i``, up ``2i + 1``) and ``down_proj`` [experts, inter, hidden]; an
+    MXFP4 checkpoint stores them output-major as ``_blocks``/``_scales``
+    (``checkpoints/quantized/mxfp4.py``), dequantized here, one expert at a time."""
+    gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+    packed = f"{gate_up}_blocks" in weights
+
+    def read(expert: int, cols: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        first, last = cols
+        one = slice(expert, expert + 1)
+        if packed:  # [2 x inter, hidden] rows and [hidden, inter] columns, output-major
+            rows = slice(2 * first, 2 * last)
+            fused = _mxfp4(weights, gate_up, one, rows)
+            lo, hi = first // mxfp4.BLOCK, -(-last // mxfp4.BLOCK)
+            down_cols = _mxfp4(weights, down, one, slice(None), slice(lo, hi))
+            start = first - lo * mxfp4.BLOCK
+            down_part = down_cols[:, start : start + last - first]
+        else:
+            fused = weights.get_part(gate_up, one, slice(None), slice(2 * first, 2 * last))[0].T
+            down_part = weights.get_part(down, one, slice(first, last))[0].T
+        return fused[0::2].contiguous(), fused[1::2].contiguous(), down_part.contiguous()
+
+    def read_biases(
+        expert: int, cols: tuple[int, int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        first, last = cols
+        one = slice(expert, expert + 1)
+        fused = weights.get_part(f"{gate_up}_bias", one, slice(2 * first, 2 * last))[0]
+        down_bias = weights.get_part(f"{down}_bias", one)[0]
+        return fused[0::2].contiguous(), fused[1::2].contiguous(), down_bias
+
+    return read, read_biases
+
+
+def _mxfp4(weights: Weights, name: str, *index: slice) -> torch.Tensor:
+    """Part ``index`` of the MXFP4 matrix ``name`` (its blocks and scales) of one expert,
+    dequantized into the model's dtype: [rows, columns]."""
+    blocks = weights.get_part(f"{name}_blocks", *index)
+    scales = weights.get_part(f"{name}_scales", *index)
+    return mxfp4.dequantize(blocks, scales, weights.dtype)[0]
+
+
 class Experts:
     """Every expert's gate/up (fused, column-parallel) and down (row-parallel, summed by
     the caller's one all-reduce) on this rank's slice of the intermediate dimension:
     linear layers for the grouped path, or (``kernel`` ``triton``) two stacked tensors,
     ``w13`` [experts, 2 x inter, hidden] and ``w2`` [experts, hidden, inter], for the
-    fused kernels. ``activation``: a name of ``EXPERT_ACTIVATIONS``."""
+    fused kernels. ``activation``: a name of ``EXPERT_ACTIVATIONS``.
+
+    gpt-oss's options (the grouped path only): ``biases`` reads each expert's gate, up and
+    down biases as ``read`` its matrices (the down bias kept on rank 0 alone: the caller's
+    all-reduce adds it once); ``glu`` replaces ``act(gate) * up`` (``ClampedSwiGLU``)."""
 
     def __init__(
         self,
@@ -123,9 +198,14 @@ class Experts:
         tp: TensorParallel,
         activation: str,
         kernel: str = "grouped",
+        *,
+        biases: ExpertReader | None = None,
+        glu: ClampedSwiGLU | None = None,
     ) -> None:
         if activation not in EXPERT_ACTIVATIONS or kernel not in KERNELS:
             raise StartupError(f"experts with activation {activation!r}, kernel {kernel!r}")
+        if (biases is not None or glu is not None) and kernel != "grouped":
+            raise StartupError("experts with biases or a clamped SwiGLU run the grouped path")
         cols = tp.split(inter, "the experts' intermediate size") if tp.is_parallel else (0, inter)
         self.gate_up: list[ColumnLinear] = []
         self.down: list[RowLinear] = []
@@ -136,10 +216,21 @@ class Experts:
         else:
             for expert in range(num_experts):
                 gate, up, down = read(expert, cols)
-                self.gate_up.append(ColumnLinear([gate, up], None))
-                self.down.append(RowLinear(down, None, tp, reduce=False))
+                gate_up_bias = down_bias = None
+                if biases is not None:
+                    gate_bias, up_bias, down_bias = biases(expert, cols)
+                    gate_up_bias = torch.cat([gate_bias, up_bias])
+                    down_bias = down_bias if tp.rank == 0 else None
+                self.gate_up.append(ColumnLinear([gate, up], gate_up_bias))
+                self.down.append(RowLinear(down, down_bias, tp, reduce=False))
         self.activation = activation
-        self.act = EXPERT_ACTIVATIONS[activation]
+        self.act = EXPERT_ACTIVATIONS[activation] if glu is None else glu.act
+        self.plain = biases is None and glu is None  # what the compiled operator runs
+        # With a glu: each expert's projection, then the clamps (not a second list of the
+        # linear layers, which DecoderLM's walk over attributes would find twice).
+        self.clamped: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        if glu is not None:
+            self.clamped = [_then(linear, glu.clamp) for linear in self.gate_up]
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum [tokens, hidden] of each token's experts' outputs, weighted
@@ -149,12 +240,18 @@ class Experts:
                 x, weights, ids, self.w13, self.w2, self.activation
             )
             return out
-        if torch.compiler.is_compiling():  # the grouped path as one opaque call
+        if torch.compiler.is_compiling() and self.plain:  # the grouped path, one opaque call
             gate_up = [_dense(linear.weight) for linear in self.gate_up]
             down = [_dense(linear.weight) for linear in self.down]
             out = torch.ops.tgis.grouped_moe(x, weights, ids, gate_up, down, self.activation)
             return out
-        return grouped(x, weights, ids, self.gate_up, self.down, self.act)
+        return grouped(x, weights, ids, self.clamped or self.gate_up, self.down, self.act)
+
+
+def _then(
+    first: Callable[[torch.Tensor], torch.Tensor], second: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: second(first(x))
 
 
 def _stacked(
@@ -207,19 +304,21 @@ class SparseMoE:
         experts: Experts,
         tp: TensorParallel,
         shared: SharedExpert | None = None,
+        router_bias: torch.Tensor | None = None,
     ) -> None:
         if router.shape[0] != routing.num_experts:
             raise StartupError(
                 f"the router has {router.shape[0]} experts; the config says {routing.num_experts}"
             )
         self.router = router
+        self.router_bias = router_bias  # gpt-oss's router has one
         self.routing = routing
         self.experts = experts
         self.shared = shared
         self.tp = tp
 
     def __call__(self, x: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
-        weights, ids = self.routing(F.linear(x, self.router))
+        weights, ids = self.routing(F.linear(x, self.router, self.router_bias))
         out = self.experts(x, weights, ids)
         if self.shared is not None:
             out = out + self.shared(x, lora)

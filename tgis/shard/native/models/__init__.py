@@ -24,6 +24,7 @@ from tgis.shard.native.models.gemma2 import Gemma2ForCausalLM
 from tgis.shard.native.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from tgis.shard.native.models.gpt_bigcode import GPTBigCodeForCausalLM
 from tgis.shard.native.models.gpt_neox import GPTNeoXForCausalLM
+from tgis.shard.native.models.gpt_oss import GptOssForCausalLM
 from tgis.shard.native.models.granite_hybrid import GraniteHybridForCausalLM
 from tgis.shard.native.models.layers import Shapes
 from tgis.shard.native.models.llama import LlamaForCausalLM
@@ -114,6 +115,7 @@ ARCHITECTURES: dict[str, ModelFactory] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # its language model
+    "GptOssForCausalLM": GptOssForCausalLM,
     "RWForCausalLM": FalconForCausalLM,  # Falcon's original remote-code checkpoints
 }
 # Fallback when a config names no architecture.
@@ -137,6 +139,7 @@ MODEL_TYPES: dict[str, str] = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "gpt_oss": "GptOssForCausalLM",
     "RefinedWeb": "RWForCausalLM",
     "RefinedWebModel": "RWForCausalLM",
 }
@@ -160,9 +163,24 @@ def check_config(config: ModelConfig, max_sequence_length: int) -> None:
     ``config``: an unknown architecture or an unsupported variant of a known one (ALiBi,
     sliding window, a rope type, ...). Loading raises the same error."""
     try:
-        model_class(config).check_config(config, max_sequence_length)
+        factory = model_class(config)
+        _check_mxfp4(config, factory)
+        factory.check_config(config, max_sequence_length)
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, StartupError):
             raise
         name = config.architecture or config.model_type
         raise StartupError(f"{name}: config.json is missing or has a bad value for {e}") from e
+
+
+def _check_mxfp4(config: ModelConfig, factory: ModelFactory) -> None:
+    """StartupError for an MXFP4 checkpoint of a family other than gpt-oss (the only one
+    whose MXFP4 tensors tgis reads: its experts, dequantized at load)."""
+    quantization = config.raw.get("quantization_config") or {}
+    method = str(quantization.get("quant_method", "")).lower()
+    if method == "mxfp4" and factory is not GptOssForCausalLM:
+        name = config.architecture or config.model_type
+        raise StartupError(
+            f"{name}: MXFP4 checkpoints are read for gpt-oss's experts only; serve the "
+            "unquantized checkpoint"
+        )
