@@ -16,8 +16,8 @@ Every kernel walks a sequence's block table and loads each key/value row from it
   ``tl.dot``) in the rows of one tile, so each key and value row is loaded once for the
   whole group. Long contexts with few sequences are split (flash-decoding): split ``s`` of
   ``S`` covers one contiguous range of key tiles and stores its unnormalised partial
-  result, max and sum; ``combine_kernel`` merges the splits. With a sliding window only the
-  tiles of the last ``window`` keys are read (and split).
+  result, max and sum; ``triton_split.combine_kernel`` merges the splits. With a sliding
+  window only the tiles of the last ``window`` keys are read (and split).
 
 ``window`` (a layer's sliding window, ``2**30`` for full attention): the query at position
 ``p`` sees the keys ``p - window < t <= p``. ``HAS_SINKS`` (gpt-oss's attention sinks): each
@@ -381,48 +381,3 @@ def decode_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, str
         tl.store(part_max_ptr + part, m_i, mask=members < group)
         tl.store(part_sum_ptr + part, l_i, mask=members < group)
         tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], acc, mask=mask)
-
-
-@triton.jit
-def combine_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, stride and tile size
-    out_ptr,
-    part_acc_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    decode_seqs_ptr,
-    query_starts_ptr,
-    sinks_ptr,
-    stride_ot,
-    stride_oh,
-    num_heads,
-    head_dim,
-    HAS_SINKS: tl.constexpr,
-    SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    """Program (decode, head): rescale each split's partial result to the global max and
-    normalise by the total sum (an empty split has max -1e30 and sum 0: weight 0); a head's
-    sink logit, with ``HAS_SINKS``, joins the max and the sum."""
-    decode = tl.program_id(0)
-    head = tl.program_id(1)
-    row = tl.load(query_starts_ptr + tl.load(decode_seqs_ptr + decode))
-    splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, D_PAD)
-    ok = splits < SPLITS
-    part = (decode * num_heads + head) * SPLITS + splits
-    m_s = tl.load(part_max_ptr + part, mask=ok, other=float("-inf"))
-    l_s = tl.load(part_sum_ptr + part, mask=ok, other=0.0)
-    mask = ok[:, None] & (dims[None, :] < head_dim)
-    acc_s = tl.load(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], mask=mask, other=0.0)
-    m_all = tl.max(m_s, 0)
-    if HAS_SINKS:
-        sink2 = tl.load(sinks_ptr + head) * 1.4426950408889634
-        m_all = tl.maximum(m_all, sink2)
-    weights = tl.exp2(m_s - m_all)
-    total = tl.sum(weights * l_s, 0)
-    if HAS_SINKS:
-        total += tl.exp2(sink2 - m_all)
-    out = tl.sum(acc_s * weights[:, None], 0) / total
-    o_offs = row * stride_ot + head * stride_oh + dims
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)

@@ -12,7 +12,8 @@ copied: every kernel (``triton_kernels.py``) walks the sequence's block table.
 Up to four launches per layer, over grids built from per-step metadata (``prepare``: one
 host-to-device copy per step): the K/V write, the prefill kernel over the query tiles of
 the sequences with several new tokens, the decode kernel over the one-token sequences and,
-when the decode is split over the context (flash-decoding), the combine kernel.
+when the decode is split over the context (flash-decoding), the combine kernel
+(``triton_split.py``).
 
 Head dims are padded to a power of two (at least 16) with masked loads and stores, so 64,
 80, 96, 128, 256 and the tests' tiny dims all work. Scores, softmax and accumulators are
@@ -35,11 +36,11 @@ import triton
 from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout, refuse_softcap
 from tgis.shard.native.attention.torch_paged import TorchPagedAttention
 from tgis.shard.native.attention.triton_kernels import (
-    combine_kernel,
     decode_kernel,
     prefill_kernel,
     write_kv_kernel,
 )
+from tgis.shard.native.attention.triton_split import SplitPartials, combine
 
 LOG2E = 1.4426950408889634
 FULL_WINDOW = 1 << 30  # the kernels' window for full attention (beyond any context)
@@ -291,20 +292,16 @@ class TritonPagedAttention:
         window: int,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        heads, head_dim = q.shape[1], q.shape[2]
-        kv_heads = k_cache.shape[2]
+        heads, head_dim, kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
         group = heads // kv_heads
         assert heads % kv_heads == 0, "query heads must be a multiple of KV heads"
         decodes = metadata.decode_seqs.numel()
         d_pad, row_bytes, dot_fp32, precision = self._operands(q, k_cache)
         group_pad = _pow2(group)
-        # Key tiles of 64 rows up to 128-byte rows, else 32; 8 warps for big groups or wide
-        # rows (no register spills, ptxas, sm_90).
-        kv_tile = self.kv_tile or (64 if row_bytes <= 128 else 32)
-        warps = 8 if group_pad >= 64 or row_bytes >= 512 else 4
+        kv_tile, warps = self._decode_tiles(group_pad, row_bytes)
         keys = min(metadata.max_decode_context, window)
         splits = self._decode_splits(q.device, decodes * kv_heads, keys)
-        parts = _SplitPartials.allocate(splits, decodes, d_pad, out)
+        parts = SplitPartials.allocate(splits, decodes, d_pad, out)
         decode_kernel[(decodes, kv_heads, splits)](
             q,
             k_cache,
@@ -342,7 +339,14 @@ class TritonPagedAttention:
             num_warps=warps,
         )
         if splits > 1:
-            _combine(out, parts, metadata, head_dim, d_pad, sinks)
+            seqs, starts = metadata.decode_seqs, metadata.query_starts
+            combine(out, parts, seqs, starts, head_dim, d_pad, sinks)
+
+    def _decode_tiles(self, group_pad: int, row_bytes: int) -> tuple[int, int]:
+        """The decode kernel's key tile rows and warps: tiles of 64 rows up to 128-byte rows,
+        else 32; 8 warps for big groups or wide rows (no register spills, ptxas, sm_90)."""
+        kv_tile = self.kv_tile or (64 if row_bytes <= 128 else 32)
+        return kv_tile, 8 if group_pad >= 64 or row_bytes >= 512 else 4
 
     def _decode_splits(self, device: torch.device, programs: int, max_context: int) -> int:
         """Key splits per decode: 1 when (sequence, KV head) programs already fill the GPU
@@ -356,57 +360,3 @@ class TritonPagedAttention:
             self._num_sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
         wanted = -(-2 * self._num_sms[index] // programs)
         return max(1, min(wanted, -(-max_context // 256), 16))
-
-
-@dataclass(frozen=True)
-class _SplitPartials:
-    """Where the decode kernel's splits store their unnormalised partial results, laid out
-    [decode, head, split(, D_PAD)] (float32), for ``combine_kernel``. With one split the
-    kernel stores the final output itself and never touches them (they alias ``out``)."""
-
-    splits: int
-    acc: torch.Tensor
-    max: torch.Tensor
-    sum: torch.Tensor
-
-    @classmethod
-    def allocate(cls, splits: int, decodes: int, d_pad: int, out: torch.Tensor) -> _SplitPartials:
-        if splits == 1:  # unused by the kernel
-            return cls(splits, out, out, out)
-        heads, device = out.shape[1], out.device
-        return cls(
-            splits,
-            acc=torch.empty(decodes, heads, splits, d_pad, device=device),
-            max=torch.empty(decodes, heads, splits, device=device),
-            sum=torch.empty(decodes, heads, splits, device=device),
-        )
-
-
-def _combine(
-    out: torch.Tensor,
-    parts: _SplitPartials,
-    metadata: TritonPagedMetadata,
-    head_dim: int,
-    d_pad: int,
-    sinks: torch.Tensor | None = None,
-) -> None:
-    """Merge the decode splits into each one-token sequence's output rows (with each head's
-    sink logit in the denominator, when given)."""
-    decodes, heads = metadata.decode_seqs.numel(), out.shape[1]
-    combine_kernel[(decodes, heads)](
-        out,
-        parts.acc,
-        parts.max,
-        parts.sum,
-        metadata.decode_seqs,
-        metadata.query_starts,
-        out if sinks is None else sinks,  # never read without sinks
-        out.stride(0),
-        out.stride(1),
-        heads,
-        head_dim,
-        HAS_SINKS=sinks is not None,
-        SPLITS=parts.splits,
-        SPLITS_PAD=triton.next_power_of_2(parts.splits),
-        D_PAD=d_pad,
-    )
