@@ -178,3 +178,19 @@ def test_a_soft_capped_model_gets_the_exact_backend_on_cuda() -> None:
     assert _attention_choice("sdpa_varlen", capped, cuda) == "sdpa_varlen"  # refused later
     assert _attention_choice(None, plain, cuda) is None
     assert _attention_choice(None, capped, cpu) is None
+
+
+def test_a_model_with_attention_sinks_gets_a_backend_with_them_on_cuda() -> None:
+    """gpt-oss's sinks are not in flash-attn (which FLASH_ATTENTION=true would start): on
+    CUDA triton_paged is started unless a backend was forced; the CPU default has them."""
+    from tgis.shard.checkpoints.model_config import ModelConfig
+    from tgis.shard.native.loading.loader import _attention_choice
+
+    config = ModelConfig(
+        model_dir=Path("."), model_type="gpt_oss", architecture="GptOssForCausalLM",
+        vocab_size=8, max_position_embeddings=64, eos_token_ids=(1,), torch_dtype=None, raw={},
+    )  # fmt: skip
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _attention_choice(None, config, cuda) == "triton_paged"
+    assert _attention_choice("sdpa_varlen", config, cuda) == "sdpa_varlen"  # refused later
+    assert _attention_choice(None, config, cpu) is None

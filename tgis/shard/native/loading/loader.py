@@ -8,6 +8,7 @@ native engine serves the model.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from dataclasses import replace
@@ -338,8 +339,17 @@ def _attention_choice(
 ) -> str | None:
     """The attention backend to start: the one forced, else, for a model that soft-caps
     its attention scores (Gemma 2) on CUDA, the reference, the CUDA backend that caps them
-    exactly (``layers.check_softcap``); else the device's default (None)."""
-    if forced or device.type != "cuda" or not model_config.raw.get("attn_logit_softcapping"):
+    exactly (``layers.check_softcap``); for a model with attention sinks (gpt-oss) on CUDA,
+    triton_paged (the reference without Triton), even where ``FLASH_ATTENTION`` asks for
+    flash-attn, which has no sinks (``layers.check_sinks``); else the device's default
+    (None)."""
+    if forced or device.type != "cuda":
         return forced
-    log.info("attention backend torch_paged: the model soft-caps its attention scores")
-    return "torch_paged"
+    if model_config.raw.get("attn_logit_softcapping"):
+        log.info("attention backend torch_paged: the model soft-caps its attention scores")
+        return "torch_paged"
+    if model_config.model_type == "gpt_oss":
+        choice = "triton_paged" if importlib.util.find_spec("triton") else "torch_paged"
+        log.info("attention backend %s: the model has attention sinks", choice)
+        return choice
+    return None
