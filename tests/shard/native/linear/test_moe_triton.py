@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tgis.shard.native.linear.moe import Experts
+from tgis.shard.native.linear.moe import ClampedSwiGLU, Experts
 from tgis.shard.native.linear.moe_grouped import EXPERT_ACTIVATIONS
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 
@@ -178,3 +178,32 @@ def test_clamped_swiglu_with_biases() -> None:
             expected[t] += w * (w2e @ h + b2e)
     assert (w13[:, :INTER] @ x[0].view(-1, 1)).abs().max() > limit  # the clamp bites
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_experts_equal_the_grouped_path() -> None:
+    """``Experts`` with biases and a ``ClampedSwiGLU`` on the fused kernels (TP=1, and TP=2
+    whose partial sums, the down bias on rank 0 alone, add up) = the grouped path's."""
+    x, weights, ids, w13, w2 = _problem(len(IDS), torch.float32, seed=5)
+    g = torch.Generator().manual_seed(6)
+    b13 = torch.randn(EXPERTS, 2 * INTER, generator=g).to(DEVICE)
+    b2 = torch.randn(EXPERTS, HIDDEN, generator=g).to(DEVICE)
+
+    def read(e: int, cols: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, b = cols
+        return w13[e, a:b], w13[e, INTER + a : INTER + b], w2[e, :, a:b]
+
+    def biases(e: int, cols: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a, b = cols
+        return b13[e, a:b], b13[e, INTER + a : INTER + b], b2[e]
+
+    glu = ClampedSwiGLU(alpha=1.702, limit=0.5)
+
+    def experts(kernel: str, tp: TensorParallel = SINGLE) -> Experts:
+        return Experts(read, EXPERTS, INTER, tp, "silu", kernel, biases=biases, glu=glu)
+
+    expected = experts("grouped")(x, weights, ids)
+    torch.testing.assert_close(experts("triton")(x, weights, ids), expected, rtol=1e-5, atol=1e-5)
+    ranks = [experts("triton", TensorParallel(rank, world_size=2)) for rank in (0, 1)]
+    assert ranks[0].b2 is not None and ranks[1].b2 is None
+    total = ranks[0](x, weights, ids) + ranks[1](x, weights, ids)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)

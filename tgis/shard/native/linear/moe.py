@@ -186,9 +186,10 @@ class Experts:
     ``w13`` [experts, 2 x inter, hidden] and ``w2`` [experts, hidden, inter], for the
     fused kernels. ``activation``: a name of ``EXPERT_ACTIVATIONS``.
 
-    gpt-oss's options (the grouped path only): ``biases`` reads each expert's gate, up and
-    down biases as ``read`` its matrices (the down bias kept on rank 0 alone: the caller's
-    all-reduce adds it once); ``glu`` replaces ``act(gate) * up`` (``ClampedSwiGLU``)."""
+    gpt-oss's options: ``biases`` reads each expert's gate, up and down biases as ``read``
+    its matrices (the down bias kept on rank 0 alone: the caller's all-reduce adds it once);
+    ``glu`` replaces ``act(gate) * up`` (``ClampedSwiGLU``; the fused kernels' own
+    ``clamped_swiglu``)."""
 
     def __init__(
         self,
@@ -204,15 +205,18 @@ class Experts:
     ) -> None:
         if activation not in EXPERT_ACTIVATIONS or kernel not in KERNELS:
             raise StartupError(f"experts with activation {activation!r}, kernel {kernel!r}")
-        if (biases is not None or glu is not None) and kernel != "grouped":
-            raise StartupError("experts with biases or a clamped SwiGLU run the grouped path")
         cols = tp.split(inter, "the experts' intermediate size") if tp.is_parallel else (0, inter)
         self.gate_up: list[ColumnLinear] = []
         self.down: list[RowLinear] = []
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
+        self.b13: torch.Tensor | None = None
+        self.b2: torch.Tensor | None = None
         if kernel == "triton":
             self.w13, self.w2 = _stacked(read, num_experts, cols)
+            if biases is not None:
+                self.b13, self.b2 = _stacked(biases, num_experts, cols)
+                self.b2 = self.b2 if tp.rank == 0 else None
         else:
             for expert in range(num_experts):
                 gate, up, down = read(expert, cols)
@@ -226,6 +230,7 @@ class Experts:
         self.activation = activation
         self.act = EXPERT_ACTIVATIONS[activation] if glu is None else glu.act
         self.plain = biases is None and glu is None  # what the compiled operator runs
+        self.glu = glu
         # With a glu: each expert's projection, then the clamps (not a second list of the
         # linear layers, which DecoderLM's walk over attributes would find twice).
         self.clamped: list[Callable[[torch.Tensor], torch.Tensor]] = []
@@ -236,8 +241,18 @@ class Experts:
         """This rank's partial sum [tokens, hidden] of each token's experts' outputs, weighted
         by ``weights`` [tokens, k] (``ids`` [tokens, k] the experts)."""
         if self.w13 is not None:
+            glu = self.glu
             out: torch.Tensor = torch.ops.tgis.fused_moe(
-                x, weights, ids, self.w13, self.w2, self.activation
+                x,
+                weights,
+                ids,
+                self.w13,
+                self.w2,
+                self.activation if glu is None else "clamped_swiglu",
+                self.b13,
+                self.b2,
+                1.702 if glu is None else glu.alpha,  # the defaults: unused
+                7.0 if glu is None else glu.limit,
             )
             return out
         if torch.compiler.is_compiling() and self.plain:  # the grouped path, one opaque call
@@ -257,14 +272,18 @@ def _then(
 def _stacked(
     read: ExpertReader, num_experts: int, cols: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every expert's [gate; up] rows and down columns, stacked: ``w13``, ``w2``."""
-    w13: list[torch.Tensor] = []
-    w2: list[torch.Tensor] = []
+    """Every expert's [gate; up] rows and down columns (or biases: ``read`` a bias reader),
+    stacked: ``w13``, ``w2`` (filled expert by expert: one layer's experts are never held
+    twice)."""
+    w13 = w2 = torch.empty(0)
     for expert in range(num_experts):
         gate, up, down = read(expert, cols)
-        w13.append(torch.cat([gate, up]))
-        w2.append(down)
-    return torch.stack(w13).contiguous(), torch.stack(w2).contiguous()
+        if expert == 0:
+            w13 = gate.new_empty(num_experts, 2 * gate.shape[0], *gate.shape[1:])
+            w2 = down.new_empty(num_experts, *down.shape)
+        w13[expert].copy_(torch.cat([gate, up]))
+        w2[expert].copy_(down)
+    return w13, w2
 
 
 def _dense(weight: object) -> torch.Tensor:

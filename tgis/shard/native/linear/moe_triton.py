@@ -1,7 +1,7 @@
 """``moe_triton``: a mixture of experts' routed experts on CUDA in two Triton launches, with
 no host synchronisation, so that the compiled step and CUDA graphs hold it.
 
-The grouped path (``moe.Experts``) reads each expert's token count on the host to cut one
+The grouped path (``moe_grouped.grouped``) reads each expert's token count on the host to cut one
 GEMM per expert. Here every size is an upper bound known from the shapes alone:
 
 - ``align``: the step's (token, expert) pairs, ``P = tokens x top_k``, sorted by expert
@@ -21,8 +21,7 @@ GEMM per expert. Here every size is an upper bound known from the shapes alone:
 - ``_down_kernel``: the same blocks over that buffer and the expert's down matrix, each row
   plus the expert's optional down bias, scaled by its pair's routing weight, stored at the
   pair's row of [P, hidden] (a rank other than 0 passes no down bias: the all-reduce adds
-  it once); a sum over
-  the ``top_k`` rows of each token (float32) gives the token's output.
+  it once); a sum over the ``top_k`` rows of each token (float32) gives its output.
 
 No two programs write the same element, so the result does not depend on scheduling (no
 atomics). Tensor parallelism needs nothing here: a rank's weights are its slice of every

@@ -38,6 +38,7 @@ from tgis.shard.native.linear.moe import (
     SparseMoE,
     interleaved_experts,
 )
+from tgis.shard.native.linear.moe_grouped import expert_kernel
 from tgis.shard.native.models.layers import Shapes, check_sinks
 from tgis.shard.native.models.llama import LlamaArgs, LlamaForCausalLM, LlamaLayer, MLPFn
 from tgis.shard.native.models.norms import UpcastRMSNorm
@@ -145,7 +146,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
             args.expert_size,
             weights.tp,
             "silu",  # unused: the clamped SwiGLU replaces it
-            "grouped",
+            expert_kernel(weights.device),  # fused Triton kernels on CUDA
             biases=biases,
             glu=args.glu,
         )
