@@ -32,7 +32,7 @@ def generate(runner: object) -> Router:
     return prefill_then_decode(runner, PROMPTS, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "qwen2-moe", "granite-moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "qwen2-moe", "granite-moe", "gpt-oss"])
 def test_moe_families_match_hf_on_cuda(name: str, tmp_path: Path) -> None:
     model = TinyModel(tmp_path, FAMILIES[name].build(tmp_path))
     eager = generate(cuda_runner(tmp_path, graphs="0"))
