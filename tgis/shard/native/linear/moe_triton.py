@@ -128,6 +128,26 @@ def _block_rows(pairs_ptr, block, total, top_k, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _row_tile(ptr, rows, valid, k, k_ok, width, DOT_FP32: tl.constexpr):
+    """Columns ``k`` of rows ``rows`` of a [*, width] matrix: [len(rows), len(k)]."""
+    tile = tl.load(
+        ptr + rows.to(tl.int64)[:, None] * width + k[None, :],
+        mask=valid[:, None] & k_ok[None, :],
+        other=0.0,
+    )
+    return tile.to(tl.float32) if DOT_FP32 else tile
+
+
+@triton.jit
+def _weight_tile(ptr, n, n_ok, k, k_ok, width, DOT_FP32: tl.constexpr):
+    """Rows ``n`` of a [*, width] weight transposed, columns ``k``: [len(k), len(n)]."""
+    tile = tl.load(
+        ptr + n[None, :] * width + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0
+    )
+    return tile.to(tl.float32) if DOT_FP32 else tile
+
+
+@triton.jit
 def _gate_up_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, size and tile
     x_ptr,
     w13_ptr,
@@ -165,19 +185,9 @@ def _gate_up_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, s
         for k0 in range(0, hidden, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < hidden
-            a = tl.load(
-                x_ptr + token.to(tl.int64)[:, None] * hidden + k[None, :],
-                mask=valid[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            ok = k_ok[:, None] & n_ok[None, :]
-            offsets = n[None, :] * hidden + k[:, None]
-            b_gate = tl.load(gate_ptr + offsets, mask=ok, other=0.0)
-            b_up = tl.load(up_ptr + offsets, mask=ok, other=0.0)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                b_gate = b_gate.to(tl.float32)
-                b_up = b_up.to(tl.float32)
+            a = _row_tile(x_ptr, token, valid, k, k_ok, hidden, DOT_FP32)
+            b_gate = _weight_tile(gate_ptr, n, n_ok, k, k_ok, hidden, DOT_FP32)
+            b_up = _weight_tile(up_ptr, n, n_ok, k, k_ok, hidden, DOT_FP32)
             acc_gate += tl.dot(a, b_gate, input_precision=PRECISION)
             acc_up += tl.dot(a, b_up, input_precision=PRECISION)
         if HAS_BIAS:
@@ -226,19 +236,8 @@ def _down_kernel(  # noqa: PLR0913 - a Triton function takes every pointer, size
         for k0 in range(0, inter, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < inter
-            a = tl.load(
-                h_ptr + pair.to(tl.int64)[:, None] * inter + k[None, :],
-                mask=valid[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                down_ptr + n[None, :] * inter + k[:, None],
-                mask=k_ok[:, None] & n_ok[None, :],
-                other=0.0,
-            )
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
+            a = _row_tile(h_ptr, pair, valid, k, k_ok, inter, DOT_FP32)
+            b = _weight_tile(down_ptr, n, n_ok, k, k_ok, inter, DOT_FP32)
             acc += tl.dot(a, b, input_precision=PRECISION)
         if HAS_BIAS:
             bias = b2_ptr + expert.to(tl.int64) * hidden + n
@@ -306,28 +305,26 @@ def fused_moe_with(
     precision = "ieee" if dot_fp32 else "tf32"  # tf32: unused on 16-bit operands
     h = torch.empty(total, inter, dtype=x.dtype, device=x.device)
     blocks = layout.block_experts.numel()
+    sizes = (layout.pairs, layout.block_experts, total, top_k, experts, hidden, inter)
+    constants = {
+        "BLOCK_M": tiles.block_m,
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_K": tiles.block_k,
+        "DOT_FP32": dot_fp32,
+        "PRECISION": precision,
+    }
     b13, b2 = gating.b13, gating.b2
     _gate_up_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
         x,
         w13,
-        w13 if b13 is None else b13,
+        w13 if b13 is None else b13,  # a pointer the kernel never reads
         h,
-        layout.pairs,
-        layout.block_experts,
-        total,
-        top_k,
-        experts,
-        hidden,
-        inter,
+        *sizes,
         gating.alpha,
         gating.limit,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
         ACTIVATION=ACTIVATIONS[gating.activation],
         HAS_BIAS=b13 is not None,
-        DOT_FP32=dot_fp32,
-        PRECISION=precision,
+        **constants,
     )
     y = torch.empty(total, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, triton.cdiv(hidden, tiles.block_n))](
@@ -336,19 +333,9 @@ def fused_moe_with(
         w2 if b2 is None else b2,
         weights.float().contiguous(),
         y,
-        layout.pairs,
-        layout.block_experts,
-        total,
-        top_k,
-        experts,
-        hidden,
-        inter,
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
+        *sizes,
         HAS_BIAS=b2 is not None,
-        DOT_FP32=dot_fp32,
-        PRECISION=precision,
+        **constants,
     )
     return y.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
