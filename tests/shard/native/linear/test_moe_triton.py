@@ -95,8 +95,12 @@ def _experts(
     return Experts(read, EXPERTS, INTER, tp, activation, kernel)
 
 
-def test_align_puts_every_pair_once_in_blocks_of_one_expert() -> None:
-    ids = torch.tensor(IDS, device=DEVICE)
+@pytest.mark.parametrize(
+    "routing",
+    [IDS, [[0, 1], [2, 3], [4, 5]]],  # the second: every expert one pair, the most padding
+)
+def test_align_puts_every_pair_once_in_blocks_of_one_expert(routing: list[list[int]]) -> None:
+    ids = torch.tensor(routing, device=DEVICE)
     block_m = 4
     layout = align(ids, EXPERTS, block_m)
     total = ids.numel()
