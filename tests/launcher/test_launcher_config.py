@@ -64,6 +64,55 @@ def test_user_max_sequence_length_wins_with_warning(
     assert "max_sequence_length (100) is larger" not in " ".join(caplog.messages)
 
 
+LONGROPE = {
+    "model_type": "phi3",
+    "max_position_embeddings": 131_072,
+    "original_max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [4.0]},
+}
+
+
+@pytest.mark.parametrize(
+    ("config", "engine", "expected"),
+    [
+        (LONGROPE, "auto", 4096),
+        (LONGROPE, "native", 4096),
+        (LONGROPE, " HF ", 131_072),  # the transformers fallback serves the long factors
+        (dict(LONGROPE, rope_parameters=None, rope_scaling={"type": "su"}), "auto", 4096),
+        (dict(LONGROPE, rope_parameters={"type": "yarn"}), "auto", 4096),  # Phi-3's yarn
+        (dict(LONGROPE, model_type="qwen2", rope_parameters={"type": "yarn"}), "auto", 131_072),
+        (  # in rope_parameters only (transformers 5 writes both)
+            dict(
+                LONGROPE,
+                original_max_position_embeddings=None,
+                rope_parameters={"rope_type": "longrope", "original_max_position_embeddings": 512},
+            ),
+            "auto",
+            512,
+        ),
+        (dict(LONGROPE, max_position_embeddings=4096), "auto", 4096),
+        (dict(LONGROPE, rope_parameters={"rope_type": "default"}), "auto", 131_072),
+    ],
+)
+def test_default_max_sequence_length_within_longropes_short_factors(
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    config: dict,
+    engine: str,
+    expected: int,
+) -> None:
+    """A LongRoPE model (Phi-3 128k) starts natively with no flags: the default stops at
+    original_max_position_embeddings, which the shard refuses to exceed, with a log line."""
+    write_model(tmp_path, config)
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        value = resolve_max_sequence_length(None, read_model_config(tmp_path), LOG, engine)
+    assert value == expected
+    assert f"Using model max_sequence_length: {expected}" in caplog.messages
+    capped = expected < 131_072 and config["max_position_embeddings"] > expected
+    assert ("not its max_position_embeddings (131072)" in caplog.text) == capped
+    assert resolve_max_sequence_length(8000, read_model_config(tmp_path), LOG, engine) == 8000
+
+
 def test_unreadable_config_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read model config"):

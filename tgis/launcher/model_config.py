@@ -1,6 +1,7 @@
 """The model as the launcher sees it: its directory, and what its config.json says about the
 context length (max_sequence_length; a vision-language model's, its language model's:
-``text_config.text_model_config``)."""
+``text_config.text_model_config``; by default no longer than the native engine's rope is
+exact for: ``native_rope_limit``)."""
 
 from __future__ import annotations
 
@@ -75,11 +76,52 @@ def model_max_sequence_length(model_config: Mapping[str, Any]) -> int | None:
     return None
 
 
+def native_rope_limit(model_config: Mapping[str, Any]) -> int | None:
+    """The longest sequence the native engine's rope is exact for, where a config.json sets
+    one: LongRoPE's (``longrope``, formerly ``su``; Phi-3 also calls it ``yarn``)
+    ``original_max_position_embeddings``, past which transformers switches to the long
+    factors and recomputes a sequence's keys, which the paged cache cannot (the shard
+    refuses a longer --max-sequence-length: ``rotary.check_rope_length``)."""
+    rope = model_config.get("rope_parameters") or model_config.get("rope_scaling")
+    if not isinstance(rope, Mapping):
+        return None
+    rope_type = rope.get("rope_type") or rope.get("type")
+    longrope = ("longrope", "su", "yarn") if model_config.get("model_type") == "phi3" else ()
+    if rope_type not in (*longrope, "longrope", "su"):
+        return None
+    original = model_config.get("original_max_position_embeddings")  # wins, as in transformers
+    if original is None:
+        original = rope.get("original_max_position_embeddings")
+    if isinstance(original, int) and not isinstance(original, bool) and original > 0:
+        return original
+    return None
+
+
 def resolve_max_sequence_length(
-    user_value: int | None, model_config: Mapping[str, Any], log: logging.Logger
+    user_value: int | None,
+    model_config: Mapping[str, Any],
+    log: logging.Logger,
+    engine: str = "auto",
 ) -> int:
-    """User value, else the model's (config.json), else 2048; logged with its source."""
+    """User value, else the model's (config.json), else 2048; logged with its source.
+
+    The model's value is capped at ``native_rope_limit`` unless ``engine`` (TGIS_ENGINE) is
+    the transformers fallback (``hf``), so that a LongRoPE model (Phi-3 128k) starts on the
+    native engine with no flags instead of being refused (TGIS_ENGINE=native) or sent to
+    the fallback (auto)."""
     model_value = model_max_sequence_length(model_config)
+    limit = native_rope_limit(model_config)
+    fallback = engine.strip().lower() == "hf"
+    if user_value is None and model_value and limit and limit < model_value and not fallback:
+        log.info(
+            "max_sequence_length: %d, the model's longrope original_max_position_embeddings, "
+            "not its max_position_embeddings (%d): the native engine serves only the short "
+            "rope factors; a longer --max-sequence-length is served by the transformers "
+            "fallback (TGIS_ENGINE=hf or auto)",
+            limit,
+            model_value,
+        )
+        model_value = limit
     if user_value is not None:
         if model_value is not None and user_value > model_value:
             log.warning(

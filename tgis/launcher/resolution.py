@@ -52,7 +52,9 @@ def resolve(
     check_model_named(flags, log)
     model_dir = find_model_dir(flags.model_name, flags.revision)
     model_config = read_model_config(model_dir)
-    max_sequence_length = resolve_max_sequence_length(flags.max_sequence_length, model_config, log)
+    max_sequence_length = resolve_max_sequence_length(
+        flags.max_sequence_length, model_config, log, environ.get("TGIS_ENGINE", "auto")
+    )
     validate_batching(flags, max_sequence_length=max_sequence_length)
     return ResolvedConfig(
         flags=flags,
