@@ -48,9 +48,11 @@ class Family:
     model_class: str
     params: dict[str, Any] = field(default_factory=dict)
 
-    def build(self, path: Path, seed: int = 0) -> Any:
-        """Build, randomise and save the model to ``path``; return the HF reference."""
-        config = getattr(transformers, self.config_class)(**_COMMON, **self.params)
+    def build(self, path: Path, seed: int = 0, **overrides: Any) -> Any:
+        """Build, randomise and save the model to ``path`` (``overrides``: config values
+        replacing the family's, such as a larger ``vocab_size``); return the HF reference."""
+        params = {**_COMMON, **self.params, **overrides}
+        config = getattr(transformers, self.config_class)(**params)
         torch.manual_seed(seed)
         model = getattr(transformers, self.model_class)(config).eval()
         _randomise(model)
