@@ -186,7 +186,8 @@ def test_clamped_swiglu_with_biases() -> None:
 
 def test_gpt_oss_experts_equal_the_grouped_path() -> None:
     """``Experts`` with biases and a ``ClampedSwiGLU`` on the fused kernels (TP=1, and TP=2
-    whose partial sums, the down bias on rank 0 alone, add up) = the grouped path's."""
+    whose partial sums, the down bias on rank 0 alone, add up) and through the compiled
+    step's operator = the grouped path's."""
     x, weights, ids, w13, w2 = _problem(len(IDS), torch.float32, seed=5)
     g = torch.Generator().manual_seed(6)
     b13 = torch.randn(EXPERTS, 2 * INTER, generator=g).to(DEVICE)
@@ -205,8 +206,11 @@ def test_gpt_oss_experts_equal_the_grouped_path() -> None:
     def experts(kernel: str, tp: TensorParallel = SINGLE) -> Experts:
         return Experts(read, EXPERTS, INTER, tp, "silu", kernel, biases=biases, glu=glu)
 
-    expected = experts("grouped")(x, weights, ids)
+    grouped = experts("grouped")
+    expected = grouped(x, weights, ids)
     torch.testing.assert_close(experts("triton")(x, weights, ids), expected, rtol=1e-5, atol=1e-5)
+    # the compiled step's form of the grouped path: the operator tgis::grouped_moe
+    torch.testing.assert_close(grouped._grouped_operator(x, weights, ids), expected)
     ranks = [experts("triton", TensorParallel(rank, world_size=2)) for rank in (0, 1)]
     assert ranks[0].b2 is not None and ranks[1].b2 is None
     total = ranks[0](x, weights, ids) + ranks[1](x, weights, ids)

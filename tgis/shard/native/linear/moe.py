@@ -21,11 +21,11 @@ layer). Elsewhere the compiled step calls the grouped path as one opaque operato
 (``tgis::grouped_moe``), as it calls attention; the eager step calls it directly (with
 oneDNN-packed weights on the CPU).
 
-gpt-oss's experts (``Experts``' named options, the grouped path only): biases on gate/up
-and down (``biases``: the down bias added on rank 0 alone, before the routing weight, so the
-all-reduce adds it once), a clamped SwiGLU (``ClampedSwiGLU``), a router with a bias
-(``SparseMoE.router_bias``), and their checkpoint layout (``interleaved_experts``: input-major
-3-D tensors, gate and up interleaved, or MXFP4 blocks dequantized at load).
+gpt-oss's experts (``Experts``' named options, on every path): biases on gate/up and down
+(``biases``: the down bias added on rank 0 alone, before the routing weight, so the
+all-reduce adds it once), a clamped SwiGLU (``moe_grouped.ClampedSwiGLU``), a router with a
+bias (``SparseMoE.router_bias``), and their checkpoint layout (``interleaved_experts``:
+input-major 3-D tensors, gate and up interleaved, or MXFP4 blocks dequantized at load).
 
 Quantized expert matrices are not read (MXFP4 aside, dequantized): a model with them is
 refused at start (``refuse_quantized``).
@@ -43,7 +43,12 @@ from tgis.shard.checkpoints.quantized import mxfp4
 from tgis.shard.checkpoints.weights import Weights
 from tgis.shard.errors import StartupError
 from tgis.shard.native.linear.lora_rows import LoraRows
-from tgis.shard.native.linear.moe_grouped import EXPERT_ACTIVATIONS, KERNELS, grouped
+from tgis.shard.native.linear.moe_grouped import (
+    EXPERT_ACTIVATIONS,
+    KERNELS,
+    ClampedSwiGLU,
+    grouped,
+)
 from tgis.shard.native.linear.sharded import ColumnLinear, RowLinear, column_linear, row_linear
 from tgis.shard.parallel.group import TensorParallel
 
@@ -113,25 +118,6 @@ def fused_experts(weights: Weights, gate_up: str, down: str) -> ExpertReader:
         )
 
     return read
-
-
-@dataclass(frozen=True)
-class ClampedSwiGLU:
-    """gpt-oss's experts' activation: gate clamped to at most ``limit``, up to [-limit,
-    limit], out = (up + 1) * gate * sigmoid(alpha * gate). Run as the grouped path's
-    ``act(gate) * up``: ``clamp`` turns a [gate | up] projection into [clamped gate |
-    clamped up + 1], ``act`` is the gate's half."""
-
-    alpha: float
-    limit: float
-
-    def clamp(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        limit = self.limit
-        return torch.cat([gate.clamp(max=limit), up.clamp(-limit, limit) + 1], dim=-1)
-
-    def act(self, gate: torch.Tensor) -> torch.Tensor:
-        return gate * torch.sigmoid(gate * self.alpha)
 
 
 def interleaved_experts(weights: Weights, prefix: str) -> tuple[ExpertReader, ExpertReader]:
@@ -229,7 +215,6 @@ class Experts:
                 self.down.append(RowLinear(down, down_bias, tp, reduce=False))
         self.activation = activation
         self.act = EXPERT_ACTIVATIONS[activation] if glu is None else glu.act
-        self.plain = biases is None and glu is None  # what the compiled operator runs
         self.glu = glu
         # With a glu: each expert's projection, then the clamps (not a second list of the
         # linear layers, which DecoderLM's walk over attributes would find twice).
@@ -255,12 +240,30 @@ class Experts:
                 7.0 if glu is None else glu.limit,
             )
             return out
-        if torch.compiler.is_compiling() and self.plain:  # the grouped path, one opaque call
-            gate_up = [_dense(linear.weight) for linear in self.gate_up]
-            down = [_dense(linear.weight) for linear in self.down]
-            out = torch.ops.tgis.grouped_moe(x, weights, ids, gate_up, down, self.activation)
-            return out
+        if torch.compiler.is_compiling():  # the grouped path as one opaque call
+            return self._grouped_operator(x, weights, ids)
         return grouped(x, weights, ids, self.clamped or self.gate_up, self.down, self.act)
+
+    def _grouped_operator(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """``tgis::grouped_moe`` over the experts' dense matrices and biases."""
+        glu = self.glu
+        gate_up_bias = [linear.bias for linear in self.gate_up]
+        down_bias = [linear.bias for linear in self.down]
+        out: torch.Tensor = torch.ops.tgis.grouped_moe(
+            x,
+            weights,
+            ids,
+            [_dense(linear.weight) for linear in self.gate_up],
+            [_dense(linear.weight) for linear in self.down],
+            self.activation if glu is None else "clamped_swiglu",
+            gate_up_bias,
+            down_bias,
+            1.702 if glu is None else glu.alpha,  # the defaults: unused
+            7.0 if glu is None else glu.limit,
+        )
+        return out
 
 
 def _then(

@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ EXPERT_ACTIVATIONS: dict[str, Activation] = {
     "gelu_tanh": functools.partial(F.gelu, approximate="tanh"),
 }
 KERNELS = ("triton", "grouped")
+CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss's (ClampedSwiGLU), beside EXPERT_ACTIVATIONS
 
 
 def expert_kernel(device: torch.device) -> str:
@@ -59,6 +61,25 @@ def _triton_imports() -> bool:
     except Exception:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts' activation: gate clamped to at most ``limit``, up to [-limit,
+    limit], out = (up + 1) * gate * sigmoid(alpha * gate). Run as the grouped path's
+    ``act(gate) * up``: ``clamp`` turns a [gate | up] projection into [clamped gate |
+    clamped up + 1], ``act`` is the gate's half."""
+
+    alpha: float
+    limit: float
+
+    def clamp(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        limit = self.limit
+        return torch.cat([gate.clamp(max=limit), up.clamp(-limit, limit) + 1], dim=-1)
+
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return gate * torch.sigmoid(gate * self.alpha)
 
 
 def grouped(
@@ -91,33 +112,55 @@ def grouped(
 
 
 @torch.library.custom_op("tgis::grouped_moe", mutates_args=())
-def grouped_moe(
+def grouped_moe(  # noqa: PLR0913 - an operator takes its tensors and constants flat
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
     gate_up: list[torch.Tensor],
     down: list[torch.Tensor],
     activation: str,
+    gate_up_bias: list[torch.Tensor | None],
+    down_bias: list[torch.Tensor | None],
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
-    """``grouped`` over dense expert matrices, for the compiled step (which cannot trace
-    its host reads): one operator call per layer."""
+    """``grouped`` over dense expert matrices and their biases (None: none), for the compiled
+    step (which cannot trace its host reads): one operator call per layer. ``activation``:
+    a name of ``EXPERT_ACTIVATIONS`` or ``CLAMPED_SWIGLU`` (with ``alpha`` and ``limit``)."""
+    glu = ClampedSwiGLU(alpha, limit) if activation == CLAMPED_SWIGLU else None
     return grouped(
         x,
         weights,
         ids,
-        [functools.partial(linear, weight=w) for w in gate_up],
-        [functools.partial(linear, weight=w) for w in down],
-        EXPERT_ACTIVATIONS[activation],
+        [_projection(w, b, glu) for w, b in zip(gate_up, gate_up_bias, strict=True)],
+        [functools.partial(linear, weight=w, bias=b) for w, b in zip(down, down_bias, strict=True)],
+        EXPERT_ACTIVATIONS[activation] if glu is None else glu.act,
     )
 
 
+def _projection(
+    weight: torch.Tensor, bias: torch.Tensor | None, glu: ClampedSwiGLU | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An expert's gate/up product, clamped where the activation is ``ClampedSwiGLU``."""
+
+    def project(x: torch.Tensor) -> torch.Tensor:
+        y = linear(x, weight, bias)
+        return y if glu is None else glu.clamp(y)
+
+    return project
+
+
 @grouped_moe.register_fake
-def _grouped_moe_shape(
+def _grouped_moe_shape(  # noqa: PLR0913 - the operator's arguments
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
     gate_up: list[torch.Tensor],
     down: list[torch.Tensor],
     activation: str,
+    gate_up_bias: list[torch.Tensor | None],
+    down_bias: list[torch.Tensor | None],
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     return torch.empty_like(x)

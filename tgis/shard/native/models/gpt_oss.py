@@ -11,7 +11,8 @@
 - a mixture of experts in every layer (``linear/moe.py``): a router with a bias, softmax
   over the top-k logits (the renormalised top-k softmax), experts with biases on gate/up and
   down, gate and up interleaved in input-major 3-D tensors, a clamped SwiGLU
-  (``ClampedSwiGLU``: ``swiglu_alpha``, ``swiglu_limit``), run by the grouped path.
+  (``ClampedSwiGLU``: ``swiglu_alpha``, ``swiglu_limit``), run by the fused Triton kernels
+  on CUDA and the grouped path elsewhere (``linear/moe_grouped.py``).
 
 The published checkpoints store the experts' matrices in MXFP4
 (``quantization_config.quant_method == "mxfp4"``): they are dequantized at load into the
