@@ -8,7 +8,10 @@ tokens for each prompt alone, and the log must say the native engine served it.
 
 One variant per architecture (the shard-level oracle tests, tests/shard/native/models/
 test_families.py, cover every variant in-process); Granite 4.0 hybrid has its own module
-(test_hybrid_e2e.py). About 4 s a family, most of it the launcher's start and stop.
+(test_hybrid_e2e.py). The checkpoints keep their published context lengths (131072 for
+Mistral, Mixtral, Gemma 3 and gpt-oss; Phi-3-mini-128k's LongRoPE, whose default stops at
+its 4096 original positions), which is what the default --max-sequence-length comes from.
+About 4 s a family on two cores, most of it the launcher's start (3 s) and stop.
 """
 
 from __future__ import annotations
@@ -63,6 +66,17 @@ TINY_VISION: dict[str, Any] = dict(
 _TOKENS: dict[str, Any] = dict(
     vocab_size=4096, bos_token_id=1, eos_token_id=2, pad_token_id=PAD_TOKEN_ID
 )
+# The published context lengths, not the tiny families' 512, so that the launcher's default
+# --max-sequence-length is what a user gets: each config class's default (Mistral, Mixtral,
+# Gemma 3 and gpt-oss 131072, Qwen3 32768, ...), and Phi-3-mini-128k's LongRoPE.
+_CONTEXT: dict[str, dict[str, Any]] = {
+    "phi3-longrope": dict(max_position_embeddings=131_072, original_max_position_embeddings=4096)
+}
+
+
+def _params(variant: str) -> dict[str, Any]:
+    params = {k: v for k, v in FAMILIES[variant].params.items() if k != "max_position_embeddings"}
+    return dict(params, **_CONTEXT.get(variant, {}), **_TOKENS)
 
 
 def build(variant: str, path: Path) -> Any:
@@ -70,7 +84,7 @@ def build(variant: str, path: Path) -> Any:
     vocabulary of 4096) to ``path``; return its transformers twin."""
     if variant == "gemma3-conditional":
         config: Any = transformers.Gemma3Config(
-            text_config=dict(_TOKENS, **FAMILIES["gemma3"].params),
+            text_config=_params("gemma3"),
             vision_config=TINY_VISION,
             mm_tokens_per_image=4,
             eos_token_id=2,
@@ -79,7 +93,7 @@ def build(variant: str, path: Path) -> Any:
         model_class: Any = transformers.Gemma3ForConditionalGeneration
     else:
         family = FAMILIES[variant]
-        config = getattr(transformers, family.config_class)(**dict(family.params, **_TOKENS))
+        config = getattr(transformers, family.config_class)(**_params(variant))
         model_class = getattr(transformers, family.model_class)
     torch.manual_seed(0)
     model = model_class(config).eval()
@@ -115,6 +129,9 @@ def test_the_launchers_defaults_serve_transformers_greedy_tokens(
         responses = pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
         log = launcher.log_tail(100_000)
     assert "Engine: native paged (TGIS_ENGINE=native" in log
+    context = hf.config.get_text_config().max_position_embeddings
+    length = 4096 if variant == "phi3-longrope" else context  # LongRoPE's short factors
+    assert f"Using model max_sequence_length: {length}\n" in log
     for text, got in zip(PROMPTS, responses.responses, strict=True):
         ids = tokenizer.encode(text).ids
         new = greedy_new_tokens(hf, ids, NEW_TOKENS, eos_token_id=2, pad_token_id=PAD_TOKEN_ID)
