@@ -42,7 +42,9 @@ def test_packed_float32_is_float32_rounding_away_from_dense(rows: int) -> None:
     torch.testing.assert_close(got.double(), exact, atol=1e-4, rtol=1e-5)
 
 
-@needs_packing
+@pytest.mark.skipif(
+    not packing_available(torch.bfloat16), reason="this processor has no oneDNN bfloat16 GEMM"
+)
 def test_packed_bfloat16_matches_dense_bfloat16() -> None:
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(256, 128, generator=gen).bfloat16()
@@ -66,6 +68,22 @@ def test_the_cpu_loader_packs_every_linear_layer(tiny_model: TinyModel) -> None:
         ShardConfig(model_name=str(tiny_model.path), dtype="float16", kv_cache_blocks=8)
     )
     assert not half.model.lm_head.weight.is_mkldnn  # type: ignore[attr-defined]
+
+
+def test_bfloat16_stays_dense_where_onednn_has_no_bfloat16_gemm(
+    tiny_model: TinyModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a processor without AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (an AVX2-only one, or
+    ONEDNN_MAX_CPU_ISA=AVX2) packing a bfloat16 weight raises; the loader keeps those dense
+    and still packs float32 ones."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not packing_available(torch.bfloat16)
+    assert packing_available(torch.float32) == torch.backends.mkldnn.is_available()
+    runner = load_runner(
+        ShardConfig(model_name=str(tiny_model.path), dtype="bfloat16", kv_cache_blocks=8)
+    )
+    head = runner.model.lm_head  # type: ignore[attr-defined]
+    assert head.weight.dtype == torch.bfloat16 and not head.weight.is_mkldnn
 
 
 def test_primitive_caches_are_capped_unless_the_environment_sets_them() -> None:

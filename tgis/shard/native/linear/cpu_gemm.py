@@ -43,11 +43,14 @@ def bound_primitive_caches(environ: MutableMapping[str, str] = os.environ) -> di
 
 
 def packing_available(dtype: torch.dtype) -> bool:
-    """Whether this PyTorch build can pack weights of ``dtype`` for oneDNN."""
+    """Whether this PyTorch build, on this processor, can pack weights of ``dtype`` for
+    oneDNN. oneDNN's bfloat16 GEMMs need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; without them
+    (an AVX2-only processor) packing a bfloat16 weight raises, and ``F.linear`` is used."""
     return (
         dtype in PACKED_DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     )
 
 
