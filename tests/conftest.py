@@ -57,6 +57,9 @@ if importlib.util.find_spec("triton") is not None and not _has_cuda():
 LONGEST_FIRST = (
     "tests/e2e/test_soak_e2e.py",  # 122 s: a fixed two-minute load
     "tests/shard/native/graphs/test_compiled.py",  # 74-90 s: torch.compile of every family
+    "tests/e2e/test_families_e2e.py",  # 59 s: a launcher start per newer family
+    "tests/shard/native/models/test_granite_hybrid.py",  # 10-20 s
+    "tests/e2e/test_hybrid_e2e.py",  # 10-30 s
     "tests/e2e/test_guidellm_e2e.py",  # 22-44 s on a loaded host: two guidellm runs
     "tests/e2e/test_fuzz_e2e.py",  # 19-27 s
     "tests/e2e/test_faults_e2e.py",  # 21-25 s

@@ -138,11 +138,12 @@ def test_other_backends_match_hf(
 
 @pytest.mark.slow
 def test_the_compiled_step_equals_transformers(tmp_path: Path) -> None:
-    """The compiled forward passes each layer's window to its attention op (Qwen2: one
-    layer slides, the other does not)."""
+    """The compiled forward passes each layer's window and soft-cap to its attention op
+    (Gemma 2: a sliding layer and a global one, both soft-capped, and Gemma's norms, GeGLU
+    and final logit cap inside the compiled graph)."""
     from tests.shard.native.graphs.test_compiled import runner_for
 
-    model = TinyModel(tmp_path, FAMILIES["qwen2-window"].build(tmp_path))
+    model = TinyModel(tmp_path, FAMILIES["gemma2"].build(tmp_path))
     router = Router(runner_for(tmp_path, compiled=True))
     prompts = {1: LONG, 2: PROMPTS[2]}
     for rid, prompt in prompts.items():
