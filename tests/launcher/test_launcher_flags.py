@@ -266,6 +266,15 @@ def test_speculation_flags_reach_the_router_and_a_draft_model_the_shard(
     assert "--speculate 4 " in router
     plain = run_launcher(["--model-name", str(model_dir), "--dry-run"])
     assert "--speculate" not in plain.stdout
+    # An MLP speculator (its config.json's architecture): as many as its heads.
+    mlp = model_dir.parent / "mlp-speculator"
+    mlp.mkdir(exist_ok=True)
+    (mlp / "config.json").write_text(
+        '{"architectures": ["MLPSpeculatorPreTrainedModel"], "n_predict": 3}'
+    )
+    run = run_launcher(["--model-name", str(model_dir), "--dry-run"], {"SPECULATOR_NAME": str(mlp)})
+    assert run.returncode == 0, run.stderr
+    assert "--speculate 3 " in run.stdout and "--speculate 4" not in run.stdout
     bad = run_launcher(["--model-name", str(model_dir), "--dry-run", "--prompt-lookup-min", "5"])
     assert bad.returncode != 0
     assert "prompt_lookup_min (5) and prompt_lookup_max (3) must satisfy" in bad.stderr

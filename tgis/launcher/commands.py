@@ -15,6 +15,7 @@ from tgis.launcher.config import (
     ResolvedConfig,
     effective_max_batch_prefill_tokens,
 )
+from tgis.launcher.model_config import speculator_heads
 from tgis.settings.catalogue import read_by
 from tgis.settings.declaration import Process
 from tgis.settings.forwarding import child_argv, child_env
@@ -106,9 +107,11 @@ DRAFT_MODEL_DEPTH = 4
 
 
 def speculation_depth(flags: LauncherConfig) -> int:
-    """Tokens drafted per sequence and step: ``--speculate``, else ``DRAFT_MODEL_DEPTH``
-    with a draft model, else 0 (off)."""
-    return flags.speculate or (DRAFT_MODEL_DEPTH if flags.speculator_name else 0)
+    """Tokens drafted per sequence and step: ``--speculate``, else an MLP speculator's
+    heads (``n_predict``), else ``DRAFT_MODEL_DEPTH`` with a draft model, else 0 (off)."""
+    if flags.speculate or not flags.speculator_name:
+        return flags.speculate
+    return speculator_heads(flags.speculator_name) or DRAFT_MODEL_DEPTH
 
 
 def router_values(cfg: ResolvedConfig, tokenizer_path: Path) -> dict[str, Any]:

@@ -53,6 +53,22 @@ def find_model_dir(model_name: str | None, revision: str | None) -> Path:
     return model_dir
 
 
+def speculator_heads(name: str) -> int | None:
+    """The ``n_predict`` of the MLP speculator ``name`` names (its config.json's
+    ``MLPSpeculatorPreTrainedModel``); None where it is a draft model or not found here."""
+    try:
+        raw = json.loads((resolve_model_dir(name) / "config.json").read_text(encoding="utf-8"))
+    except (ModelNotFoundError, OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    mlp = raw.get("model_type") == "mlp_speculator" or "MLPSpeculatorPreTrainedModel" in (
+        raw.get("architectures") or ()
+    )
+    heads = raw.get("n_predict")
+    return heads if mlp and isinstance(heads, int) and heads > 0 else None
+
+
 def read_model_config(model_dir: Path) -> dict[str, Any]:
     """Parse `<model_dir>/config.json`: the language model's part, as the shard reads it."""
     path = model_dir / "config.json"

@@ -45,6 +45,9 @@ class Sequence:
     # Leading positions whose keys and values are in the draft model's cache (speculative
     # decoding with a draft model, ``native/speculation/draft_model.py``).
     draft_computed: int = 0
+    # An MLP speculator's input: the position before the last known token and the target's
+    # final hidden row there (``native/speculation/mlp_drafter.py``; None: none yet).
+    draft_hidden: tuple[int, torch.Tensor] | None = None
     # Greedy without penalties (at most EOS masked by min_new_tokens): the sampler's fast path.
     plain_greedy: bool = field(init=False)
 
@@ -65,4 +68,5 @@ class Sequence:
         self.block_table = []
         self.num_computed = 0
         self.draft_computed = 0
+        self.draft_hidden = None
         self.input_details = []

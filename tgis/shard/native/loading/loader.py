@@ -104,7 +104,7 @@ def _load(
     forward = model.forward if states else choose_forward(model, tp, device, config.engine)
     pack_cpu_weights(model, forward, device, dtype)
     draft = None if states else load_draft(config, model_config, attention, device, dtype, tp)
-    draft_bytes = 0 if draft is None else draft.spec.bytes_per_block
+    draft_bytes = 0 if draft is None else draft.bytes_per_block
     num_blocks = min_over_ranks(
         tp,
         _kv_cache_blocks(

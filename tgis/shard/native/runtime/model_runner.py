@@ -31,7 +31,7 @@ from tgis.shard.native.models import CausalLM, ForwardFn
 from tgis.shard.native.models.decoder import EmbeddingRows
 from tgis.shard.native.models.recurrent_state import RecurrentStates, StateStep
 from tgis.shard.native.runtime.prefix_rows import embedding_rows
-from tgis.shard.native.speculation.draft_model import DraftModel, draft_computed_after
+from tgis.shard.native.speculation.draft_model import Drafter, draft_computed_after
 from tgis.shard.step.guided import PendingMasks
 from tgis.shard.step.plan import PlanLimits, ResolvedStep, WorkItem
 from tgis.shard.step.results import sample_tokens, start_masks
@@ -104,8 +104,8 @@ class ModelRunner(SequenceRunner):
         # Steps replayed from CUDA graphs (cuda_graphs.py; set by the loader): the decode
         # steps' graphs first, then the verify steps' (speculative decoding) if any.
         self.graph_sets: tuple[DecodeGraphs, ...] = ()
-        # Speculative decoding's draft model (draft_model.py; attach_draft).
-        self.draft: DraftModel | None = None
+        # Speculative decoding's draft model or MLP speculator (speculation/; attach_draft).
+        self.draft: Drafter | None = None
         self.kv_cache = kv_cache
         self.attention = attention
         self.info = info
@@ -220,6 +220,9 @@ class ModelRunner(SequenceRunner):
             )
             sampled, errors = self._sample(hidden, batch, masks)
             accepted = self._verify(hidden, batch, sampled, errors)
+            if self.draft is not None:  # an MLP speculator drafts from these rows
+                starts = batch.layout.query_starts.tolist()
+                self.draft.observe(work, starts, hidden, sampled, accepted)
             input_details = self._input_details(hidden, batch, work)
             if batch.state is not None:  # the step succeeded: its new states count
                 batch.state.commit()
@@ -230,7 +233,7 @@ class ModelRunner(SequenceRunner):
         drafted = work if work is not resolved.work else ()
         return Computed(sampled, input_details, errors, accepted, drafted)
 
-    def attach_draft(self, draft: DraftModel) -> None:
+    def attach_draft(self, draft: Drafter) -> None:
         """Draft with ``draft`` when a step asks (``ScheduledSequence.spec_tokens``). Its
         cache shares the target's block tables and catches up from any position, so no
         block may be given back early (``kv_window`` 0)."""

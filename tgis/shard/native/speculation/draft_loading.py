@@ -27,11 +27,20 @@ from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.attention.kv_cache import KVCache, KVCacheSpec
 from tgis.shard.native.models import CausalLM, model_class
 from tgis.shard.native.speculation.draft_model import DraftModel
+from tgis.shard.native.speculation.mlp_drafter import MLPDrafter
+from tgis.shard.native.speculation.mlp_speculator import (
+    MLPSpeculator,
+    is_mlp_speculator,
+    load_mlp_speculator,
+)
 from tgis.shard.parallel.group import SINGLE, TensorParallel
 
-__all__ = ["LoadedDraft", "load_draft"]
+__all__ = ["LoadedDraft", "LoadedMLP", "load_draft"]
 
 log = logging.getLogger(__name__)
+
+HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+"""Where a config.json gives the hidden size an MLP speculator's ``emb_dim`` must equal."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,11 @@ class LoadedDraft:
     @property
     def spec(self) -> KVCacheSpec:
         return self.model.kv_cache_spec
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Its KV cache's bytes per block of the target's."""
+        return self.spec.bytes_per_block
 
     def with_cache(
         self,
@@ -58,6 +72,27 @@ class LoadedDraft:
         return DraftModel(self.model, cache, attention, device, self.name, eos_token_ids)
 
 
+@dataclass(frozen=True)
+class LoadedMLP:
+    """An MLP speculator (``mlp_speculator.py``): no KV cache."""
+
+    model: MLPSpeculator
+    name: str
+    bytes_per_block: int = 0
+
+    def with_cache(
+        self,
+        num_blocks: int,
+        attention: AttentionBackend,
+        device: torch.device,
+        commit: bool,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> MLPDrafter:
+        """Its drafter (the arguments are a draft model's; it has no cache)."""
+        del num_blocks, attention, device, commit
+        return MLPDrafter(self.model, self.name, eos_token_ids)
+
+
 def load_draft(
     config: ShardConfig,
     target: ModelConfig,
@@ -65,9 +100,10 @@ def load_draft(
     device: torch.device,
     dtype: torch.dtype,
     tp: TensorParallel = SINGLE,
-) -> LoadedDraft | None:
+) -> LoadedDraft | LoadedMLP | None:
     """The draft model ``config.speculator_name`` names (None: none), checked against the
-    target (the same vocabulary size and tokenizer), with this rank's slice of its weights."""
+    target (the same vocabulary size and tokenizer), with this rank's slice of its weights;
+    or the MLP speculator it names (its config.json's architecture), whole on every rank."""
     name = config.speculator_name
     if not name:
         return None
@@ -75,6 +111,8 @@ def load_draft(
         draft_dir = resolve_model_dir(name)
     except ModelNotFoundError as e:
         raise StartupError(f"speculator {name}: {e}") from None
+    if is_mlp_speculator(draft_dir):
+        return _load_mlp(name, draft_dir, target, device, dtype)
     draft_config = ModelConfig.from_dir(draft_dir)
     if draft_config.vocab_size != target.vocab_size:
         raise StartupError(
@@ -99,6 +137,18 @@ def load_draft(
         model.kv_cache_spec.bytes_per_block,
     )
     return LoadedDraft(model, name)
+
+
+def _load_mlp(
+    name: str, draft_dir: Path, target: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> LoadedMLP:
+    try:
+        hidden = next((target.raw[k] for k in HIDDEN_KEYS if k in target.raw), None)
+        model = load_mlp_speculator(draft_dir, device, dtype, hidden, target.vocab_size)
+    except StartupError as e:
+        raise StartupError(f"speculator {name}: {e}") from None
+    log.info("MLP speculator %s loaded from %s: %d heads", name, draft_dir, model.n_predict)
+    return LoadedMLP(model, name)
 
 
 def _check_tokenizer(name: str, draft_dir: Path, model_dir: Path) -> None:

@@ -18,8 +18,10 @@ Positions the draft model wrote after the last confirmed draft hold stale keys a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 
@@ -30,7 +32,27 @@ from tgis.shard.native.models import CausalLM
 from tgis.shard.step.plan import WorkItem
 from tgis.shard.step.sampling import argmax_rows
 
-__all__ = ["DraftModel", "draft_computed_after"]
+__all__ = ["DraftModel", "Drafter", "draft_computed_after"]
+
+
+class Drafter(Protocol):
+    """What drafts on the shard: a draft model, or an MLP speculator (``mlp_drafter.py``)."""
+
+    def draft(self, work: SequenceOf[WorkItem], tables: BlockTables) -> tuple[WorkItem, ...]:
+        """``work`` with the items asking for drafts given them."""
+        ...
+
+    def observe(
+        self,
+        work: SequenceOf[WorkItem],
+        query_starts: SequenceOf[int],
+        hidden: torch.Tensor,
+        sampled: Mapping[int, object],
+        accepted: Mapping[int, SequenceOf[object]],
+    ) -> None:
+        """See the step's final hidden rows (``work``'s from ``query_starts``) once its
+        tokens are sampled (``sampled``) and its drafts verified (``accepted``)."""
+        ...
 
 
 @dataclass
@@ -43,6 +65,16 @@ class DraftModel:
     device: torch.device
     name: str = ""
     eos_token_ids: tuple[int, ...] = ()
+
+    def observe(
+        self,
+        work: SequenceOf[WorkItem],
+        query_starts: SequenceOf[int],
+        hidden: torch.Tensor,
+        sampled: Mapping[int, object],
+        accepted: Mapping[int, SequenceOf[object]],
+    ) -> None:
+        """Nothing: the draft model reads its own cache."""
 
     def draft(self, work: SequenceOf[WorkItem], tables: BlockTables) -> tuple[WorkItem, ...]:
         """``work`` with every item that asks for drafts given them (``drafts`` set, its
