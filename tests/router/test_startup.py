@@ -25,7 +25,7 @@ from tgis.router.startup import log_prefix_caching, log_speculation
         (
             SpeculationConfig(4),
             {"speculation": True, "draft_model": True},
-            "drafted by the shard's draft model (--speculator-name)",
+            "drafted on the shard by --speculator-name (a draft model or an MLP speculator)",
         ),
     ],
 )

@@ -92,8 +92,8 @@ def log_speculation(speculation: SpeculationConfig | None, info: ShardInfo) -> N
         )
     elif info.draft_model:
         log.info(
-            "speculative decoding: up to %d tokens drafted by the shard's draft model "
-            "(--speculator-name) while at most %d sequences run",
+            "speculative decoding: up to %d tokens drafted on the shard by --speculator-name "
+            "(a draft model or an MLP speculator) while at most %d sequences run",
             speculation.tokens,
             speculation.max_batch_size,
         )
