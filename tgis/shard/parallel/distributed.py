@@ -1,17 +1,20 @@
-"""Join the ranks of one model into a torch.distributed group, and the object collectives.
+"""Join the ranks of one model into a torch.distributed group, and the control collectives.
 
 Every shard process of a `--num-shard N` launch calls `init_distributed` once before loading
 its weights. The default process group (the tensor collectives of the layers) uses NCCL when
 CUDA is available (device `cuda:LOCAL_RANK`) and gloo on CPU, so CPU runs exercise the same
-code. A second group, always gloo, carries Python objects (rank 0's commands, each rank's
-outcome): its collectives wait without a timeout, because an idle server may not send a
-command for hours; a rank that dies still ends them at once (the connection closes).
+code. A second group, always gloo, carries rank 0's commands and each rank's outcome as
+CPU tensors of bytes (``broadcast_command``, ``gather_payloads``; start-up's few values as
+pickled objects): its collectives wait without a timeout, because an idle server may not
+send a command for hours; a rank that dies still ends them at once (the connection closes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import struct
 from datetime import timedelta
 from typing import Any
 
@@ -103,15 +106,66 @@ def destroy() -> None:
         dist.destroy_process_group()
 
 
-def broadcast_object(tp: TensorParallel, obj: Any = None) -> Any:
-    """Rank 0's `obj` on every rank (others pass nothing); pickled over the object group."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=tp.control_group)
-    return box[0]
+COMMAND_BYTES = 4096
+"""The size of the tensor every command is broadcast in: a (command, payload length) header
+of two int64s, then as much of the payload as fits (a second broadcast carries the rest)."""
+
+_COMMAND_HEADER = struct.Struct("<qq")
+
+
+def broadcast_command(
+    tp: TensorParallel, command: int = 0, payload: bytes = b""
+) -> tuple[int, bytes]:
+    """Rank 0's (`command`, `payload`) on every rank (others pass nothing): one broadcast of a
+    COMMAND_BYTES uint8 tensor, and one more only for a payload that does not fit."""
+    room = COMMAND_BYTES - _COMMAND_HEADER.size
+    if tp.rank == 0:
+        buffer = bytearray(COMMAND_BYTES)
+        _COMMAND_HEADER.pack_into(buffer, 0, command, len(payload))
+        buffer[_COMMAND_HEADER.size : _COMMAND_HEADER.size + len(payload[:room])] = payload[:room]
+        head = torch.frombuffer(buffer, dtype=torch.uint8)
+    else:
+        head = torch.empty(COMMAND_BYTES, dtype=torch.uint8)
+    dist.broadcast(head, src=0, group=tp.control_group)
+    if tp.rank == 0:
+        rest = payload[room:]
+        if rest:
+            dist.broadcast(
+                torch.frombuffer(bytearray(rest), dtype=torch.uint8), src=0, group=tp.control_group
+            )
+        return command, payload
+    data = head.numpy().tobytes()
+    command, length = _COMMAND_HEADER.unpack_from(data)
+    payload = data[_COMMAND_HEADER.size : _COMMAND_HEADER.size + min(length, room)]
+    if length > room:
+        rest_tensor = torch.empty(length - room, dtype=torch.uint8)
+        dist.broadcast(rest_tensor, src=0, group=tp.control_group)
+        payload += rest_tensor.numpy().tobytes()
+    return command, payload
+
+
+def gather_payloads(tp: TensorParallel, payload: bytes) -> list[bytes]:
+    """Every rank's `payload`, in rank order, on every rank. The ranks first exchange each
+    payload's length and digest (one int64 pair each); only when they differ do the payloads
+    themselves travel (a second all-gather, padded to the longest)."""
+    digest = int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little", signed=True)
+    mine = torch.tensor([len(payload), digest], dtype=torch.int64)
+    summaries = [torch.empty_like(mine) for _ in range(tp.world_size)]
+    dist.all_gather(summaries, mine, group=tp.control_group)
+    rows = [tuple(t.tolist()) for t in summaries]
+    if all(row == rows[0] for row in rows):
+        return [payload] * tp.world_size
+    longest = max(length for length, _ in rows)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    parts = [torch.empty_like(padded) for _ in range(tp.world_size)]
+    dist.all_gather(parts, padded, group=tp.control_group)
+    return [part.numpy().tobytes()[:length] for part, (length, _) in zip(parts, rows, strict=True)]
 
 
 def gather_objects(tp: TensorParallel, obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order, on every rank."""
+    """Every rank's `obj`, in rank order, on every rank (pickled: start-up only)."""
     out: list[Any] = [None] * tp.world_size
     dist.all_gather_object(out, obj, group=tp.control_group)
     return out

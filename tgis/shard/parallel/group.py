@@ -21,7 +21,8 @@ class TensorParallel:
     group: Any = None
     """The process group for tensor collectives (NCCL on GPU, gloo on CPU); None = default."""
     control_group: Any = None
-    """A gloo group for Python objects (rank 0's commands), without a collective timeout."""
+    """A gloo group for the control messages (rank 0's commands, the outcomes), without a
+    collective timeout."""
 
     @property
     def is_parallel(self) -> bool:

@@ -1,14 +1,15 @@
 """Rank 0 drives the other ranks: every command is broadcast, run everywhere, then checked.
 
 Only rank 0 talks to the router. For each Step (and Reset, Health, PrefixLookup,
-AdapterLookup, and the final Stop) it
-broadcasts a `Message` over the object group; every rank — rank 0 included — runs the same
-`ModelRunner` call (`resolve_plan` first, so a plan that fails validation fails on every rank
-before any collective), then all ranks exchange a small `Outcome` (the error, if any, and the
-sampled token ids). Identical outcomes are the normal case, failures included: rank 0 returns
-its own result or raises its own error, and the workers wait for the next command. Different
-outcomes mean the replicas no longer hold the same state: every rank stops (`LockstepError`),
-and the launcher sees a shard exit and stops the server.
+AdapterLookup, and the final Stop) it broadcasts a `Message` over the control group as a
+tensor of bytes (a Step's plan in `lockstep_wire`'s layout; nothing pickled); every rank —
+rank 0 included — runs the same `ModelRunner` call (`resolve_plan` first, so a plan that
+fails validation fails on every rank before any collective), then all ranks exchange a small
+`Outcome` (the error, if any, and the sampled token ids): its length and digest, and the
+outcomes themselves only when those differ. Identical outcomes are the normal case, failures
+included: rank 0 returns its own result or raises its own error, and the workers wait for
+the next command. Different outcomes mean the replicas no longer hold the same state: every
+rank stops (`LockstepError`), and the launcher sees a shard exit and stops the server.
 
 The order of collectives is the same on every rank because rank 0 issues commands one at a
 time (a lock) and each command's tensor collectives happen inside the same model code.
@@ -26,8 +27,15 @@ from typing import NoReturn
 import torch
 
 from tgis.shard.adapters.store_paths import invalid
+from tgis.shard.native.runtime.lockstep_wire import (
+    Outcome,
+    decode_outcome,
+    decode_plan,
+    encode_outcome,
+    encode_plan,
+)
 from tgis.shard.native.runtime.model_runner import ModelRunner
-from tgis.shard.parallel.distributed import broadcast_object, first_line, gather_objects
+from tgis.shard.parallel.distributed import broadcast_command, first_line, gather_payloads
 from tgis.shard.parallel.group import TensorParallel
 from tgis.shard_api.messages import (
     AdapterInfo,
@@ -54,7 +62,7 @@ class Command(Enum):
 
 @dataclass(frozen=True)
 class Message:
-    """One broadcast command (pickled)."""
+    """One broadcast command."""
 
     command: Command
     plan: StepPlan | None = None
@@ -62,15 +70,38 @@ class Message:
     adapter_id: str = ""
 
 
-@dataclass(frozen=True)
-class Outcome:
-    """What a rank reports after a command; equal on every rank unless they diverged."""
+_COMMANDS = list(Command)
+_CODES = {command: code for code, command in enumerate(_COMMANDS)}
 
-    error: str | None = None  # "ExceptionType: message"
-    tokens: tuple[tuple[int, int], ...] = ()  # (request id, sampled token id)
-    failed: tuple[int, ...] = ()  # request ids with a per-sequence error
-    prefix: PrefixInfo | None = None  # PREFIX: the prefix's virtual tokens and version
-    adapter: AdapterInfo | None = None  # ADAPTER: what the adapter is
+
+def send_message(tp: TensorParallel, message: Message) -> None:
+    """Rank 0: broadcast `message` (a command code and its payload's bytes)."""
+    if message.command is Command.STEP:
+        assert message.plan is not None
+        payload = encode_plan(message.plan)
+    else:
+        payload = (message.prefix_id or message.adapter_id).encode()
+    broadcast_command(tp, _CODES[message.command], payload)
+
+
+def receive_message(tp: TensorParallel) -> Message:
+    """A rank > 0: the message rank 0 broadcast."""
+    code, payload = broadcast_command(tp)
+    command = _COMMANDS[code]
+    if command is Command.STEP:
+        return Message(command, decode_plan(payload))
+    if command is Command.PREFIX:
+        return Message(command, prefix_id=payload.decode())
+    if command is Command.ADAPTER:
+        return Message(command, adapter_id=payload.decode())
+    return Message(command)
+
+
+def exchange_outcomes(tp: TensorParallel, outcome: Outcome) -> list[Outcome]:
+    """Every rank's outcome, in rank order (ours alone decoded when all are equal)."""
+    mine = encode_outcome(outcome)
+    payloads = gather_payloads(tp, mine)
+    return [outcome if p == mine else decode_outcome(p) for p in payloads]
 
 
 class LockstepError(RuntimeError):
@@ -225,7 +256,7 @@ class LockstepRunner:
             if self.failed:
                 return
             try:
-                broadcast_object(self.tp, Message(Command.STOP))
+                send_message(self.tp, Message(Command.STOP))
             except Exception as e:
                 log.warning("could not tell the other ranks to stop: %s", first_line(e))
 
@@ -234,9 +265,9 @@ class LockstepRunner:
             if self.failed or self._closed:
                 raise LockstepError("the tensor-parallel ranks are stopped")
             try:
-                broadcast_object(self.tp, message)
+                send_message(self.tp, message)
                 output, error = execute(self.runner, message)
-                outcomes = gather_objects(self.tp, outcome_of(output, error))
+                outcomes = exchange_outcomes(self.tp, outcome_of(output, error))
             except Exception as e:
                 self._fail(f"lost contact with the other ranks: {first_line(e)}")
             problem = divergence(message.command, outcomes)
@@ -270,11 +301,11 @@ def run_worker(runner: ModelRunner, tp: TensorParallel) -> None:
     if runner.device.type == "cuda":
         torch.cuda.set_device(runner.device)  # this thread's current device
     while True:
-        message: Message = broadcast_object(tp)
+        message = receive_message(tp)
         if message.command is Command.STOP:
             log.info("Rank %d: stop received from rank 0", tp.rank)
             return
         output, error = execute(runner, message)
-        problem = divergence(message.command, gather_objects(tp, outcome_of(output, error)))
+        problem = divergence(message.command, exchange_outcomes(tp, outcome_of(output, error)))
         if problem is not None:
             raise LockstepError(problem)
