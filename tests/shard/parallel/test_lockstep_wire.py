@@ -46,7 +46,7 @@ SAMPLING = SamplingParams(
     top_k=20,
     top_p=0.9,
     typical_p=0.95,
-    seed=(1 << 64) - 3,  # above int64's range
+    seed=(1 << 64) - 3,
     repetition_penalty=1.2,
     min_new_tokens=3,
     length_penalty=LengthPenalty(start_index=5, decay_factor=1.5),
@@ -59,8 +59,9 @@ SAMPLING = SamplingParams(
 DETAILS = DetailOptions(
     logprobs=True, ranks=True, top_n=4, input_tokens=True, generated_tokens=True
 )
+BIG_ID = (1 << 64) - 1  # the step channel's ids are uint64
 FULL = NewSequence(
-    request_id=11,
+    request_id=BIG_ID,
     prompt_token_ids=(1, 2, 3, 50_000),
     sampling=SAMPLING,
     details=DETAILS,
@@ -71,7 +72,7 @@ FULL = NewSequence(
     adapter_version="v2",
 )
 SCHEDULED = ScheduledSequence(
-    request_id=11,
+    request_id=BIG_ID,
     num_tokens=6,
     new_block_ids=(4, 5),
     cached_tokens=2,
@@ -80,7 +81,7 @@ SCHEDULED = ScheduledSequence(
     state_slot=7,
 )
 PLAN = StepPlan(
-    step_id=42,
+    step_id=BIG_ID - 1,
     new_sequences=(FULL, NewSequence(12, (5,))),
     scheduled=(SCHEDULED, ScheduledSequence(12, 1, state_slot=0), ScheduledSequence(13, 1)),
     finished_request_ids=(1, 2),

@@ -1,10 +1,10 @@
 """The bytes the tensor-parallel ranks exchange each command: a Step's plan and each rank's
-outcome, in a flat layout of int64s, float64s and UTF-8 strings (nothing pickled).
+outcome, in a flat layout of uint64s, float64s and UTF-8 strings (nothing pickled).
 
 A payload is a header of three int64s (how many ints, floats and string bytes follow), the
-ints, the floats, then the string bytes; a reader takes them back in the order they were
-written. Floats travel as float64 and seeds as their 64-bit pattern, so every rank decodes
-exactly the plan rank 0 holds (the step channel's protobuf carries float32).
+ints (uint64, as the step channel's ids and seeds are), the floats, then the string bytes; a
+reader takes them back in the order they were written. Floats travel as float64, so every
+rank decodes exactly the plan rank 0 holds (the step channel's protobuf carries float32).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ from tgis.shard_api.messages import (
 )
 
 _HEADER = struct.Struct("<qqq")
-_U64 = 1 << 64
-_I64_MAX = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,7 @@ class Writer:
         text = b"".join(self.text)
         head = _HEADER.pack(len(self.ints), len(self.floats), len(text))
         return b"".join(
-            (head, array("q", self.ints).tobytes(), array("d", self.floats).tobytes(), text)
+            (head, array("Q", self.ints).tobytes(), array("d", self.floats).tobytes(), text)
         )
 
 
@@ -72,7 +70,7 @@ class Reader:
     def __init__(self, payload: bytes) -> None:
         n_ints, n_floats, n_text = _HEADER.unpack_from(payload)
         start = _HEADER.size
-        ints, floats = array("q"), array("d")
+        ints, floats = array("Q"), array("d")
         ints.frombytes(payload[start : start + 8 * n_ints])
         start += 8 * n_ints
         floats.frombytes(payload[start : start + 8 * n_floats])
@@ -111,7 +109,7 @@ def encode_plan(plan: StepPlan) -> bytes:
     w.ints_of(plan.finished_request_ids)
     w.ints_of(plan.preempted_request_ids)
     for s in plan.scheduled:
-        slot = -1 if s.state_slot is None else s.state_slot
+        slot = 0 if s.state_slot is None else s.state_slot + 1
         w.ints += (s.request_id, s.num_tokens, s.cached_tokens, s.spec_tokens, slot)
         w.ints_of(s.new_block_ids)
         w.ints_of(s.draft_token_ids)
@@ -129,7 +127,7 @@ def decode_plan(payload: bytes) -> StepPlan:
         request_id, num_tokens, cached, spec, slot = r.ints[r.i : r.i + 5]
         r.i += 5
         blocks, drafts = r.ints_of(), r.ints_of()
-        state_slot = None if slot < 0 else slot
+        state_slot = None if slot == 0 else slot - 1
         scheduled.append(
             ScheduledSequence(request_id, num_tokens, blocks, cached, drafts, spec, state_slot)
         )
@@ -148,7 +146,7 @@ def _write_new_sequence(w: Writer, ns: NewSequence) -> None:
     w.floats += (p.temperature, p.top_p, p.typical_p, p.repetition_penalty)
     w.floats += (p.presence_penalty, p.frequency_penalty, p.min_p)
     if p.seed is not None:
-        w.ints.append(p.seed - _U64 if p.seed > _I64_MAX else p.seed)
+        w.ints.append(p.seed)
     if p.length_penalty is not None:
         w.ints.append(p.length_penalty.start_index)
         w.floats.append(p.length_penalty.decay_factor)
@@ -168,7 +166,7 @@ def _read_new_sequence(r: Reader) -> NewSequence:
     )
     seed = None
     if has_seed:
-        seed = r.take() % _U64
+        seed = r.take()
     penalty = LengthPenalty(r.take(), r.real()) if has_penalty else None
     bias = tuple((token, r.real()) for token in r.ints_of())
     sampling = SamplingParams(
