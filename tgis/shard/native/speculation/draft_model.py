@@ -32,7 +32,7 @@ from tgis.shard.native.models import CausalLM
 from tgis.shard.step.plan import WorkItem
 from tgis.shard.step.sampling import argmax_rows
 
-__all__ = ["DraftModel", "Drafter", "draft_computed_after"]
+__all__ = ["DraftModel", "Drafter", "draft_computed_after", "mask_eos_drafts"]
 
 
 class Drafter(Protocol):
@@ -117,15 +117,23 @@ class DraftModel:
         hidden = self.model.forward(input_ids, positions, self.kv_cache, metadata)
         last = torch.as_tensor(layout.query_starts + layout.query_lens - 1, device=self.device)
         logits = self.model.compute_logits(hidden[last]).float()
-        short = [
-            row
-            for row, item in enumerate(items)
-            if item.seq.num_generated + drafted < item.seq.sampling.min_new_tokens
-        ]
-        eos = [t for t in self.eos_token_ids if 0 <= t < logits.shape[-1]]
-        if short and eos:
-            logits[torch.tensor(short)[:, None], torch.tensor(eos)[None, :]] = float("-inf")
+        mask_eos_drafts(logits, items, drafted, self.eos_token_ids)
         return [int(t) for t in argmax_rows(logits).tolist()]
+
+
+def mask_eos_drafts(
+    logits: torch.Tensor, items: SequenceOf[WorkItem], drafted: int, eos_token_ids: SequenceOf[int]
+) -> None:
+    """No EOS as the ``drafted``-th draft of an item (a row of ``logits``) whose
+    min_new_tokens masks it there, as the target's sampling would."""
+    short = [
+        row
+        for row, item in enumerate(items)
+        if item.seq.num_generated + drafted < item.seq.sampling.min_new_tokens
+    ]
+    eos = [t for t in eos_token_ids if 0 <= t < logits.shape[-1]]
+    if short and eos:
+        logits[torch.tensor(short)[:, None], torch.tensor(eos)[None, :]] = float("-inf")
 
 
 def draft_computed_after(item: WorkItem, confirmed: int) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tgis.shard.native.attention.block_tables import BlockTables
+from tgis.shard.native.speculation.draft_model import mask_eos_drafts
 from tgis.shard.native.speculation.mlp_speculator import MLPSpeculator
 from tgis.shard.step.plan import WorkItem
 from tgis.shard.step.sampling import argmax_rows
@@ -53,7 +54,7 @@ class MLPDrafter:
         drafts: list[list[int]] = [[] for _ in items]
         for step in range(depth):
             state, logits = self.model.step(step, state, tokens)
-            self._mask_eos(logits, items, step)
+            mask_eos_drafts(logits, items, step, self.eos_token_ids)
             tokens = argmax_rows(logits)
             for row, token in enumerate(tokens.tolist()):
                 if items[row].spec_tokens > step:
@@ -62,17 +63,6 @@ class MLPDrafter:
         for index, item, drafted in zip(asking, items, drafts, strict=True):
             out[index] = replace(item, end=item.start + 1 + len(drafted), drafts=tuple(drafted))
         return tuple(out)
-
-    def _mask_eos(self, logits: torch.Tensor, items: SequenceOf[WorkItem], drafted: int) -> None:
-        """No EOS draft where min_new_tokens masks it for the ``drafted``-th draft."""
-        short = [
-            row
-            for row, item in enumerate(items)
-            if item.seq.num_generated + drafted < item.seq.sampling.min_new_tokens
-        ]
-        eos = [t for t in self.eos_token_ids if 0 <= t < logits.shape[-1]]
-        if short and eos:
-            logits[torch.tensor(short)[:, None], torch.tensor(eos)[None, :]] = float("-inf")
 
     def observe(
         self,
