@@ -253,9 +253,10 @@ def test_the_counters_give_the_acceptance_rate(speculating: LauncherProcess) -> 
 def test_preemption_under_a_small_kv_budget(
     speculating: LauncherProcess, plain: LauncherProcess
 ) -> None:
-    """Sixteen prompts in one batch in 40 blocks, decoding past block boundaries with
-    drafts reserved: some are preempted and resumed, and every output is the plain one."""
-    prompts = [f"Question {i}: " + "say it again and again, " * (6 + i % 5) for i in range(16)]
+    """Four prompts of about 200 tokens in one batch in 40 blocks, decoding past block
+    boundaries with drafts reserved (few enough sequences for the policy to draft): some
+    are preempted and resumed, and every output is the plain one."""
+    prompts = [f"Question {i}: " + "say it again and again, " * (26 + i % 2) for i in range(4)]
     parameters = PARAMETERS["greedy"]
     preempted = metric_sample(speculating, "tgi_request_preemption_count") or 0.0
     before = drafted(speculating)

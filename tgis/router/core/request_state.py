@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tgis.router.core.detokenizer import IncrementalDetokenizer, TokenDecoder
+from tgis.router.core.draft_policy import DraftStats
 from tgis.router.core.ngram import NgramIndex
 from tgis.router.core.stopping import StopChecker, StopDecision, stream_hold_back_bytes
 from tgis.router.request_types import StopReason, ValidatedRequest
@@ -99,6 +100,9 @@ class RequestState:
     """The client's x-correlation-id, for the engine's log lines about this request."""
     ngram: NgramIndex | None = None
     """Its ids' n-grams, built when speculative decoding first drafts for it."""
+    draft_stats: DraftStats | None = None
+    """Its drafts' recent acceptance (``draft_policy.py``), from its first decode step
+    while speculative decoding is on."""
 
     @property
     def held_blocks(self) -> list[int]:

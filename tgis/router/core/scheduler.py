@@ -234,7 +234,7 @@ class Scheduler(StepFailures):
         """
         speculation = self.speculation
         demand = len(self.running) + len(self.waiting)
-        speculating = speculation is not None and speculation.applies(demand)
+        speculating = speculation is not None and speculation.applies(demand, self.running)
         if base_step_id and (speculating or (speculation is not None and speculation.in_flight)):
             return ScheduledStep(StepPlan(base_step_id=base_step_id), {}, frozenset(), {}, 0)
         budget = self.limits.max_batch_prefill_tokens
@@ -291,7 +291,12 @@ class Scheduler(StepFailures):
                 continue
             if not self._make_room_for_decode(state):
                 break  # it preempted itself: it was the youngest
-            drafts, count = self._drafts(state) if speculating else ((), 0)
+            drafts: tuple[int, ...] = ()
+            count = 0
+            if speculating:
+                drafts, count = self._drafts(state)
+            elif self.speculation is not None:
+                self.speculation.idle(state)
             draft.add(
                 self.blocks, state, 1 + len(drafts), prompt=False, drafts=drafts, spec_tokens=count
             )
