@@ -7,7 +7,10 @@ custom op ``tgis::paged_attention``, which calls the step's attention backend ov
 cache with the step's metadata (held in ``_ACTIVE`` while the step runs), so one graph
 serves every batch composition and the per-step metadata never becomes a guard. The token
 dimension is unbacked-dynamic: one compilation covers every step size, decode of one
-sequence included.
+sequence included. Steps with LoRA rows run a second graph, compiled at start-up when
+adapters are enabled, whose LoRA deltas are the opaque op ``tgis::lora_add``
+(``compiled_lora.py``): one compilation for every mix of adapters, loaded when they may be.
+Steps with prompt-tuning prefix rows run eagerly.
 
 Compilation happens at start-up (``ModelRunner.warm_up`` runs a prompt and a decode step),
 never while serving a request; inductor caches its output on disk, so later start-ups are
@@ -23,13 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.attention.kv_cache import KVCache
+from tgis.shard.native.graphs.compiled_lora import OPAQUE_LORA, active_lora
+from tgis.shard.native.linear.lora_rows import LoraRows
 from tgis.shard.native.models.decoder import DecoderLM
 
 log = logging.getLogger(__name__)
@@ -124,10 +129,13 @@ class CompiledForward:
         def hidden_states(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             return model.hidden_states(input_ids, positions, _opaque_attend)
 
-        # Dynamo keeps its compiled code per code object: give each model its own, so models
-        # loaded in one process (tests) never count as recompilations of one another.
-        hidden_states.__code__ = hidden_states.__code__.replace()
-        self._compiled = torch.compile(hidden_states, dynamic=True, fullgraph=True)
+        def lora_hidden_states(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model.hidden_states(input_ids, positions, _opaque_attend, lora=OPAQUE_LORA)
+
+        self._compiled = _compile(hidden_states)
+        # Steps with LoRA rows: a graph of their own (compiled_lora.py), so that steps
+        # without pay nothing for adapters.
+        self._compiled_lora = _compile(lora_hidden_states)
 
     def __call__(
         self,
@@ -135,7 +143,9 @@ class CompiledForward:
         positions: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: Any,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
+        """The step's final hidden states; ``lora``: the step's LoRA rows (None: none)."""
         # Views into the step's staging buffers start at any offset: 0/1 specialisation
         # would compile a second graph for the offsets 0 and 1; an own copy always starts at 0.
         if input_ids.storage_offset():
@@ -144,6 +154,15 @@ class CompiledForward:
             positions = positions.clone()
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
-        with _active_step(self.model.attention, kv_cache, attn_metadata):
-            out: torch.Tensor = self._compiled(input_ids, positions)
+        compiled = self._compiled if lora is None else self._compiled_lora
+        with _active_step(self.model.attention, kv_cache, attn_metadata), active_lora(lora):
+            out: torch.Tensor = compiled(input_ids, positions)
         return out
+
+
+def _compile(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` under ``torch.compile``, with a code object of its own: Dynamo keeps its
+    compiled code per code object, and models loaded in one process (tests) must never
+    count as recompilations of one another."""
+    fn.__code__ = fn.__code__.replace()
+    return torch.compile(fn, dynamic=True, fullgraph=True)

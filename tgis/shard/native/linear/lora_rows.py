@@ -5,7 +5,8 @@ groups the step's flattened rows by adapter; every linear layer an adapter targe
 adds, for each group, ``(x[rows] @ A) @ B`` to its output rows (``LoraRows.add``): one pair
 of small matmuls per adapter present and site, whatever the number of sequences. Rows of
 sequences without an adapter are untouched, and a step without LoRA rows pays nothing.
-Such steps run the eager forward (the compiled step and CUDA graphs never see adapters).
+The compiled step calls ``add`` as one opaque op per site (``graphs/compiled_lora.py``), so
+adapters never enter its graph; CUDA graphs never replay steps with LoRA rows.
 
 On CUDA the same deltas come from Triton kernels instead (``lora_triton.py``: two launches
 per site for every adapter of the step, the per-step layout built here once); this torch

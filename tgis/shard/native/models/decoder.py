@@ -141,8 +141,8 @@ class DecoderLM:
         lora: LoraRows | None = None,
     ) -> torch.Tensor:
         """Final (normed) hidden states [tokens, hidden] for flattened ``input_ids``, eagerly
-        (``compiled.CompiledForward`` runs ``hidden_states`` compiled instead; steps with
-        prefix ``rows`` or LoRA adapters always run here)."""
+        (``compiled.CompiledForward`` runs ``hidden_states`` compiled instead, with LoRA
+        adapters too; steps with prefix ``rows`` always run here)."""
         attend = paged_attend(self.attention, kv_cache, attn_metadata)
         return self.hidden_states(input_ids, positions, attend, rows, lora)
 

@@ -19,12 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tgis.shard.adapters.lora_layout import LoraWeights
 from tgis.shard.adapters.prefixes import NO_PREFIXES, Prefixes
 from tgis.shard.adapters.request_adapters import NO_ADAPTERS, Adapters
 from tgis.shard.cpu_threads import StepTiming, busy_host_seconds, cpu_threads
 from tgis.shard.native.attention.block_tables import BlockTables, flatten
 from tgis.shard.native.attention.interface import AttentionBackend, BatchLayout
 from tgis.shard.native.attention.kv_cache import KVCache
+from tgis.shard.native.graphs.compiled import CompiledForward
 from tgis.shard.native.linear.lora_rows import LoraRows, lora_rows
 from tgis.shard.native.linear.lora_rows import lora_kernel as choose_lora_kernel
 from tgis.shard.native.models import CausalLM, ForwardFn
@@ -137,12 +139,16 @@ class ModelRunner(SequenceRunner):
 
     def warm_up(self) -> None:
         """Run a prompt and a decode step through the forward (compiling it, if it is
-        compiled) and forget them."""
-        prompt = tuple(range(3, 3 + min(4, self.kv_cache.block_size)))
+        compiled), with adapters enabled a decode step with LoRA rows too (the compiled
+        forward's LoRA graph), and forget them."""
+        prompt = tuple(range(3, 3 + min(4, max(1, self.kv_cache.block_size - 2))))
         slot = self._own_slot
         first = ScheduledSequence(1, len(prompt), (0,), state_slot=slot)
         self.step(StepPlan(1, (NewSequence(1, prompt),), (first,)))
         self.step(StepPlan(2, (), (ScheduledSequence(1, 1, state_slot=slot),)))
+        if self.adapters.enabled and isinstance(self.forward, CompiledForward):
+            self.sequences[1].lora = LoraWeights("warm-up", {}, 0)  # targets no site
+            self.step(StepPlan(3, (), (ScheduledSequence(1, 1, state_slot=slot),)))
         self.reset()
 
     def calibrate_cpu_threads(self) -> StepTiming | None:
@@ -258,10 +264,11 @@ class ModelRunner(SequenceRunner):
         state: StateStep | None = None,
     ) -> torch.Tensor:
         """The forward pass of the step: a decode or verify step that fits a captured bucket
-        replays its CUDA graph (``cuda_graphs.py``), a step computing prefix rows or using
-        LoRA adapters runs the eager forward (the only one that takes them), any other step
-        runs ``self.forward``; a model with recurrent state always runs its eager forward,
-        with the step's ``state``."""
+        replays its CUDA graph (``cuda_graphs.py``), a step computing prefix rows runs the
+        eager forward (the only one that takes them), as does a step using LoRA adapters
+        unless the forward is compiled (its LoRA graph, ``compiled_lora.py``), any other
+        step runs ``self.forward``; a model with recurrent state always runs its eager
+        forward, with the step's ``state``."""
         if state is not None:
             input_ids, positions, slot_mapping = layout.to_device(self.device)
             metadata = self.attention.prepare(layout, self.device, slot_mapping)
@@ -269,18 +276,18 @@ class ModelRunner(SequenceRunner):
             return stateful.forward(
                 input_ids, positions, self.kv_cache, metadata, prefix_rows, lora, state=state
             )
-        eager_only = prefix_rows is not None or lora is not None
-        for graphs in () if eager_only else self.graph_sets:
+        plain = prefix_rows is None and lora is None  # CUDA graphs hold neither
+        for graphs in self.graph_sets if plain else ():
             bucket = graphs.bucket_for(layout)
             if bucket is not None:
                 return graphs.run(layout, bucket)
         input_ids, positions, slot_mapping = layout.to_device(self.device)
         metadata = self.attention.prepare(layout, self.device, slot_mapping)
-        if eager_only:
-            return self.model.forward(
-                input_ids, positions, self.kv_cache, metadata, prefix_rows, lora
-            )
-        return self.forward(input_ids, positions, self.kv_cache, metadata)
+        if plain:
+            return self.forward(input_ids, positions, self.kv_cache, metadata)
+        if prefix_rows is None and isinstance(self.forward, CompiledForward):
+            return self.forward(input_ids, positions, self.kv_cache, metadata, lora)
+        return self.model.forward(input_ids, positions, self.kv_cache, metadata, prefix_rows, lora)
 
     def _flatten(self, work: SequenceOf[WorkItem]) -> _FlatBatch:
         layout = flatten(work, self.block_tables, self.kv_cache.block_size)
