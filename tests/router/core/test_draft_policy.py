@@ -98,6 +98,25 @@ def test_a_confirmed_probe_resumes_drafting() -> None:
     assert POLICY.length(stats) > 0
 
 
+def test_always_drafts_in_full_whatever_the_record() -> None:
+    """``--speculate-always``: every sequence drafts ``tokens`` in every step, failing or
+    not, at any batch size within ``max_batch_size`` (the budget holds them all)."""
+    always = DraftPolicy(tokens=4, always=True)
+    assert always.length(rejecting(4)) == 4 and always.length(DraftStats()) == 4
+    assert always.plan(16, [rejecting(4) for _ in range(16)])
+    assert always.plan(1, [])  # drafts or not, the step is one at a time, as before
+    assert always.budget(16) == 64
+    spec = Speculation(SpeculationConfig(tokens=3, always=True))
+    state = make_state(1, 6, 100)
+    state.generated_ids = [0]
+    state.num_computed = state.known_length - 1
+    state.draft_stats = rejecting(4)
+    assert spec.applies(1, [state])
+    blocks = BlockPool(64, 4)
+    state.block_ids = blocks.allocate(2)
+    assert spec.drafts(state, blocks) == ((1, 2, 3), 0)
+
+
 def decoding(generated: list[int], prompt: int = 6) -> Speculation:
     """A Speculation and one decoding sequence whose prompt is ``0..prompt-1``."""
     spec = Speculation(SpeculationConfig(tokens=3))

@@ -28,6 +28,11 @@ gave 0.70x the throughput of no speculation (a step of 16 decodes is already
 compute-bound on a CPU, and each drafted position costs about what a sequence's token
 does), hence the budget of 12 positions: no drafts from 12 decoding sequences on, few
 below.
+
+**Always** (``always``, ``--speculate-always``): every sequence drafts ``tokens`` in every
+step, whatever its record and the batch (speculation before this policy, and TGIS's): the
+baseline the policy is measured against, and the way to have drafts verified, right and
+wrong, on a model whose drafts seldom land (the tests' random models).
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class DraftPolicy:
     first_probe_after: int = 32
     max_probe_after: int = 256
     prior: float = 0.5
+    always: bool = False
+    """Draft ``tokens`` per sequence in every step, within no budget (module docstring)."""
 
     def rate(self, stats: DraftStats) -> float:
         """The estimate this step: at least the prior when it is due to probe."""
@@ -87,6 +94,8 @@ class DraftPolicy:
 
     def length(self, stats: DraftStats) -> int:
         """Drafts worth verifying for a sequence with these stats (0: none this step)."""
+        if self.always:
+            return self.tokens
         rate = self.rate(stats)
         count, marginal = 0, 1.0
         while count < self.tokens and marginal * rate >= self.min_marginal:
@@ -101,12 +110,16 @@ class DraftPolicy:
 
     def budget(self, decoding: int) -> int:
         """Drafted positions a step of ``decoding`` decode sequences may carry."""
+        if self.always:
+            return self.tokens * max(decoding, 1)
         return max(self.max_step_tokens - decoding, 0)
 
     def plan(self, decoding: int, candidates: Iterable[DraftStats]) -> bool:
         """Whether a step of ``decoding`` decode sequences should carry drafts, the
         ``candidates`` (the ones that may draft) drafting their :meth:`length` in turn
         within the step's :meth:`budget`."""
+        if self.always:
+            return True
         left = self.budget(decoding)
         gain = cost = 0.0
         for stats in candidates:

@@ -18,7 +18,8 @@ estimate makes worth it (none while its drafts would fail). While a sequence doe
 draft, prompt lookup still proposes after each of its known tokens and the proposal is
 checked against the tokens that come, so its estimate stays current for free (with a
 draft model on the shard, it probes now and then instead). Steps without drafts are
-planned on top of the one in flight, as without speculation.
+planned on top of the one in flight, as without speculation. ``--speculate-always``
+(``SpeculationConfig.always``) drafts in every step within ``max_batch_size`` instead.
 
 **Drafts** (``ngram.py``): prompt lookup over the input and generated ids, at most
 ``tokens`` of them and never past ``max_new_tokens``; none for a guided sequence (its
@@ -61,6 +62,9 @@ class SpeculationConfig:
     max_batch_size: int = 16  # running sequences above which it stops
     min_ngram: int = 1  # the shortest suffix looked up (--prompt-lookup-min)
     max_ngram: int = 3  # the longest (--prompt-lookup-max)
+    always: bool = False
+    """Draft in every step within ``max_batch_size``, whatever the sequences' acceptance
+    (``--speculate-always``; ``DraftPolicy.always``)."""
 
 
 class Speculation:
@@ -72,7 +76,7 @@ class Speculation:
         """The shard's draft model drafts: ask for a number of drafts, not ids."""
         self.in_flight = False
         """A step with drafts has been sent and not answered."""
-        self.policy = DraftPolicy(config.tokens)
+        self.policy = DraftPolicy(config.tokens, always=config.always)
         self.budget = 0
         """Drafted positions the step being planned may still carry."""
         self.within_batch = False

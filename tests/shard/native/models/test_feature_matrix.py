@@ -134,7 +134,9 @@ def test_speculation_gives_transformers_tokens(family: TinyModel, drafter: str) 
     some wrong) or from a draft model on the shard (the target's own weights: every draft
     confirmed): the tokens are transformers' greedy ones, those of decoding without drafts.
     The first prompt ends as it began, so lookup proposes what followed its start (within
-    the window's reach, the same continuation)."""
+    the window's reach, the same continuation). Prompt lookup drafts in every step
+    (``--speculate-always``): the policy would soon stop drafting for a random model, whose
+    drafts seldom land, and the rejected ones are what this checks beside the confirmed."""
     start = LONG[:20]
     echo = start + family.greedy(start, 12)[0] + start
     runner = make_runner(family.path)
@@ -143,7 +145,8 @@ def test_speculation_gives_transformers_tokens(family: TinyModel, drafter: str) 
     limits = SchedulerLimits(
         max_batch_size=4, max_batch_prefill_tokens=64, max_batch_total_tokens=1024
     )
-    scheduler = new_scheduler(limits, runner.info, False, SpeculationConfig(tokens=3))
+    config = SpeculationConfig(tokens=3, always=drafter == "prompt-lookup")
+    scheduler = new_scheduler(limits, runner.info, False, config)
     states = [request(1, echo, 32), request(2, REPEATING, 32)]
     drafted, accepted = serve(scheduler, runner, states)
     for state in states:
