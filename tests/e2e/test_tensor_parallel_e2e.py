@@ -1,6 +1,7 @@
 """`text-generation-launcher --num-shard 2` on CPU (gloo): the same text as one shard (a
 long prompt's second run from the prefix cache included; the two ranks also verify
-drafted tokens, `--speculate 3`, which the single shard does not), and SIGTERM stops every
+drafted tokens, `--speculate 3 --speculate-always`, which the single shard does not: the
+policy would not draft for a random model, whose drafts seldom land), and SIGTERM stops every
 rank cleanly. With a draft model (`--speculator-name`, here the model itself) split over the
 two ranks the text is the same too."""
 
@@ -86,7 +87,7 @@ def single_shard_texts(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture
 def two_shards(model_dir: Path, tmp_path: Path) -> Iterator[LauncherProcess]:
-    launcher = start(tmp_path, model_dir, 2, "--speculate", "3")
+    launcher = start(tmp_path, model_dir, 2, "--speculate", "3", "--speculate-always")
     try:
         launcher.wait_healthy()
         yield launcher
@@ -100,7 +101,8 @@ def test_two_shards_generate_the_same_text_and_stop_cleanly(
     launcher = two_shards
     assert generate(launcher) == single_shard_texts
     assert (metric_sample(launcher, "tgi_prefix_cache_hits") or 0) >= 64
-    # The long prompt repeats itself: prompt lookup drafts after it, both ranks verify.
+    # Prompt lookup drafts in every step (the long prompt repeats itself, and so do some
+    # outputs): both ranks verify them.
     assert (metric_sample(launcher, "tgi_spec_draft_tokens") or 0) > 0
     sockets = sorted(p.name for p in launcher.socket_dir.glob("shard-*"))
     # Both ranks serve gRPC; rank 0 alone runs Steps (its step channel).

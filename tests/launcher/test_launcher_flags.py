@@ -70,6 +70,7 @@ def test_defaults_are_tgis_defaults() -> None:
         "speculate": 0,
         "speculator_name": None,
         "speculator_max_batch_size": 16,
+        "speculate_always": False,  # the policy drafts what should pay
         "prompt_lookup_min": 1,
         "prompt_lookup_max": 3,
         "cuda_process_memory_fraction": 1.0,
@@ -243,17 +244,18 @@ def test_speculation_flags_reach_the_router_and_a_draft_model_the_shard(
 ) -> None:
     run = run_launcher(
         ["--model-name", str(model_dir), "--dry-run", "--prompt-lookup-max", "4"],
-        {"SPECULATE": "5"},
+        {"SPECULATE": "5", "SPECULATE_ALWAYS": "true"},
     )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     router = next(line for line in lines if line.startswith("Router: "))
     for words in ("--speculate 5 ", "--speculator-max-batch-size 16 ", "--prompt-lookup-min 1 ",
-                  "--prompt-lookup-max 4"):  # fmt: skip
+                  "--prompt-lookup-max 4", "--speculate-always"):  # fmt: skip
         assert words in router
     # The shard captures CUDA graphs for the verify steps of that depth and batch size.
     shard = next(line for line in lines if line.startswith("Shard 0: "))
     assert "--speculate 5 " in shard and "--speculator-max-batch-size 16" in shard
+    assert "--speculate-always" not in shard  # the router alone decides what to draft
     # TGIS's variable names the draft model; the depth then defaults to 4.
     run = run_launcher(
         ["--model-name", str(model_dir), "--dry-run"], {"SPECULATOR_NAME": "/models/draft"}

@@ -136,6 +136,7 @@ def router_values(cfg: ResolvedConfig, tokenizer_path: Path) -> dict[str, Any]:
         tls_key_path=flags.tls_key_path if tls else None,
         speculate=speculate or None,
         speculator_max_batch_size=flags.speculator_max_batch_size if speculate else None,
+        speculate_always=flags.speculate_always if speculate else None,
         prompt_lookup_min=flags.prompt_lookup_min if speculate else None,
         prompt_lookup_max=flags.prompt_lookup_max if speculate else None,
         otlp_service_name=flags.otlp_service_name if flags.otlp_endpoint else None,

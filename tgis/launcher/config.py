@@ -112,6 +112,7 @@ class LauncherConfig:
     speculate: int = _d("speculate")  # 0: off (4 with a draft model)
     speculator_name: str | None = _d("speculator_name")  # a draft model
     speculator_max_batch_size: int = _d("speculator_max_batch_size")
+    speculate_always: bool = _d("speculate_always")
     prompt_lookup_min: int = _d("prompt_lookup_min")
     prompt_lookup_max: int = _d("prompt_lookup_max")
     adapter_cache: str | None = _d("adapter_cache")  # PEFT adapters (none: refused)

@@ -125,6 +125,8 @@ class RouterConfig:
     """Speculative decoding: tokens drafted per sequence and step by prompt lookup (0: off)."""
     speculator_max_batch_size: int = _d("speculator_max_batch_size")
     """Speculation applies while at most this many sequences run (TGIS's variable)."""
+    speculate_always: bool = _d("speculate_always")
+    """Draft in every step it applies, whatever the acceptance (default: as it pays)."""
     prompt_lookup_min: int = _d("prompt_lookup_min")
     prompt_lookup_max: int = _d("prompt_lookup_max")
     """The shortest and longest suffix (in tokens) prompt lookup searches for."""

@@ -317,4 +317,5 @@ def speculation_config(config: RouterConfig) -> SpeculationConfig | None:
         max_batch_size=config.speculator_max_batch_size,
         min_ngram=config.prompt_lookup_min,
         max_ngram=max(config.prompt_lookup_min, config.prompt_lookup_max),
+        always=config.speculate_always,
     )

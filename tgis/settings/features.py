@@ -37,6 +37,10 @@ CACHING_AND_SPECULATION = (
        ("SPECULATOR_MAX_BATCH_SIZE",), Kind.INT, DEFAULT_SPECULATOR_MAX_BATCH_SIZE,
        "Speculate only while at most this many sequences run (the verify steps' CUDA graphs "
        "go up to that batch size).", {L, R, S}, minimum=1),
+    _s("speculate_always", ("--speculate-always",), ("SPECULATE_ALWAYS",), Kind.FLAG, False,
+       "Draft in every step while speculation applies, whatever the sequences' recent "
+       "acceptance (TGIS's way); by default a sequence drafts only as far as its recent "
+       "acceptance pays for, and not while its drafts fail.", {L, R}),
     _s("prompt_lookup_min", ("--prompt-lookup-min",), ("PROMPT_LOOKUP_MIN",), Kind.INT, 1,
        "Shortest suffix, in tokens, prompt lookup searches for.", {L, R}, minimum=1),
     _s("prompt_lookup_max", ("--prompt-lookup-max",), ("PROMPT_LOOKUP_MAX",), Kind.INT, 3,
