@@ -192,6 +192,35 @@ def test_speculation_bench_reports_both_workloads() -> None:
     assert "median TPOT ratio" in stdout and "throughput ratio" in stdout
 
 
+def test_the_seldom_confirmed_model_is_noise_but_its_norms(tmp_path: Path) -> None:
+    """``speculation_bench.py --seldom-confirmed``'s model: the embedded model's files, its
+    norms kept and every other tensor Gaussian noise of 3x its standard deviation."""
+    import importlib.util
+
+    import torch
+    from safetensors.torch import load_file
+
+    spec = importlib.util.spec_from_file_location(
+        "speculation_bench", ROOT / "benchmarks" / "speculation_bench.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    target = bench.seldom_confirmed_model(EMBEDDED, tmp_path / "model")
+    assert sorted(p.name for p in target.iterdir()) == sorted(p.name for p in EMBEDDED.iterdir())
+    base, noise = load_file(EMBEDDED / "model.safetensors"), load_file(target / "model.safetensors")
+    assert base.keys() == noise.keys()
+    for name, tensor in base.items():
+        assert noise[name].dtype == tensor.dtype and noise[name].shape == tensor.shape
+        if "norm" in name:
+            assert torch.equal(noise[name], tensor), name
+        else:
+            ratio = noise[name].float().std() / tensor.float().std()
+            assert 2.7 < ratio < 3.3, (name, ratio)
+            pair = torch.stack([noise[name].float().flatten(), tensor.float().flatten()])
+            assert abs(torch.corrcoef(pair)[0, 1]) < 0.1, name  # not the weights, scaled
+
+
 def test_openai_bench_reports_every_api(tmp_path: Path) -> None:
     """The issue 24 and 34 benchmark, small: one round of the three APIs at two stream
     counts, every request's token counts checked by the script (exit 0), the ratios
