@@ -155,6 +155,8 @@ class RankReport:
     worker_error: str | None = None  # a rank > 0 that left its loop with an error
     lookups: list[object] = field(default_factory=list)  # rank 0's prefix lookups
     adapter_lookups: list[object] = field(default_factory=list)  # rank 0's adapter lookups
+    forward: str = ""  # the class of the rank's forward after the last Step (eager: "method")
+    compiled_graphs: int = 0  # graphs torch.compile made in the rank's process
 
 
 def run_plans(
@@ -374,7 +376,7 @@ def _run_rank(spec: dict[str, Any], rank: int, world_size: int) -> RankReport:
         except Exception as e:
             report.worker_error = f"{type(e).__name__}: {e}"
         destroy()
-        return report
+        return _with_forward(report, runner)
     driver: ModelRunner | LockstepRunner = LockstepRunner(runner, tp) if tp.is_parallel else runner
     for prefix_id in spec["lookups"]:
         try:
@@ -394,6 +396,12 @@ def _run_rank(spec: dict[str, Any], rank: int, world_size: int) -> RankReport:
     if isinstance(driver, LockstepRunner):
         driver.close()
     destroy()
+    return _with_forward(report, runner)
+
+
+def _with_forward(report: RankReport, runner: ModelRunner) -> RankReport:
+    report.forward = type(runner.forward).__name__
+    report.compiled_graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     return report
 
 

@@ -171,6 +171,18 @@ def gather_objects(tp: TensorParallel, obj: Any) -> list[Any]:
     return out
 
 
+def first_failure(tp: TensorParallel, error: str) -> str:
+    """The lowest failing rank's error among every rank's (``error``: this rank's, "" for
+    none), as "rank N: error"; "" when no rank failed. One gather: every rank then decides
+    the same (e.g. all run eagerly when one could not compile its step)."""
+    if not tp.is_parallel:
+        return error
+    for rank, text in enumerate(gather_objects(tp, error)):
+        if text:
+            return f"rank {rank}: {text}"
+    return ""
+
+
 def min_over_ranks(tp: TensorParallel, value: int) -> int:
     """The smallest `value` of all ranks (e.g. KV blocks that fit on every GPU)."""
     if not tp.is_parallel:

@@ -1,6 +1,8 @@
 """This rank's place in the tensor-parallel group, and the collectives the layers use.
 
-With one rank (`SINGLE`) every collective is a no-op, so model code is written once.
+With one rank (`SINGLE`) every collective is a no-op, so model code is written once. With
+more, the all-reduce is traceable by ``torch.compile`` (``collective_op.py``), so compiled
+steps hold it.
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tgis.shard.errors import StartupError
+from tgis.shard.parallel import collective_op
 
 
 @dataclass(frozen=True)
@@ -45,18 +47,16 @@ class TensorParallel:
         return start, min(start + part, size), part
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place."""
+        """Sum `x` over the ranks, in place (inside a compiled step too)."""
         if self.is_parallel:
-            dist.all_reduce(x, group=self.group)
+            collective_op.all_reduce(x, self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `x` (same shape everywhere) along the last dimension."""
         if not self.is_parallel:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat(collective_op.all_gather(x, self.group, self.world_size), dim=-1)
 
 
 SINGLE = TensorParallel()

@@ -11,12 +11,13 @@ import torch
 
 from tests.shard.driving import PROMPTS, Preemption, Router, drive
 from tests.shard.families import FAMILIES
-from tests.shard.models import TinyModel
+from tests.shard.models import TinyModel, build_tiny_llama
+from tests.shard.tp_utils import Request, assert_same_outputs, make_plans, run_plans
 from tgis.shard.config import EngineSettings, ShardConfig
 from tgis.shard.loader import load_runner
 from tgis.shard.native.graphs.compiled import CompiledForward
 from tgis.shard.native.runtime.model_runner import ModelRunner
-from tgis.shard_api.messages import DetailOptions, SamplingParams
+from tgis.shard_api.messages import DetailOptions, SamplingParams, StepOutput
 
 DETAILS = DetailOptions(logprobs=True, generated_tokens=True)
 SEEDED = {3: SamplingParams(temperature=0.8, top_k=20, seed=99)}
@@ -112,3 +113,28 @@ def test_compiled_llama_equals_eager_and_transformers(tiny_model: TinyModel) -> 
     runner.reset()
     drive(runner, {}, Preemption(1, after_tokens=2, pause_steps=0, chunk=3), DETAILS)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+def test_compiled_tensor_parallel_equals_eager(tmp_path: Path) -> None:
+    """Two gloo ranks compile the step with the all-reduces inside its graph
+    (``tgis::all_reduce``): the same tokens and logprobs as the eager step (one rank's: two
+    eager ranks equal it, ``tests/shard/parallel/``), and one graph per rank serves prompts,
+    chunks next to decodes and one sequence's decodes (start-up compiled it, nothing
+    recompiled)."""
+    build_tiny_llama(tmp_path, seed=3)
+    prompt = (9, 30, 31, 200, 17, 4, 99, 100, 101, 5, 6, 7, 8, 250, 3, 3, 40, 41)
+    details = DetailOptions(logprobs=True, top_n=2, input_tokens=True)
+    plans = make_plans(
+        [
+            Request(1, prompt, 6, details=details, chunk=7),
+            Request(2, prompt[:5], 3, SamplingParams(temperature=0.8, top_k=20, seed=7), arrives=1),
+        ]
+    )
+    eager = run_plans(tmp_path, plans, 1, engine=EngineSettings(compile="0"))[0]
+    ranks = run_plans(tmp_path, plans, 2, engine=EngineSettings(compile="1"))
+    assert all(isinstance(output, StepOutput) for output in eager.outputs)
+    assert_same_outputs(eager.outputs, ranks[0].outputs)
+    assert [(r.forward, r.compiled_graphs, r.worker_error) for r in ranks] == [
+        ("CompiledForward", 1, None)
+    ] * 2

@@ -23,10 +23,12 @@ states are gathered back into the step's order after the replay.
 Only ``triton_paged`` attention is captured: its metadata are plain tensors whose shapes
 depend on the bucket alone, and its decode kernel's grid is fixed by the bucket and the
 longest possible context (``max_decode_context``; splits beyond a sequence's context are
-empty). Tensor parallelism runs without graphs, as it runs without compilation.
+empty). Tensor-parallel ranks capture their NCCL all-reduces with the rest (the row-parallel
+layers' ``tgis::all_reduce``, ``parallel/collective_op.py``) and replay them in lock-step:
+every rank runs the same Steps, so the same buckets (not yet run: it needs two GPUs).
 
-``TGIS_CUDA_GRAPHS``: ``auto`` (default) captures on CUDA with ``triton_paged`` and one
-rank, and runs without graphs (a warning) if capture or the start-up check fails; ``1``
+``TGIS_CUDA_GRAPHS``: ``auto`` (default) captures on CUDA with ``triton_paged``, and runs
+without graphs (a warning) if capture or the start-up check fails (on any rank); ``1``
 makes such a failure a start-up error; ``0`` never captures. The start-up check replays the
 smallest and the largest bucket against the forward run directly on the same inputs.
 """

@@ -127,7 +127,7 @@ def _load(
                 num_blocks, attention, device, config.prefix_caching, info.eos_token_ids
             )
         )
-    compile_step(runner, model, config.engine)
+    compile_step(runner, model, config.engine, tp)
     if states is None:
         capture_decode_graphs(runner, config, tp)
     _calibrate_cpu_threads(runner)
