@@ -37,6 +37,7 @@ from tgis.shard.native.attention.interface import AttentionBackend
 from tgis.shard.native.attention.kv_cache import BLOCK_SIZE, KVCache, KVCacheSpec
 from tgis.shard.native.attention.selection import start_attention_backend
 from tgis.shard.native.linear.quantized_linear import quant_kernel
+from tgis.shard.native.loading.cpu_warmup import warm_up_cpu
 from tgis.shard.native.loading.cuda_capacity import measure_cuda_blocks
 from tgis.shard.native.loading.forward import (
     capture_decode_graphs,
@@ -131,6 +132,7 @@ def _load(
     if states is None:
         capture_decode_graphs(runner, config, tp)
     _calibrate_cpu_threads(runner)
+    warm_up_cpu(runner, config.max_batch_prefill_tokens, config.max_sequence_length)
     return runner
 
 
