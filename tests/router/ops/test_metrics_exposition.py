@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import pytest
 
@@ -347,3 +348,46 @@ def test_promtool_accepts_the_exposition() -> None:
     promtool_check(m.render())
     exercise(m)
     promtool_check(m.render())
+
+
+def test_gateway_protocol_info_gauges_keep_one_current_series() -> None:
+    """The inference gateway's model-server protocol (proposal 003): the cache config in
+    labels with value 1; the LoRA gauge's labels list the running and the waiting adapters
+    once each, comma-separated without spaces, its value the Unix time of the update; a
+    change of labels leaves one series (the endpoint picker reads the greatest value)."""
+    m = new_metrics()
+    exp = exposition(m)
+    assert exp.types["tgi_lora_requests_info"] == "gauge"
+    (idle,) = exp.of("tgi_lora_requests_info")
+    assert idle.labels == {
+        "max_lora": "0",
+        "running_lora_adapters": "",
+        "waiting_lora_adapters": "",
+    }
+    assert not exp.of("tgi_cache_config_info")  # until the engine knows the pool
+
+    m.set_cache_config(16, 512)
+    before = time.time()
+    m.set_lora_requests(2, ["b", "a", "b"], ["c", "a", "c"])
+    after = time.time()
+    exp = exposition(m)
+    assert exp.types["tgi_cache_config_info"] == "gauge"
+    assert exp.value("tgi_cache_config_info", block_size="16", num_gpu_blocks="512") == 1
+    (lora,) = exp.of("tgi_lora_requests_info")
+    assert lora.labels == {
+        "max_lora": "2",
+        "running_lora_adapters": "a,b",
+        "waiting_lora_adapters": "a,c",
+    }
+    assert before <= lora.value <= after  # repr() of the float: nothing rounded away
+    promtool_check(m.render())
+
+    m.set_cache_config(16, 256)
+    m.set_lora_requests(2, [], [])
+    exp = exposition(m)
+    assert [s.labels for s in exp.of("tgi_cache_config_info")] == [
+        {"block_size": "16", "num_gpu_blocks": "256"}
+    ]
+    (lora,) = exp.of("tgi_lora_requests_info")
+    assert (lora.labels["running_lora_adapters"], lora.labels["waiting_lora_adapters"]) == ("", "")
+    assert lora.value >= after

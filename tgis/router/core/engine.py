@@ -106,6 +106,8 @@ class Engine:
         self._last_answer = 0.0
         self._task: asyncio.Task[None] | None = None
         self._closed: UnavailableError | None = None
+        metrics.set_cache_config(scheduler.blocks.block_size, scheduler.blocks.num_blocks)
+        self._update_gauges()
 
     # ---- called by the servicer -------------------------------------------------------
 
@@ -346,6 +348,15 @@ class Engine:
         blocks = scheduler.blocks
         self.metrics.set_kv_cache(blocks.num_used, blocks.num_blocks)
         self.metrics.set_prefix_cache(blocks.num_cached, blocks.num_idle)
+        max_loras = scheduler.limits.max_loras
+        if max_loras is None:  # the shard takes no LoRA adapter
+            self.metrics.set_lora_requests(0, (), ())
+        else:
+            self.metrics.set_lora_requests(
+                max_loras,
+                (s.request.lora_id for s in running if s.request.lora_id),
+                (s.request.lora_id for s in scheduler.waiting if s.request.lora_id),
+            )
 
     def _fail_unservable_head(self) -> bool:
         """With nothing running, the head of the queue always fits (start-up checks one

@@ -1,6 +1,12 @@
 """The catalogue of router metrics: every metric's name, kind, labels, buckets and help text,
 once, in exposition order (TGIS's, spec §8.2, plus the extras vLLM/TGI operators expect).
 
+The Gateway API Inference Extension's model-server protocol (its proposal 003) is served
+by five of them, which its endpoint picker's metric flags name: ``tgi_queue_size``
+(queued), ``tgi_batch_current_size`` (running), ``tgi_kv_cache_usage_ratio`` (KV-cache
+utilisation, 0..1), ``tgi_cache_config_info`` and ``tgi_lora_requests_info``
+(``deployment/gateway/``).
+
 ``metrics.py: Metrics`` registers them and records into them; README.md ("HTTP endpoints
 and metrics") lists what each means.
 """
@@ -50,9 +56,13 @@ class Counter:
 
 @dataclass(frozen=True, slots=True)
 class Gauge:
+    """A gauge; one with ``labels`` is an info gauge whose labels carry the facts (one
+    series at a time, ``metrics.py``)."""
+
     key: str
     name: str
     doc: str
+    labels: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +228,21 @@ CATALOGUE: tuple[Counter | Gauge | Histogram | Summary, ...] = (
     ),
     Gauge("kv_cache_used_blocks", "tgi_kv_cache_used_blocks", "KV-cache blocks in use"),
     Gauge("kv_cache_total_blocks", "tgi_kv_cache_total_blocks", "KV-cache blocks the shard has"),
+    Gauge(
+        "cache_config_info",
+        "tgi_cache_config_info",
+        "KV-cache configuration in labels (value 1): block_size, tokens per block; "
+        "num_gpu_blocks, blocks of the pool the router schedules",
+        labels=("block_size", "num_gpu_blocks"),
+    ),
+    Gauge(
+        "lora_requests_info",
+        "tgi_lora_requests_info",
+        "LoRA adapters in labels, value the Unix time of the last update: max_lora, most "
+        "adapters in a step; running_lora_adapters and waiting_lora_adapters, the adapters of "
+        "the running and the waiting requests (comma-separated)",
+        labels=("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+    ),
     Gauge(
         "prefix_cache_blocks",
         "tgi_prefix_cache_blocks",

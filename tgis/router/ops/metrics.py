@@ -25,6 +25,14 @@ Exposition (``GET /metrics``, Prometheus text format 0.0.4):
   cover the last 60 seconds of observations (NaN when there were none); ``_sum`` and
   ``_count`` are cumulative.
 
+* **Info gauges** (``tgi_cache_config_info``, ``tgi_lora_requests_info``) carry their facts
+  in labels and keep one series: a change of labels removes the old series, so the endpoint
+  picker of the inference gateway, which reads the series with the greatest value of the
+  LoRA gauge, and a dashboard see only the current state. The LoRA gauge's value is the
+  Unix time of its last update (the protocol's "last updated timestamp"); it is updated
+  with the other engine gauges, before every step, and exists from the start (``max_lora``
+  0 when the server takes no LoRA adapter).
+
 The catalogue (every name, label set, bucket set and help text) is ``metric_catalogue.py``;
 the collectors are ``prometheus.py``; this module registers them and is what the rest of
 the router records through. Who records what: the edge and intake every request-level
@@ -38,6 +46,9 @@ value: no beam search).
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Iterable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
@@ -86,8 +97,11 @@ class Metrics:
         self._gauges: dict[str, prometheus_client.Gauge] = {}
         self._histograms: dict[str, prometheus_client.Histogram] = {}
         self._summaries: dict[str, WindowedSummary] = {}
+        self._info_labels: dict[str, tuple[str, ...]] = {}
+        """The labels of each info gauge's one series."""
         for spec in CATALOGUE:
             self._register(spec, buckets)
+        self.set_lora_requests(0, (), ())  # until the engine knows the shard's max_loras
         for method in METHODS:
             self._histograms["batch_size_hist"].labels(method)
             for key in ("step_duration", "forward_duration", "tokproc_duration"):
@@ -104,7 +118,9 @@ class Metrics:
             reg.register(counter)
             self._counters[spec.key] = counter
         elif isinstance(spec, Gauge):
-            self._gauges[spec.key] = prometheus_client.Gauge(spec.name, spec.doc, registry=reg)
+            self._gauges[spec.key] = prometheus_client.Gauge(
+                spec.name, spec.doc, spec.labels, registry=reg
+            )
         elif isinstance(spec, Histogram):
             self._histograms[spec.key] = prometheus_client.Histogram(
                 spec.name, spec.doc, spec.labels, buckets=buckets[spec.buckets], registry=reg
@@ -231,6 +247,28 @@ class Metrics:
         self._gauges["kv_cache_used_blocks"].set(used_blocks)
         self._gauges["kv_cache_total_blocks"].set(total_blocks)
         self._gauges["kv_cache_usage"].set(used_blocks / total_blocks if total_blocks else 0.0)
+
+    def set_cache_config(self, block_size: int, num_blocks: int) -> None:
+        """``tgi_cache_config_info``: tokens per KV block and the blocks of the router's pool."""
+        self._set_info("cache_config_info", (str(block_size), str(num_blocks)), 1.0)
+
+    def set_lora_requests(
+        self, max_lora: int, running: Iterable[str], waiting: Iterable[str]
+    ) -> None:
+        """``tgi_lora_requests_info``: the LoRA adapters of the running and of the waiting
+        requests (each listed once, sorted, comma-separated without spaces: the endpoint
+        picker splits on ","), stamped with the current Unix time."""
+        labels = (str(max_lora), ",".join(sorted(set(running))), ",".join(sorted(set(waiting))))
+        self._set_info("lora_requests_info", labels, time.time())
+
+    def _set_info(self, key: str, labels: tuple[str, ...], value: float) -> None:
+        """Set the info gauge's one series, removing the series of other labels."""
+        gauge = self._gauges[key]
+        current = self._info_labels.get(key)
+        if current is not None and current != labels:
+            gauge.remove(*current)
+        self._info_labels[key] = labels
+        gauge.labels(*labels).set(value)
 
     def set_prefix_cache(self, cached_blocks: int, idle_blocks: int) -> None:
         self._gauges["prefix_cache_blocks"].set(cached_blocks)
