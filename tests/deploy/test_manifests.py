@@ -1,6 +1,8 @@
 """deployment/: every kustomization rendered by the real `kubectl kustomize`, built-in kinds
 validated against the Kubernetes schemas (kubernetes-validate, strict), the CRD kinds
 (KServe ServingRuntime / InferenceService, Prometheus Operator ServiceMonitor) checked here,
+those of the inference gateway against the CRDs kept in deployment/gateway/crds/
+(crd_schemas.py; test_gateway_manifests.py checks their contract),
 and the contract of ../shared/spec/ecosystem.md: ports, names, annotations, probes, env,
 volumes, GPUs per overlay, TLS. The manifests' command line and env also go through the
 real launcher (--dry-run)."""
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.deploy import crd_schemas
 from tests.deploy.tools import (
     DEPLOY_DIR,
     DOCKERFILE,
@@ -39,7 +42,7 @@ KUSTOMIZATIONS = sorted(
 )
 COMPONENTS = sorted(p.parent.name for p in (DEPLOY_DIR / "components").glob("*/kustomization.yaml"))
 # Building blocks that the others include, without a server of their own.
-PARTS = {"storage"}
+PARTS = {"storage", "gateway"}
 # GPUs each kustomization with a server asks for (0: CPU only)
 GPUS = {
     "base": 0,
@@ -152,7 +155,7 @@ def test_builtin_kinds_match_the_kubernetes_schemas(rendered: tuple[str, tuple[D
         kubernetes_validate.utils.latest_version() if v == "latest" else v for v in K8S_VERSIONS
     ]
     for doc in docs:
-        if doc["apiVersion"].startswith(CRD_GROUPS):
+        if doc["apiVersion"].startswith(CRD_GROUPS + crd_schemas.vendored_groups()):
             continue
         for version in versions:
             error = None
@@ -172,7 +175,9 @@ def test_crd_kinds_are_known_and_well_formed(rendered: tuple[str, tuple[Doc, ...
         ("monitoring.coreos.com/v1", "ServiceMonitor"): check_service_monitor,
     }
     for doc in docs:
-        if doc["apiVersion"].startswith(CRD_GROUPS):
+        if doc["apiVersion"].startswith(crd_schemas.vendored_groups()):
+            crd_schemas.validate(doc)  # raises jsonschema.ValidationError
+        elif doc["apiVersion"].startswith(CRD_GROUPS):
             assert (doc["apiVersion"], doc["kind"]) in checks, doc["kind"]
             assert doc["metadata"]["name"]
             checks[doc["apiVersion"], doc["kind"]](doc, docs)
