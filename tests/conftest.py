@@ -50,12 +50,12 @@ if importlib.util.find_spec("triton") is not None and not _has_cuda():
 
 
 # The longest modules first: with two workers (`make test`: pytest-xdist, --dist loadfile,
-# whole modules to a worker in this order, --no-loadscope-reorder) the two-minute soak and
+# whole modules to a worker in this order, --no-loadscope-reorder) the one-minute soak and
 # the compilations start at once, beside each other, and the short modules fill in after;
 # left to xdist's default order (most tests first) the soak ran last, alone, and the suite
 # took 272 s instead of 227 s on the 2-core host. Seconds from `--durations=0`, fresh clone.
 LONGEST_FIRST = (
-    "tests/e2e/test_soak_e2e.py",  # 122 s: a fixed two-minute load
+    "tests/e2e/test_soak_e2e.py",  # ~63 s: a fixed one-minute load (TGIS_SOAK_SECONDS)
     "tests/shard/native/graphs/test_compiled.py",  # 74-90 s: torch.compile of every family
     "tests/e2e/test_families_e2e.py",  # 59 s: a launcher start per newer family
     "tests/shard/native/models/test_granite_hybrid.py",  # 10-20 s
