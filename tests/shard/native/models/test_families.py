@@ -253,28 +253,49 @@ TP_VARIANTS = {
 TP_DETAILS = DetailOptions(logprobs=True, ranks=True, top_n=2, generated_tokens=True)
 
 
-@pytest.mark.slow  # starts tensor-parallel rank processes
-@pytest.mark.parametrize("name", sorted(TP_VARIANTS))
-def test_two_ranks_match_one(name: str, tmp_path: Path) -> None:
-    from tests.shard.tp_utils import Request, assert_same_outputs, make_plans, run_plans
+@pytest.fixture(scope="module")
+def two_rank_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """Every TP variant's model directory and its reports on two ranks: one pair of rank
+    processes runs the variants one after the other (`run_plans_on_each`), where a pair per
+    variant spent ~3 s of its ~4 s starting Python and torch."""
+    from tests.shard.tp_utils import run_plans_on_each
 
-    FAMILIES[name].build(tmp_path)
-    plans = make_plans(
+    paths = {}
+    for name in sorted(TP_VARIANTS):
+        paths[name] = tmp_path_factory.mktemp(f"tp-{name}")
+        FAMILIES[name].build(paths[name])
+    jobs = [(path, _tp_plans()) for path in paths.values()]
+    each = run_plans_on_each(jobs, 2, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    return {
+        name: (path, reports) for (name, path), reports in zip(paths.items(), each, strict=True)
+    }
+
+
+def _tp_plans() -> list[Any]:
+    from tests.shard.tp_utils import Request, make_plans
+
+    return make_plans(
         [
             Request(1, tuple(PROMPTS[3]), 5, details=TP_DETAILS, chunk=12),
             Request(2, tuple(PROMPTS[2]), 4, details=TP_DETAILS, arrives=1),
         ]
     )
-    config = {"max_sequence_length": MAX_SEQUENCE_LENGTH}
-    single = run_plans(tmp_path, plans, world_size=1, **config)[0]
-    reports = run_plans(tmp_path, plans, world_size=2, **config)
+
+
+@pytest.mark.slow  # starts tensor-parallel rank processes
+@pytest.mark.parametrize("name", sorted(TP_VARIANTS))
+def test_two_ranks_match_one(name: str, two_rank_reports: dict[str, tuple[Path, Any]]) -> None:
+    from tests.shard.tp_utils import assert_same_outputs, run_plans
+
+    path, reports = two_rank_reports[name]
+    (single,) = run_plans(path, _tp_plans(), 1, max_sequence_length=MAX_SEQUENCE_LENGTH)
     assert not any(isinstance(o, str) for o in single.outputs), single.outputs
     assert sum(len(o.tokens) for o in reports[0].outputs if not isinstance(o, str)) == 9
     assert_same_outputs(single.outputs, reports[0].outputs)
     assert reports[1].worker_error is None
     for report in reports:
         assert report.kv_shape[2] == TP_VARIANTS[name], f"rank {report.rank} KV heads"
-    _check_matrices_are_split(tmp_path, reports)
+    _check_matrices_are_split(path, reports)
 
 
 def _check_matrices_are_split(path: Path, reports: list[Any]) -> None:
