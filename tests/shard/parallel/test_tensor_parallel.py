@@ -4,6 +4,7 @@ reads only its slice, the ranks stay in lock-step, start-up failures are one lin
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,10 +18,10 @@ from tests.shard.tp_utils import (
     RankReport,
     Request,
     assert_same_outputs,
-    assert_tensor_parallel_matches,
     free_port,
     make_plans,
     run_plans,
+    run_plans_on_each,
 )
 from tgis.shard.cli import main
 from tgis.shard.native.runtime.lockstep import with_seeds
@@ -89,19 +90,35 @@ def check_reads(path: Path, reports: list[RankReport], kv_heads: int) -> None:
         assert report.world_size == 2
 
 
+# Model overrides and the KV heads each rank holds.
+SPLITS: dict[str, tuple[dict[str, object], int]] = {
+    "gqa-kv2-split": ({}, 2),
+    "kv1-replicated": ({"num_key_value_heads": 1}, 1),
+    "tied-odd-vocab": ({"tie_word_embeddings": True, "vocab_size": 255}, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def split_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """Each split's model directory and its reports on two ranks, all from one pair of rank
+    processes (`run_plans_on_each`: their start is most of a two-rank run's time)."""
+    paths = {
+        name: model_dir(tmp_path_factory.mktemp(name), **overrides)
+        for name, (overrides, _) in SPLITS.items()
+    }
+    each = run_plans_on_each([(path, scenario_plans()) for path in paths.values()], 2)
+    return {
+        name: (path, reports) for (name, path), reports in zip(paths.items(), each, strict=True)
+    }
+
+
 @pytest.mark.slow  # starts tensor-parallel rank processes
-@pytest.mark.parametrize(
-    ("overrides", "kv_heads"),
-    [
-        ({}, 2),
-        ({"num_key_value_heads": 1}, 1),
-        ({"tie_word_embeddings": True, "vocab_size": 255}, 2),
-    ],
-    ids=["gqa-kv2-split", "kv1-replicated", "tied-odd-vocab"],
-)
-def test_two_ranks_match_one(overrides: dict[str, object], kv_heads: int, tmp_path: Path) -> None:
-    path = model_dir(tmp_path, **overrides)
-    reports = assert_tensor_parallel_matches(path, scenario_plans(), ignore_requests={UNSEEDED})
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_two_ranks_match_one(split: str, split_reports: dict[str, tuple[Path, Any]]) -> None:
+    path, reports = split_reports[split]
+    (single,) = run_plans(path, scenario_plans(), 1)
+    assert_same_outputs(single.outputs, reports[0].outputs, ignore_requests={UNSEEDED})
+    kv_heads = SPLITS[split][1]
     outputs = reports[0].outputs
     assert outputs[INVALID_AT] == "InvalidStepError: unknown request id 999"  # also on 1 rank
     assert not any(isinstance(o, str) for i, o in enumerate(outputs) if i != INVALID_AT)
