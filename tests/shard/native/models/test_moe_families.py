@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -91,21 +92,43 @@ def test_mixtral_with_a_sliding_window_matches_hf(tmp_path: Path) -> None:
     assert any(router.generated[r] != model.greedy(p, 10)[0] for r, p in PROMPTS.items())
 
 
-@pytest.mark.slow  # starts tensor-parallel rank processes
-@pytest.mark.parametrize("name", ["granite-moe", "mixtral", "qwen3-moe"])
-def test_two_ranks_match_one(name: str, tmp_path: Path) -> None:
-    from tests.shard.tp_utils import Request, assert_same_outputs, make_plans, run_plans
+TP_FAMILIES = ("granite-moe", "mixtral", "qwen3-moe")
 
-    FAMILIES[name].build(tmp_path)
-    plans = make_plans(
+
+def _tp_plans() -> list[Any]:
+    from tests.shard.tp_utils import Request, make_plans
+
+    return make_plans(
         [
             Request(1, tuple(PROMPTS[3]), 5, details=TP_DETAILS, chunk=12),
             Request(2, tuple(PROMPTS[2]), 4, details=TP_DETAILS, arrives=1),
         ]
     )
-    config = {"max_sequence_length": MAX_SEQUENCE_LENGTH}
-    single = run_plans(tmp_path, plans, world_size=1, **config)[0]
-    reports = run_plans(tmp_path, plans, world_size=2, **config)
+
+
+@pytest.fixture(scope="module")
+def two_rank_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """Each TP family's model directory and its reports on two ranks, all from one pair of
+    rank processes (`run_plans_on_each`: their start is most of a two-rank run's time)."""
+    from tests.shard.tp_utils import run_plans_on_each
+
+    paths = {name: tmp_path_factory.mktemp(f"tp-{name}") for name in TP_FAMILIES}
+    for name, path in paths.items():
+        FAMILIES[name].build(path)
+    jobs = [(path, _tp_plans()) for path in paths.values()]
+    each = run_plans_on_each(jobs, 2, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    return {
+        name: (path, reports) for (name, path), reports in zip(paths.items(), each, strict=True)
+    }
+
+
+@pytest.mark.slow  # starts tensor-parallel rank processes
+@pytest.mark.parametrize("name", TP_FAMILIES)
+def test_two_ranks_match_one(name: str, two_rank_reports: dict[str, tuple[Path, Any]]) -> None:
+    from tests.shard.tp_utils import assert_same_outputs, run_plans
+
+    tmp_path, reports = two_rank_reports[name]
+    (single,) = run_plans(tmp_path, _tp_plans(), 1, max_sequence_length=MAX_SEQUENCE_LENGTH)
     assert not any(isinstance(o, str) for o in single.outputs), single.outputs
     assert sum(len(o.tokens) for o in reports[0].outputs if not isinstance(o, str)) == 9
     assert_same_outputs(single.outputs, reports[0].outputs)
