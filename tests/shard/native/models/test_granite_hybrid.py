@@ -286,24 +286,44 @@ def test_unsupported_configs_are_refused(
         )
 
 
-@pytest.mark.slow  # starts tensor-parallel rank processes
-@pytest.mark.parametrize("groups", [2, 1])
-def test_two_ranks_match_one(groups: int, tmp_path: Path) -> None:
-    """Each rank holds half of every Mamba layer's heads (and of B/C's groups when there
-    are 2; with one group both ranks hold it and sum the gated norm's statistics), half
-    of the attention heads and of every expert: the tokens and details of one rank."""
+def _tp_plans() -> tuple[Any, ...]:
     from tests.shard.native.models.test_families import TP_DETAILS
-    from tests.shard.tp_utils import Request, assert_same_outputs, make_plans, run_plans
+    from tests.shard.tp_utils import Request, make_plans
     from tgis.shard.native.loading.cuda_capacity import slotted
 
-    replace(FAMILY, params=dict(FAMILY.params, mamba_n_groups=groups)).build(tmp_path)
     requests = [
         Request(1, tuple(PROMPTS_HF[3]), 5, details=TP_DETAILS, chunk=12),
         Request(2, tuple(PROMPTS_HF[2]), 4, details=TP_DETAILS, arrives=1),
     ]
-    plans = slotted(tuple(make_plans(requests)), 2)
-    single = run_plans(tmp_path, plans, world_size=1, max_sequence_length=256)[0]
-    reports = run_plans(tmp_path, plans, world_size=2, max_sequence_length=256)
+    return slotted(tuple(make_plans(requests)), 2)
+
+
+@pytest.fixture(scope="module")
+def two_rank_reports(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, Any]]:
+    """The model with 2 and with 1 group of B/C, and each one's reports on two ranks, both
+    from one pair of rank processes (`run_plans_on_each`: their start is most of the time)."""
+    from tests.shard.tp_utils import run_plans_on_each
+
+    paths = {groups: tmp_path_factory.mktemp(f"tp-groups-{groups}") for groups in (2, 1)}
+    for groups, path in paths.items():
+        replace(FAMILY, params=dict(FAMILY.params, mamba_n_groups=groups)).build(path)
+    jobs = [(path, _tp_plans()) for path in paths.values()]
+    each = run_plans_on_each(jobs, 2, max_sequence_length=256)
+    return {
+        groups: (path, reports) for (groups, path), reports in zip(paths.items(), each, strict=True)
+    }
+
+
+@pytest.mark.slow  # starts tensor-parallel rank processes
+@pytest.mark.parametrize("groups", [2, 1])
+def test_two_ranks_match_one(groups: int, two_rank_reports: dict[int, tuple[Path, Any]]) -> None:
+    """Each rank holds half of every Mamba layer's heads (and of B/C's groups when there
+    are 2; with one group both ranks hold it and sum the gated norm's statistics), half
+    of the attention heads and of every expert: the tokens and details of one rank."""
+    from tests.shard.tp_utils import assert_same_outputs, run_plans
+
+    path, reports = two_rank_reports[groups]
+    (single,) = run_plans(path, _tp_plans(), 1, max_sequence_length=256)
     assert not any(isinstance(o, str) for o in single.outputs), single.outputs
     assert sum(len(o.tokens) for o in reports[0].outputs if not isinstance(o, str)) == 9
     assert_same_outputs(single.outputs, reports[0].outputs)
