@@ -314,19 +314,25 @@ def test_masks_are_bits_of_the_vocabulary() -> None:
 
 
 @pytest.mark.slow
-def test_the_compiled_step_stays_in_use_and_agrees(model_dir: Path, runner: ModelRunner) -> None:
+def test_the_compiled_step_stays_in_use_and_agrees(tmp_path: Path) -> None:
     """With the compiled forward (``TGIS_COMPILE=1``), a guided sequence beside unguided
-    ones gets the eager step's tokens: the mask is applied outside the compiled graph."""
+    ones gets the eager step's tokens: the mask is applied outside the compiled graph. On a
+    one-layer twin of the module's model: the mask comes after the forward whatever its
+    layers, and a second layer doubled the compilation."""
     from tgis.shard.native.graphs.compiled import CompiledForward
 
+    build_tiny_llama(tmp_path, vocab_size=4096, num_hidden_layers=1)
+    shutil.copy(MODEL_DIR / "tokenizer.json", tmp_path / "tokenizer.json")
     sampling = {
         1: SamplingParams(),
         2: SamplingParams(grammar=grammar_source(CASES["json_schema"])),
         3: SamplingParams(temperature=0.8, seed=3, grammar=grammar_source(CASES["regex"])),
     }
+    runner = load_runner(ShardConfig(model_name=str(tmp_path), kv_cache_blocks=64))
+    assert isinstance(runner, ModelRunner)
     eager = run(runner, sampling, steps=60)
     config = ShardConfig(
-        model_name=str(model_dir), kv_cache_blocks=64, engine=EngineSettings(compile="1")
+        model_name=str(tmp_path), kv_cache_blocks=64, engine=EngineSettings(compile="1")
     )
     compiled_runner = load_runner(config)
     assert isinstance(compiled_runner, ModelRunner)

@@ -27,12 +27,12 @@ MAX_SEQUENCE_LENGTH = 256
 Writer = Callable[[Any, Path], Any]
 
 
-def dense_model(family: str, path: Path) -> Any:
+def dense_model(family: str, path: Path, **overrides: Any) -> Any:
     """A tiny random float32 model of ``family`` (``llama`` or one of ``FAMILIES``),
-    saved dense to ``path``."""
+    saved dense to ``path`` (``overrides``: config values, such as ``num_hidden_layers``)."""
     if family == "llama":
-        return build_tiny_llama(path, seed=1)
-    return FAMILIES[family].build(path, seed=1)
+        return build_tiny_llama(path, seed=1, **overrides)
+    return FAMILIES[family].build(path, seed=1, **overrides)
 
 
 def write_fp8_block(model: Any, path: Path, block: int = 32) -> Any:

@@ -60,9 +60,9 @@ def round_activations_to_fp8(model: Any, ranks: int = 1) -> Any:
     return model
 
 
-def fp8_model(case: str, root: Path) -> TinyModel:
+def fp8_model(case: str, root: Path, **overrides: Any) -> TinyModel:
     family, write = CASES[case]
-    reference = write(dense_model(family, root / "dense"), root / "quantized")
+    reference = write(dense_model(family, root / "dense", **overrides), root / "quantized")
     reference.generation_config.eos_token_id = None
     return TinyModel(root / "quantized", round_activations_to_fp8(reference))
 
@@ -106,8 +106,9 @@ def test_bfloat16_scaled_mm_within_tolerance(tmp_path: Path) -> None:
 def test_the_compiled_step_holds_the_fp8_operator(tmp_path: Path) -> None:
     """``TGIS_COMPILE=1``: the FP8 product is one operator (``tgis::fp8_scaled_linear``)
     inside the compiled step, which compiles (``_scaled_mm`` itself cannot be traced over
-    the step's symbolic token count) and gives the oracle's tokens."""
-    model = fp8_model("ct-fp8-channel-llama", tmp_path)
+    the step's symbolic token count) and gives the oracle's tokens. One decoder layer: the
+    operator is traced the same in each, and a second doubled the compilation."""
+    model = fp8_model("ct-fp8-channel-llama", tmp_path, num_hidden_layers=1)
     engine = EngineSettings(quant_kernel="torch", compile="1")
     runner = make_runner(model.path, dtype="float32", engine=engine)
     assert isinstance(runner.forward, CompiledForward)

@@ -194,9 +194,11 @@ def test_prefixes_and_preemption_on_a_quantized_model(dtype: str, tmp_path: Path
 def test_the_compiled_step_holds_tgis_kernel(tmp_path: Path) -> None:
     """``TGIS_COMPILE=1``: the kernel is one operator (``tgis::cpu_quant_linear``) inside
     the compiled step, which compiles (no fallback to eager) and, on float32 activations
-    (the kernel forced: exact to float32 rounding), gives transformers' tokens."""
+    (the kernel forced: exact to float32 rounding), gives transformers' tokens. One decoder
+    layer: the operator is traced the same in each, and a second doubled the compilation."""
     family, write = CASES["awq-g32-llama"]
-    reference = write(dense_model(family, tmp_path / "dense"), tmp_path / "quantized")
+    dense = dense_model(family, tmp_path / "dense", num_hidden_layers=1)
+    reference = write(dense, tmp_path / "quantized")
     reference.generation_config.eos_token_id = None
     engine = EngineSettings(compile="1", quant_kernel="tgis")
     runner = make_runner(tmp_path / "quantized", dtype="float32", engine=engine)
