@@ -3,10 +3,11 @@
 (deployment/gateway/ names them) move as the protocol says.
 
 A tiny Llama with two LoRA adapters, `--max-batch-size 2 --max-loras 1`: two `sql-lora`
-streams fill the batch, two `team/tone` streams and a plain one wait (the adapters, then
-the batch size, keep them out); the streams are long and are cancelled by the test, so
-each state lasts until the test has read it. The oracle is the test's own bookkeeping of
-which streams it started and cancelled.
+streams fill the batch and two `team/tone` streams wait (one adapter per step); when the
+sql-lora ones end, the team/tone ones run, and a plain stream waits for a free place in the
+batch. The streams are long and are cancelled by the test, so each state lasts until the
+test has read it. The oracle is the test's own bookkeeping of which streams it started
+and cancelled.
 """
 
 from __future__ import annotations
@@ -68,12 +69,14 @@ class HeldStream(CallThread):
         self.request = stream_request("Return the number of", greedy(STREAM_TOKENS))
         self.request.adapter_id = adapter_id
         self.released = threading.Event()
+        self.tokens = 0
 
     def consume(self) -> None:
         call = self.stub.GenerateStream(self.request, timeout=120)
         try:
             for message in call:
-                self.progressed(message.generated_token_count)
+                self.tokens = message.generated_token_count
+                self.progressed(self.tokens)
                 if self.released.is_set():
                     call.cancel()
                     return
@@ -81,11 +84,15 @@ class HeldStream(CallThread):
             if err.code() != grpc.StatusCode.CANCELLED or not self.released.is_set():
                 raise
 
-    def release(self) -> None:
-        """Cancel it at its next token (it must be running) and wait for its end."""
-        self.released.set()
-        assert self.done.wait(60), "the stream did not end"
-        assert self.error is None, self.error
+
+def release(streams: list[HeldStream]) -> None:
+    """Cancel running streams, each at its next token (all at once), and wait for their end."""
+    for stream in streams:
+        stream.released.set()
+    for stream in streams:
+        assert stream.done.wait(60), "the stream did not end"
+        assert stream.error is None, stream.error
+        assert stream.tokens < STREAM_TOKENS, "it ended by itself before the test released it"
 
 
 def scrape(server: LauncherProcess) -> tuple[bytes, Exposition]:
@@ -150,33 +157,34 @@ def test_protocol_gauges_follow_the_load(
     for stream in sql:
         assert stream.started.wait(60) and stream.error is None, stream.error
     tone = [HeldStream(stub, "team/tone") for _ in range(2)]
-    plain = HeldStream(stub, "")
-    for stream in [*tone, plain]:
+    for stream in tone:
         stream.start()
 
-    # The batch is full (2 running): the other adapter's requests and the plain one wait.
-    body, full = wait_for(server, lambda g: g["queued"] == 3)
+    # The batch is full of sql-lora (max_loras 1): the team/tone requests wait.
+    body, full = wait_for(server, lambda g: g["queued"] == 2)
     assert full["running"] == 2
     assert 0 < full["kv"] < 1
     assert full["lora"] == lora("1", "sql-lora", "team/tone")
     assert full["stamp"] >= idle["stamp"]
     promtool_check(body)
-    assert not any(s.done.is_set() for s in [*sql, *tone, plain])
+    assert not any(s.done.is_set() for s in [*sql, *tone])
 
-    # The sql-lora streams end: the team/tone ones run, the plain one still waits.
-    for stream in sql:
-        stream.release()
+    # Both sql-lora streams end (the first alone frees no LoRA slot): the team/tone ones run.
+    release(sql)
     _, turned = wait_for(server, lambda g: g["lora"]["running_lora_adapters"] == "team/tone")
-    assert (turned["queued"], turned["running"]) == (1, 2)
+    assert (turned["queued"], turned["running"]) == (0, 2)
     assert turned["lora"] == lora("1", "team/tone", "")
     assert turned["kv"] > 0
 
-    # One team/tone stream ends: the plain request joins the other.
-    tone[0].release()
+    # A plain request waits only for a free place in the batch, and joins when one ends.
+    plain = HeldStream(stub, "")
+    plain.start()
+    _, waiting = wait_for(server, lambda g: g["queued"] == 1)
+    assert waiting["running"] == 2 and waiting["lora"] == lora("1", "team/tone", "")
+    release(tone[:1])
     _, mixed = wait_for(server, lambda g: g["queued"] == 0)
     assert mixed["running"] == 2 and mixed["lora"] == lora("1", "team/tone", "")
 
-    for stream in [tone[1], plain]:
-        stream.release()
+    release([tone[1], plain])
     _, after = wait_for(server, lambda g: g["running"] == 0)
     assert after == {**after, "queued": 0, "kv": 0, "lora": lora("1", "", "")}
