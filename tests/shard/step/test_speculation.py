@@ -178,16 +178,32 @@ class DirectReplay:
         self.graphs.outputs[self.bucket] = self.graphs._run_forward(self.bucket)
 
 
+@pytest.fixture(scope="module")
+def one_layer_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with one decoder layer, for the steps staged for graphs: on the CPU
+    Triton's interpreter runs each layer's attention kernels program by program in Python,
+    and a second layer (the same staging, the same buffers) doubled their time."""
+    path = tmp_path_factory.mktemp("one-layer-llama")
+    build_tiny_llama(path, num_hidden_layers=1)
+    return path
+
+
 @pytest.mark.parametrize("mode", ["greedy", "penalties"])
 def test_verify_steps_staged_for_graphs_give_the_plain_tokens(
-    make_runner: Callable[..., ModelRunner], monkeypatch: pytest.MonkeyPatch, mode: str
+    one_layer_model: Path, monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
     """Decode and verify steps staged into the graphs' static buffers (each sequence's rows
     padded to 1 + 4, Triton's kernels interpreted on the CPU) give the tokens and details
     of the plain, eager decoding."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    runner = make_runner(engine=EngineSettings(attention_backend="triton_paged"))
+    config = ShardConfig(
+        model_name=str(one_layer_model),
+        kv_cache_blocks=NUM_BLOCKS,
+        engine=EngineSettings(attention_backend="triton_paged"),
+    )
+    runner = load_runner(config)
+    assert isinstance(runner, ModelRunner)
     assert runner.info.attention_backend == "triton_paged"
     want = plain(runner, MODES[mode])
     replays: list[tuple[int, int]] = []
