@@ -9,16 +9,21 @@ prompts are prefilled (not timed), then ``--steps`` decode steps of all ``B`` ar
 the three cases taking turns step after step so that background noise hits them alike.
 Reported: median ms per step of each case and its ratio to the batch without adapters.
 
-A step with LoRA rows runs the eager forward (the compiled step and CUDA graphs never see
-adapters), so on a host where the compiled step is faster that difference is part of the
-cost, as it is when serving. Example::
+``--forwards eager,compiled`` runs every case (``--cases``) with the eager forward and with
+the compiled one (``TGIS_COMPILE=1``; steps with LoRA rows run its LoRA graph,
+``graphs/compiled_lora.py``), all taking turns, and adds each compiled case's ratio to the
+same case eager. Otherwise the forward is ``TGIS_COMPILE``'s, as when serving. CUDA graphs
+never replay steps with LoRA rows. Examples::
 
     .venv/bin/python benchmarks/lora_bench.py --batches 8,32 --json lora.json
+    .venv/bin/python benchmarks/lora_bench.py --batches 8 --adapters 2 --cases plain,mixed \
+        --forwards eager,compiled
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -96,28 +101,33 @@ def write_adapter(directory: Path, config: dict[str, Any], rank: int, seed: int)
     (directory / "adapter_config.json").write_text(json.dumps(adapter_config))
 
 
-def adapters_of(case: str, batch: int, ids: list[str]) -> dict[int, str]:
+def adapters_of(case: str, batch: int, ids: list[str], plain_rows: int = 1) -> dict[int, str]:
     if case == "plain":
         return {}
     if case == "one adapter":
         return dict.fromkeys(range(batch), ids[0])
-    # mixed: every adapter and plain rows in turn
-    cycle = [*ids, ""]
+    # mixed: every adapter, then ``plain_rows`` rows without one, in turn
+    cycle = [*ids, *[""] * plain_rows]
     return {rid: cycle[rid % len(cycle)] for rid in range(batch)}
 
 
 def time_batch(
-    runners: dict[str, ModelRunner], batch: int, args: argparse.Namespace, ids: list[str]
-) -> dict[str, float]:
-    plans: dict[str, Plans] = {}
+    runners: dict[tuple[str, str], ModelRunner],
+    batch: int,
+    args: argparse.Namespace,
+    ids: list[str],
+) -> dict[tuple[str, str], float]:
+    """Median ms per decode step of each (case, forward), taking turns step after step."""
+    plans: dict[tuple[str, str], Plans] = {}
     for case, runner in runners.items():
         runner.reset()
         plans[case] = Plans(runner.info.block_size, runner.info.vocab_size)
-        for plan in plans[case].prefill(batch, args.context, 4096, adapters_of(case, batch, ids)):
+        adapters = adapters_of(case[0], batch, ids, args.mix_plain)
+        for plan in plans[case].prefill(batch, args.context, 4096, adapters):
             runner.step(plan)
         for _ in range(args.warmup):
             runner.step(plans[case].decode())
-    walls: dict[str, list[float]] = {case: [] for case in runners}
+    walls: dict[tuple[str, str], list[float]] = {case: [] for case in runners}
     for _ in range(args.steps):
         for case, runner in runners.items():
             plan = plans[case].decode()
@@ -136,12 +146,29 @@ def main() -> None:
     )
     parser.add_argument("--adapters", type=int, default=3, help="LoRA adapters in the mix")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument(
+        "--mix-plain", type=int, default=1, help="rows without an adapter per cycle of the mix"
+    )
     parser.add_argument("--batches", type=parse_ints, default=[8, 32])
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}"
+    )
+    parser.add_argument(
+        "--forwards",
+        default="",
+        help="comma-separated, of: eager, compiled (default: TGIS_COMPILE's choice)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    cases = [c for c in CASES if c in args.cases.split(",")]
+    if "plain" not in cases:
+        parser.error("--cases must include plain (the ratios' reference)")
+    forwards = [f for f in args.forwards.split(",") if f] or ["default"]
+    if not set(forwards) <= {"eager", "compiled", "default"}:
+        parser.error("--forwards takes eager and/or compiled")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         config = DEFAULT_CONFIG
@@ -156,6 +183,7 @@ def main() -> None:
         for i, adapter_id in enumerate(ids):
             write_adapter(cache / adapter_id, config, args.rank, seed=i)
         blocks = max(args.batches) * (-(-(args.context + args.warmup + args.steps + 2) // 16))
+        engine = engine_from_environment()  # TGIS_LORA_KERNEL, ...
         shard_config = ShardConfig(
             model_name=str(model_dir),
             load_format="dummy",
@@ -163,36 +191,50 @@ def main() -> None:
             max_loras=max(1, args.adapters),
             kv_cache_blocks=blocks,
             max_sequence_length=args.context + args.warmup + args.steps + 8,
-            engine=engine_from_environment(),  # TGIS_LORA_KERNEL, ...
+            engine=engine,
         )
-        runner = load_runner(shard_config)
-        assert isinstance(runner, ModelRunner)
-        for adapter_id in ids:
-            runner.lookup_adapter(adapter_id)
-        # One runner per case, sharing the model: each keeps its own sequences and cache.
-        runners = {"plain": runner}
-        for case in CASES[1:]:
-            runners[case] = load_runner(shard_config)  # type: ignore[assignment]
-            for adapter_id in ids:
-                runners[case].lookup_adapter(adapter_id)
+        switch = {"eager": "0", "compiled": "1", "default": engine.compile}
+        # One runner per case and forward, each with its own random weights, sequences
+        # and cache (the timing does not depend on the weights' values).
+        runners: dict[tuple[str, str], ModelRunner] = {}
+        for forward in forwards:
+            forward_config = dataclasses.replace(
+                shard_config, engine=dataclasses.replace(engine, compile=switch[forward])
+            )
+            for case in cases:
+                runner = load_runner(forward_config)
+                assert isinstance(runner, ModelRunner)
+                for adapter_id in ids:
+                    runner.lookup_adapter(adapter_id)
+                runners[case, forward] = runner
         results = []
-        print(f"{'batch':>5} {'case':>12} {'ms/step':>9} {'vs plain':>9}")
+        header = ("batch", "case", "forward", "ms/step", "vs plain", "vs eager")
+        print(" ".join(f"{h:>{w}}" for h, w in zip(header, (5, 12, 9, 9, 9, 9), strict=True)))
         for batch in args.batches:
             ms = time_batch(runners, batch, args, ids)
-            for case in CASES:
-                ratio = ms[case] / ms["plain"]
-                print(f"{batch:>5} {case:>12} {ms[case]:>9.2f} {ratio:>9.2f}")
+            for case, forward in runners:
+                ratio = ms[case, forward] / ms["plain", forward]
+                eager = ms.get((case, "eager"))
+                vs_eager = ms[case, forward] / eager if eager and forward != "eager" else None
+                shown = "" if vs_eager is None else f"{vs_eager:.2f}"
+                print(
+                    f"{batch:>5} {case:>12} {forward:>9} {ms[case, forward]:>9.2f}"
+                    f" {ratio:>9.2f} {shown:>9}"
+                )
                 results.append(
                     {
                         "batch": batch,
                         "case": case,
-                        "ms_per_step": round(ms[case], 3),
+                        "forward": forward,
+                        "ms_per_step": round(ms[case, forward], 3),
                         "vs_plain": round(ratio, 3),
+                        "vs_eager": None if vs_eager is None else round(vs_eager, 3),
                     }
                 )
         info = {
             "adapters": args.adapters,
             "rank": args.rank,
+            "mix_plain": args.mix_plain,
             "context": args.context,
             "device": runner.info.device,
             "dtype": runner.info.dtype,
