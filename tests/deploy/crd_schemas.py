@@ -1,5 +1,6 @@
-"""Custom resources validated against the CRDs kept in deployment/gateway/crds/ (verbatim
-from their releases; the README there says which): each version's openAPIV3Schema, made
+"""Custom resources validated against the CRDs kept in deployment/ (verbatim from their
+releases; the README beside each says which): the inference gateway's in gateway/crds/,
+KServe's in kserve/crds/, KEDA's in components/keda/crds/. Each version's openAPIV3Schema, made
 strict the way kubernetes-validate's strict schemas are (an object that lists its
 properties admits no other), through the validator kubernetes-validate uses
 (jsonschema's Draft 2020-12). CEL rules (x-kubernetes-validations) are not evaluated.
@@ -17,14 +18,22 @@ import yaml
 from tests.deploy.tools import DEPLOY_DIR
 
 CRD_DIR = DEPLOY_DIR / "gateway" / "crds"
+# every folder of vendored CRDs (each with its README and LICENSE)
+CRD_DIRS = (CRD_DIR, DEPLOY_DIR / "kserve" / "crds", DEPLOY_DIR / "components" / "keda" / "crds")
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load, through libyaml where PyYAML has it (KServe's InferenceService CRD
+    is 2 MB: seconds in pure Python)."""
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 @cache
 def vendored_schemas() -> dict[tuple[str, str], dict[str, Any]]:
     """(apiVersion, kind) -> the strict schema of every served version of every CRD."""
     schemas = {}
-    for path in sorted(CRD_DIR.glob("*.yaml")):
-        crd = yaml.safe_load(path.read_text())
+    for path in sorted(p for d in CRD_DIRS for p in d.glob("*.yaml")):
+        crd = load_yaml(path.read_text())
         assert crd["kind"] == "CustomResourceDefinition", path
         spec = crd["spec"]
         for version in spec["versions"]:
