@@ -1,8 +1,9 @@
 """deployment/: every kustomization rendered by the real `kubectl kustomize`, built-in kinds
 validated against the Kubernetes schemas (kubernetes-validate, strict), the CRD kinds
 (KServe ServingRuntime / InferenceService, Prometheus Operator ServiceMonitor) checked here,
-those of the inference gateway against the CRDs kept in deployment/gateway/crds/
-(crd_schemas.py; test_gateway_manifests.py checks their contract),
+those of KServe, KEDA and the inference gateway also against the CRDs kept in deployment/
+(crd_schemas.py; test_gateway_manifests.py and test_autoscaling_manifests.py check their
+contract),
 and the contract of ../shared/spec/ecosystem.md: ports, names, annotations, probes, env,
 volumes, GPUs per overlay, TLS. The manifests' command line and env also go through the
 real launcher (--dry-run)."""
@@ -54,6 +55,8 @@ GPUS = {
     "overlays/kserve-gpu-8": 8,
     "overlays/tls": 1,
     "overlays/monitoring": 1,
+    "overlays/autoscaling": 1,
+    "overlays/kserve-autoscaling": 1,
 }
 # the variant without KServe
 DEPLOYMENTS = sorted(k for k in GPUS if "kserve" not in k)
