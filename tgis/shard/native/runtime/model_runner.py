@@ -117,10 +117,6 @@ class ModelRunner(SequenceRunner):
         self.dropped: set[int] = set()
         self.block_tables = BlockTables()
         self.threads = cpu_threads(info.world_size) if device.type == "cpu" else None
-        if self.threads is not None and isinstance(self.forward, CompiledForward):
-            # Inductor builds a graph's CPU kernels for one thread count (a guard): a step
-            # at another count would compile again while serving, so keep every core's.
-            self.threads = replace(self.threads, small=self.threads.large)
         self.limits = PlanLimits(
             vocab_size=info.vocab_size,
             num_blocks=kv_cache.num_blocks,
