@@ -55,6 +55,8 @@ def test_defaults_are_tgis_defaults() -> None:
         "shard_uds_path": "/tmp/text-generation-server",
         "master_addr": "localhost",
         "master_port": 29500,
+        "nnodes": 1,
+        "node_rank": 0,
         "json_output": False,
         "tls_cert_path": None,
         "tls_key_path": None,

@@ -75,16 +75,17 @@ def shard_argv(program: str, cfg: ResolvedConfig) -> list[str]:
 
 
 def shard_env(cfg: ResolvedConfig, rank: int, base: Mapping[str, str]) -> dict[str, str]:
-    """The launcher's environment plus the distributed and runtime settings of shard `rank`."""
+    """The launcher's environment plus the distributed and runtime settings of shard `rank`
+    (its global rank; LOCAL_RANK, its GPU, counts from this node's first rank)."""
     env = dict(base)
-    world = str(cfg.num_shard)
+    node = cfg.node
     env.update(
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=world,
-        LOCAL_SIZE=world,
-        CROSS_SIZE="1",
-        CROSS_RANK="0",
+        LOCAL_RANK=str(node.local_rank(rank)),
+        WORLD_SIZE=str(cfg.num_shard),
+        LOCAL_SIZE=str(node.per_node),
+        CROSS_SIZE=str(node.nnodes),
+        CROSS_RANK=str(node.node_rank),
         MASTER_ADDR=cfg.flags.master_addr,
         MASTER_PORT=str(cfg.flags.master_port),
         HF_HUB_OFFLINE="1",

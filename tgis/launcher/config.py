@@ -74,6 +74,8 @@ class LauncherConfig:
     shard_uds_path: str = _d("shard_uds_path")
     master_addr: str = _d("master_addr")
     master_port: int = _d("master_port")
+    nnodes: int = _d("nnodes")  # nodes the num_shard ranks are spread over
+    node_rank: int = _d("node_rank")  # this node's place (0: the router's)
     shard_startup_timeout: float = _d("shard_startup_timeout")
     shutdown_grace_period: float = _d("shutdown_grace_period")
     hostname: str | None = _d("hostname")  # None: every interface
@@ -122,6 +124,40 @@ class LauncherConfig:
 
 
 @dataclass(frozen=True)
+class NodePlacement:
+    """This node's share of a group of ``world_size`` ranks spread over ``nnodes`` nodes."""
+
+    world_size: int
+    nnodes: int = 1
+    node_rank: int = 0
+
+    @property
+    def per_node(self) -> int:
+        """Ranks each node runs."""
+        return self.world_size // self.nnodes
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks this node runs."""
+        first = self.node_rank * self.per_node
+        return range(first, first + self.per_node)
+
+    @property
+    def is_leader(self) -> bool:
+        """Node 0: rank 0 and the router run here."""
+        return self.node_rank == 0
+
+    @property
+    def multinode(self) -> bool:
+        """Whether other nodes' launchers run part of the group."""
+        return self.nnodes > 1
+
+    def local_rank(self, rank: int) -> int:
+        """``rank``'s index on this node (its GPU)."""
+        return rank - self.ranks.start
+
+
+@dataclass(frozen=True)
 class ResolvedConfig:
     """Validated settings derived from the flags and the environment, ready to build commands."""
 
@@ -134,6 +170,12 @@ class ResolvedConfig:
     max_sequence_length: int
     hf_hub_cache: Path
     load_format: str = "auto"
+    placement: NodePlacement | None = None  # None: every rank on this node
+
+    @property
+    def node(self) -> NodePlacement:
+        """This node's ranks (all of them on a single node)."""
+        return self.placement or NodePlacement(world_size=self.num_shard)
 
 
 def blank(value: str | None) -> bool:

@@ -18,6 +18,7 @@ from tgis.launcher.model_config import (
     read_model_config,
     resolve_max_sequence_length,
 )
+from tgis.launcher.nodes import resolve_placement
 from tgis.launcher.validation import (
     normalize_deployment_framework,
     resolve_dtype,
@@ -47,6 +48,7 @@ def resolve(
         )
     validate_tls(flags)
     num_shard = resolve_num_shard(flags.num_shard, environ)
+    placement = resolve_placement(num_shard, flags.nnodes, flags.node_rank)
     validate_shard_uds_path(flags.shard_uds_path, num_shard)
     hf_hub_cache = resolve_hf_hub_cache(environ, log)
     check_model_named(flags, log)
@@ -66,4 +68,5 @@ def resolve(
         max_sequence_length=max_sequence_length,
         hf_hub_cache=hf_hub_cache,
         load_format=load_format,
+        placement=placement,
     )

@@ -12,6 +12,12 @@ that comes while the router drains is passed on to it (a second SIGTERM or SIGIN
 drain at once). A clean stop exits 0 unless a child had to be killed or ended badly (a shard
 that aborted, a router that exited non-zero): then 1, with the reason.
 
+With a group spread over several nodes (``NodeGroup``, ``node_link.py``), the supervisor
+runs this node's ranks (the router only on node 0) and watches the link too: another node's
+end ends this one (a worker's exit 0 when node 0 stopped cleanly), and a local shard's end
+waits ``NodeGroup.settle`` seconds for another node's report, which names the cause when
+the shard only followed a peer elsewhere. When supervision ends the link tells the other nodes.
+
 Every child is told the launcher's pid (``tgis/stop_requests.py``), so that it stops by itself
 when the launcher is gone, even after a SIGKILL that left no time to stop it.
 """
@@ -30,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 
+from tgis.launcher.node_link import NodeLink
 from tgis.launcher.output import OutputForwarder
 from tgis.stop_requests import launcher_env
 
@@ -137,6 +144,16 @@ class Child:
 ReadyProbe = Callable[[int], bool]
 
 
+@dataclass(frozen=True)
+class NodeGroup:
+    """This node's part of a group spread over several nodes: its first rank, the link to
+    the other nodes' launchers, and how long a local shard's end waits for their report."""
+
+    first_rank: int
+    link: NodeLink
+    settle: float = 2.0
+
+
 class Supervisor:
     """Runs shards then router, and stops them all in order on a signal or a failure."""
 
@@ -158,6 +175,10 @@ class Supervisor:
         self.shard_stop_timeout = shard_stop_timeout
         self.waiting_log_interval = waiting_log_interval
         self.peer_settle = peer_settle
+        self.first_rank = 0
+        self.link: NodeLink | None = None
+        self.link_settle = 0.0
+        self._asked_group_stop = False
         self.shards: list[Child] = []
         self.router: Child | None = None
         self._stop = threading.Event()
@@ -181,6 +202,21 @@ class Supervisor:
 
     def _stopping(self) -> bool:
         return self._signal is not None or self._stop.is_set()
+
+    def _stop_now(self) -> bool:
+        """Whether to stop now on a stop request. A worker node's launcher first asks node
+        0's to stop the group and keeps its ranks running, which node 0's drain needs; it
+        stops when node 0 ends the group, or on a second signal."""
+        if not self._stopping():
+            return False
+        if self.link is None or self.first_rank == 0 or self._signals > 1:
+            self._log_stop_request()
+            return True
+        if not self._asked_group_stop:
+            self._asked_group_stop = True
+            self.log.info("Stop requested: asking node 0 to stop the group (again: stop now)")
+            self.link.request_stop()
+        return False
 
     def install_signal_handlers(self) -> None:
         """SIGTERM, SIGINT and SIGHUP request a clean stop (main thread only)."""
@@ -206,7 +242,7 @@ class Supervisor:
         return child
 
     def start_shards(self, specs: Sequence[ChildSpec]) -> None:
-        """Start one child per rank (spec i is rank i)."""
+        """Start one child per rank of this node (spec i is rank first_rank + i)."""
         for spec in specs:
             self.shards.append(self.start(spec))
 
@@ -223,7 +259,7 @@ class Supervisor:
 
     def _dead_shards(self) -> dict[int, int]:
         """Rank -> exit code of every shard that has exited."""
-        codes = {rank: shard.poll() for rank, shard in enumerate(self.shards)}
+        codes = {self.first_rank + i: shard.poll() for i, shard in enumerate(self.shards)}
         return {rank: code for rank, code in codes.items() if code is not None}
 
     def _dead_shard(self) -> Outcome | None:
@@ -246,18 +282,50 @@ class Supervisor:
             time.sleep(self.poll_interval / 4)
             dead = self._dead_shards()
         rank, code = min(dead.items(), key=lambda item: (may_follow_a_peer(item[1]), item[0]))
+        if self.link is not None:
+            return self._settle_with_link(rank, code)
         return Outcome(1, self._shard_failure(rank, code))
+
+    def _group_end(self) -> Outcome | None:
+        """How another node ended the group, once it has."""
+        end = self.link.group_end() if self.link is not None else None
+        if end is None:
+            return None
+        if end.drain:  # a worker's launcher was asked to stop: as on SIGTERM here
+            self.request_stop()
+            return None
+        if end.exit_code == 0:
+            self.log.info("Node 0 stopped the group")
+        return Outcome(end.exit_code, end.reason)
+
+    def _settle_with_link(self, rank: int, returncode: int) -> Outcome:
+        """A local shard ended in a group over several nodes. When its end may follow a
+        peer's (an exit status, SIGABRT), another node's report within ``link_settle``
+        seconds names the cause; else a worker's shard that exited 0 was stopped by rank 0
+        (a clean end), and any other end is this shard's failure, reported at once."""
+        settle = self.link_settle if may_follow_a_peer(returncode) else 0.0
+        deadline = time.monotonic() + settle
+        while True:
+            ended = self._group_end()
+            if ended is not None:
+                return ended
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(self.poll_interval / 2)
+        if returncode == 0 and self.first_rank > 0:
+            self.log.info("Shard %d stopped: rank 0 ended the group", rank)
+            return Outcome(0)
+        return Outcome(1, self._shard_failure(rank, returncode))
 
     def wait_until_ready(self, probe: ReadyProbe, timeout: float) -> Outcome | None:
         """Poll until every shard is ready; an Outcome if start-up ends otherwise."""
         start = time.monotonic()
         next_log = start + self.waiting_log_interval
-        pending = list(range(len(self.shards)))
+        pending = [self.first_rank + i for i in range(len(self.shards))]
         while pending:
-            if self._stopping():
-                self._log_stop_request()
+            if self._stop_now():
                 return Outcome(0)
-            failure = self._dead_shard()
+            failure = self._group_end() or self._dead_shard()
             if failure is not None:
                 return failure
             for rank in list(pending):
@@ -284,10 +352,9 @@ class Supervisor:
     def watch(self) -> Outcome:
         """Block until a stop is requested (exit 0) or a child exits (exit 1)."""
         while True:
-            if self._stopping():
-                self._log_stop_request()
+            if self._stop_now():
                 return Outcome(0)
-            failure = self._dead_shard()
+            failure = self._group_end() or self._dead_shard()
             if failure is not None:
                 return failure
             if self.router is not None:
@@ -360,13 +427,21 @@ class Supervisor:
     def run(
         self,
         shards: Sequence[ChildSpec],
-        router: ChildSpec,
+        router: ChildSpec | None,
         probe: ReadyProbe,
         startup_timeout: float,
         *,
         handle_signals: bool = True,
+        group: NodeGroup | None = None,
     ) -> Outcome:
-        """Start shards, wait for them, start the router, watch; always stop everything."""
+        """Start shards, wait for them, start the router (none: a worker node), watch; always
+        stop everything, then tell the other nodes (if any) how it ended."""
+        if group is not None:
+            self.first_rank, self.link, self.link_settle = (
+                group.first_rank,
+                group.link,
+                group.settle,
+            )
         if handle_signals:
             self.install_signal_handlers()
         outcome = Outcome(1, "the launcher was interrupted")
@@ -374,7 +449,7 @@ class Supervisor:
             try:
                 self.start_shards(shards)
                 failed = self.wait_until_ready(probe, startup_timeout)
-                if failed is None:
+                if failed is None and router is not None:
                     self.start_router(router)
                 outcome = failed or self.watch()
             except StartError as e:
@@ -386,4 +461,6 @@ class Supervisor:
         if outcome.exit_code == 0 and problems:
             outcome = Outcome(1, "; ".join(problems))
             self.log.error("Stopped uncleanly: %s", outcome.reason)
+        if self.link is not None:
+            self.link.finish(outcome.exit_code, outcome.reason)
         return outcome

@@ -83,10 +83,18 @@ PROCESSES = (
     _s("master_shard_uds_path", ("--master-shard-uds-path",), ("MASTER_SHARD_UDS_PATH",),
        Kind.STR, DEFAULT_UDS_PATH + "-0", "The socket of shard 0, which the router talks to.",
        {R}, internal=True),
-    _s("master_addr", ("--master-addr",), ("MASTER_ADDR",), Kind.STR, "localhost",
-       "Address of rank 0 for the tensor-parallel group.", {L}),
+    _s("master_addr", ("--master-addr",), ("MASTER_ADDR", "LWS_LEADER_ADDRESS"), Kind.STR,
+       "localhost", "Address of rank 0 for the tensor-parallel group.", {L},
+       aliases={"LWS_LEADER_ADDRESS": "LeaderWorkerSet"}),
     _s("master_port", ("--master-port",), ("MASTER_PORT",), Kind.INT, 29500,
-       "Port of rank 0 for the tensor-parallel group.", {L}),
+       "Port of rank 0 for the tensor-parallel group; with --nnodes above 1 the launchers "
+       "also link on the next port.", {L}),
+    _s("nnodes", ("--nnodes",), ("NNODES", "LWS_GROUP_SIZE"), Kind.INT, 1,
+       "Nodes the --num-shard ranks are spread over, num_shard / nnodes on each; node 0 "
+       "runs the router.", {L}, aliases={"LWS_GROUP_SIZE": "LeaderWorkerSet"}, minimum=1),
+    _s("node_rank", ("--node-rank",), ("NODE_RANK", "LWS_WORKER_INDEX"), Kind.INT, 0,
+       "This node's place among --nnodes: it runs ranks node_rank * num_shard / nnodes "
+       "onwards.", {L}, aliases={"LWS_WORKER_INDEX": "LeaderWorkerSet"}, minimum=0),
     _s("distributed_timeout", ("--distributed-timeout",), ("TGIS_DISTRIBUTED_TIMEOUT_S",),
        Kind.FLOAT, DEFAULT_DISTRIBUTED_TIMEOUT_S,
        "Seconds a shard may take to join its tensor-parallel group, and any one collective.",
