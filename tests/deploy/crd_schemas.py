@@ -1,6 +1,7 @@
 """Custom resources validated against the CRDs kept in deployment/ (verbatim from their
 releases; the README beside each says which): the inference gateway's in gateway/crds/,
-KServe's in kserve/crds/, KEDA's in components/keda/crds/. Each version's openAPIV3Schema, made
+KServe's in kserve/crds/, KEDA's in components/keda/crds/, LeaderWorkerSet's in
+multinode/crds/. Each version's openAPIV3Schema, made
 strict the way kubernetes-validate's strict schemas are (an object that lists its
 properties admits no other), through the validator kubernetes-validate uses
 (jsonschema's Draft 2020-12). CEL rules (x-kubernetes-validations) are not evaluated.
@@ -19,7 +20,12 @@ from tests.deploy.tools import DEPLOY_DIR
 
 CRD_DIR = DEPLOY_DIR / "gateway" / "crds"
 # every folder of vendored CRDs (each with its README and LICENSE)
-CRD_DIRS = (CRD_DIR, DEPLOY_DIR / "kserve" / "crds", DEPLOY_DIR / "components" / "keda" / "crds")
+CRD_DIRS = (
+    CRD_DIR,
+    DEPLOY_DIR / "kserve" / "crds",
+    DEPLOY_DIR / "components" / "keda" / "crds",
+    DEPLOY_DIR / "multinode" / "crds",
+)
 
 
 def load_yaml(text: str) -> Any:

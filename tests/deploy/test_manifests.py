@@ -44,6 +44,8 @@ KUSTOMIZATIONS = sorted(
 COMPONENTS = sorted(p.parent.name for p in (DEPLOY_DIR / "components").glob("*/kustomization.yaml"))
 # Building blocks that the others include, without a server of their own.
 PARTS = {"storage", "gateway"}
+# Servers that are no Deployment or ServingRuntime, with a contract test of their own.
+OTHER_SERVERS = {"multinode"}  # a LeaderWorkerSet: test_multinode_manifests.py
 # GPUs each kustomization with a server asks for (0: CPU only)
 GPUS = {
     "base": 0,
@@ -143,7 +145,7 @@ def server(request: pytest.FixtureRequest) -> tuple[str, tuple[Doc, ...]]:
 
 
 def test_every_kustomization_is_known_and_every_component_used() -> None:
-    assert set(KUSTOMIZATIONS) == set(GPUS) | PARTS
+    assert set(KUSTOMIZATIONS) == set(GPUS) | PARTS | OTHER_SERVERS
     used: set[str] = set()
     for kustomization in KUSTOMIZATIONS:
         spec = yaml.safe_load((DEPLOY_DIR / kustomization / "kustomization.yaml").read_text())
