@@ -4,7 +4,8 @@ runs rank 0 and the router, node 1 only rank 1. Greedy texts equal one shard's (
 a ``--num-shard 1`` launcher); SIGTERM to node 0 ends node 1's launcher too, both with exit
 0; SIGTERM to node 1 (its pod deleted) stops the group with node 0's drain, a stream in
 flight finishing on both nodes' ranks; a rank killed on node 1 ends both launchers with
-exit 1, node 0 naming node 1's rank and how it ended."""
+exit 1, node 0 naming node 1's rank and how it ended; a SIGKILL of node 1's launcher ends
+node 0 ("lost contact") and node 1's orphaned rank."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import grpc
 import pytest
 
 from tests.e2e.models import save_tiny_llama
-from tests.e2e.server import LauncherProcess, free_port, start_launcher
+from tests.e2e.server import LauncherProcess, free_port, is_alive, start_launcher
 from tests.e2e.streams import long_stream
 from tgis.launcher.node_link import LINK_PORT_OFFSET
 from tgis.pb import generation_pb2 as pb
@@ -148,3 +149,20 @@ def test_a_rank_killed_on_node_1_ends_both_launchers_naming_it(
     assert time.monotonic() - killed < END_WITHIN_S
     assert "Shard 1 failed: signal: 9 (SIGKILL)" in worker.log_tail(), worker.log_tail()
     assert "node 1: Shard 1 failed: signal: 9 (SIGKILL)" in leader.log_tail(), leader.log_tail()
+
+
+def test_node_1_launcher_killed_ends_node_0_and_its_own_rank(
+    two_nodes: tuple[LauncherProcess, LauncherProcess],
+) -> None:
+    """SIGKILL leaves node 1's launcher no time to tell anyone: node 0 sees its link close,
+    and node 1's orphaned rank stops by itself."""
+    leader, worker = two_nodes
+    (shard,) = worker.process_pids()["shard"]
+    killed = time.monotonic()
+    worker.proc.kill()
+    assert wait_exit(leader) == 1, leader.log_tail()
+    assert "lost contact with node 1's launcher (127.0.0.1)" in leader.log_tail()
+    while is_alive(shard) and time.monotonic() - killed < END_WITHIN_S:
+        time.sleep(0.1)
+    assert not is_alive(shard), "node 1's rank outlived its launcher"
+    assert time.monotonic() - killed < END_WITHIN_S
