@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from tgis.launcher.supervisor import ChildSpec
+from tgis.launcher.children import ChildSpec
 from tgis.procinfo import is_alive
 from tgis.settings.catalogue import SETTINGS
 

@@ -15,14 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tgis.launcher.children import SIGBUS_MESSAGE, ChildSpec, Outcome, describe_status
 from tgis.launcher.output import OutputForwarder
-from tgis.launcher.supervisor import (
-    SIGBUS_MESSAGE,
-    ChildSpec,
-    Outcome,
-    Supervisor,
-    describe_status,
-)
+from tgis.launcher.supervisor import Supervisor
 
 from .helpers import alive, fake, gone, read_pid, wait_for
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tgis.launcher.children import Outcome
 from tgis.launcher.node_link import GroupEnd, LeaderLink, NodeLink, WorkerLink
 from tgis.launcher.output import OutputForwarder
-from tgis.launcher.supervisor import NodeGroup, Outcome, Supervisor
+from tgis.launcher.supervisor import NodeGroup, Supervisor
 
 from .helpers import fake, gone, read_pid
 

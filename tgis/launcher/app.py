@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tgis import __version__
+from tgis.launcher.children import ChildSpec
 from tgis.launcher.commands import (
     ROUTER_PROGRAM,
     SHARD_PROGRAM,
@@ -30,7 +31,7 @@ from tgis.launcher.logs import setup_logging
 from tgis.launcher.node_link import LINK_PORT_OFFSET, LeaderLink, NodeLink, WorkerLink
 from tgis.launcher.output import OutputForwarder
 from tgis.launcher.resolution import resolve
-from tgis.launcher.supervisor import ChildSpec, NodeGroup, Supervisor
+from tgis.launcher.supervisor import NodeGroup, Supervisor
 from tgis.launcher.tokenizer import TokenizerFile, prepare_tokenizer
 from tgis.shard_api.channel import step_channel_path
 from tgis.termination import fail_startup
