@@ -20,7 +20,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.e2e.models import save_tiny_llama
 from tests.e2e.server import LauncherProcess, free_port, is_alive, start_launcher
 from tests.e2e.streams import long_stream
 from tgis.launcher.node_link import LINK_PORT_OFFSET
@@ -32,13 +31,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["Return the number of", "The file is", "A"]
 NEW_TOKENS = 10
 END_WITHIN_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("multinode-llama")
-    save_tiny_llama(path)
-    return path
 
 
 def master_port() -> int:
@@ -70,8 +62,8 @@ def generate(launcher: LauncherProcess) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def single_shard_texts(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    launcher = start(tmp_path_factory.mktemp("tp1"), model_dir, "--num-shard", "1")
+def single_shard_texts(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    launcher = start(tmp_path_factory.mktemp("tp1"), tiny_llama_dir, "--num-shard", "1")
     try:
         launcher.wait_healthy()
         return generate(launcher)
@@ -80,13 +72,15 @@ def single_shard_texts(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture
-def two_nodes(model_dir: Path, tmp_path: Path) -> Iterator[tuple[LauncherProcess, LauncherProcess]]:
+def two_nodes(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> Iterator[tuple[LauncherProcess, LauncherProcess]]:
     """Node 0's and node 1's launchers, node 0 serving (the worker started first: it waits
     for node 0's launcher and rank 0)."""
     port = str(master_port())
     group = ["--num-shard", "2", "--nnodes", "2", "--master-addr", "127.0.0.1"]
-    worker = start(tmp_path, model_dir, *group, "--master-port", port, "--node-rank", "1")
-    leader = start(tmp_path, model_dir, *group, "--master-port", port, "--node-rank", "0")
+    worker = start(tmp_path, tiny_llama_dir, *group, "--master-port", port, "--node-rank", "1")
+    leader = start(tmp_path, tiny_llama_dir, *group, "--master-port", port, "--node-rank", "0")
     try:
         leader.wait_healthy()
         yield leader, worker

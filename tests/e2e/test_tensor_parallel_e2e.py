@@ -15,7 +15,6 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.e2e.models import save_tiny_llama
 from tests.e2e.probes import metric_sample
 from tests.e2e.server import LauncherProcess, descendants, is_alive, start_launcher
 from tgis.pb import generation_pb2 as pb
@@ -26,14 +25,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["Return the number of", "The file is", "A"]
 LONG_PROMPT = "Every rank reads the cached blocks of this prompt. " * 8
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random float32 Llama (GQA: 4 query heads, 2 KV heads) with the embedded tokenizer."""
-    path = tmp_path_factory.mktemp("tp-llama")
-    save_tiny_llama(path)
-    return path
 
 
 def start(log_dir: Path, model: Path, num_shard: int, *flags: str) -> LauncherProcess:
@@ -76,8 +67,8 @@ def generate(launcher: LauncherProcess) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def single_shard_texts(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    launcher = start(tmp_path_factory.mktemp("tp1"), model_dir, 1)
+def single_shard_texts(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    launcher = start(tmp_path_factory.mktemp("tp1"), tiny_llama_dir, 1)
     try:
         launcher.wait_healthy()
         return generate(launcher)
@@ -86,8 +77,8 @@ def single_shard_texts(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture
-def two_shards(model_dir: Path, tmp_path: Path) -> Iterator[LauncherProcess]:
-    launcher = start(tmp_path, model_dir, 2, "--speculate", "3", "--speculate-always")
+def two_shards(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[LauncherProcess]:
+    launcher = start(tmp_path, tiny_llama_dir, 2, "--speculate", "3", "--speculate-always")
     try:
         launcher.wait_healthy()
         yield launcher
@@ -125,12 +116,12 @@ def test_two_shards_generate_the_same_text_and_stop_cleanly(
 
 
 def test_a_draft_model_split_over_two_shards_gives_the_same_text(
-    model_dir: Path, single_shard_texts: list[str], tmp_path: Path
+    tiny_llama_dir: Path, single_shard_texts: list[str], tmp_path: Path
 ) -> None:
     """The model drafts for itself on both ranks (each holding half its heads and their KV
     cache): the ranks draft in lockstep, the output is the single shard's, and the greedy
     drafts (the model's own choices) are mostly confirmed."""
-    launcher = start(tmp_path, model_dir, 2, "--speculator-name", str(model_dir))
+    launcher = start(tmp_path, tiny_llama_dir, 2, "--speculator-name", str(tiny_llama_dir))
     try:
         launcher.wait_healthy()
         assert generate(launcher) == single_shard_texts
