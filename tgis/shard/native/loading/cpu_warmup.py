@@ -24,11 +24,13 @@ import time
 
 import torch
 
+from tgis.shard.capacity import blocks_for
 from tgis.shard.native.linear.cpu_gemm import build_primitives, padded_rows
 from tgis.shard.native.linear.sharded import RowLinear
+from tgis.shard.native.loading.cuda_capacity import PlanBuilder
 from tgis.shard.native.models.decoder import DecoderLM
 from tgis.shard.native.runtime.model_runner import ModelRunner
-from tgis.shard_api.messages import NewSequence, ScheduledSequence, StepPlan
+from tgis.shard_api.messages import StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -44,23 +46,17 @@ def warm_up_cpu(runner: ModelRunner, max_prefill_tokens: int, max_sequence_lengt
     """Run the warm-up (module docstring) on a CPU runner; a no-op elsewhere."""
     if runner.device.type != "cpu" or runner.states is not None:
         return
-    blocks = runner.kv_cache.num_blocks
-    block_size = runner.kv_cache.block_size
     wanted = min(max_prefill_tokens, WARM_UP_TOKENS)
     prompt = min(WARM_UP_PROMPT, max_sequence_length - 1, wanted)
     if prompt < 1:
         return
-    per_prompt = -(-prompt // block_size)
-    count = min(wanted // prompt, blocks // per_prompt)
+    block_size = runner.kv_cache.block_size
+    count = min(wanted // prompt, runner.kv_cache.num_blocks // blocks_for(prompt, block_size))
     if count < 1:
         return
     started = time.monotonic()
-    new, scheduled = [], []
-    for i in range(count):
-        ids = tuple(3 + (i * 7 + j) % 61 for j in range(prompt))
-        new.append(NewSequence(i + 1, ids))
-        first = i * per_prompt
-        scheduled.append(ScheduledSequence(i + 1, prompt, tuple(range(first, first + per_prompt))))
+    build = PlanBuilder(block_size, runner.info.vocab_size, prompt)
+    new, scheduled = build.prompts(count * prompt, max_length=prompt)
     try:
         runner.step(StepPlan(1, tuple(new), tuple(scheduled)))
     finally:
@@ -77,11 +73,9 @@ def warm_up_cpu(runner: ModelRunner, max_prefill_tokens: int, max_sequence_lengt
         ]
         linears.append((model.lm_head.weight, None))
         rows = range(tokens + 1, tokens + DECODES_BESIDE + 1)
-        threads = torch.get_num_threads()  # the count the step ran at
-        if runner.threads is not None:
-            threads = runner.threads.for_step(tokens + DECODES_BESIDE, DECODES_BESIDE)
         saved = torch.get_num_threads()
-        torch.set_num_threads(threads)
+        if runner.threads is not None:  # the count such a step runs at
+            torch.set_num_threads(runner.threads.for_step(tokens + DECODES_BESIDE, DECODES_BESIDE))
         try:
             built = build_primitives(linears, rows)
         finally:

@@ -86,8 +86,9 @@ class WarmUpPlan:
     num_blocks: int
 
 
-class _PlanBuilder:
-    """Hands out request ids, prompts and consecutive block ids for the warm-up steps."""
+class PlanBuilder:
+    """Hands out request ids, prompts and consecutive block ids for the warm-up steps (this
+    module's, and the CPU shard's, ``cpu_warmup.py``)."""
 
     def __init__(self, block_size: int, vocab_size: int, max_prompt: int) -> None:
         self.block_size = block_size
@@ -138,7 +139,7 @@ def warmup_plans(
     """The warm-up steps (see the module docstring): prompts no longer than a request's can
     be (``max_sequence_length - 1``), and a second step of ``max_batch_size`` sampling
     sequences next to a fresh prefill chunk of ``max_prefill_tokens``."""
-    build = _PlanBuilder(block_size, vocab_size, max(1, max_sequence_length - 1))
+    build = PlanBuilder(block_size, vocab_size, max(1, max_sequence_length - 1))
     longest = build.max_prompt
     new, scheduled = build.prompts(max_prefill_tokens, max_length=longest)
     prefill = StepPlan(step_id=1, new_sequences=tuple(new), scheduled=tuple(scheduled))

@@ -36,13 +36,11 @@ from tgis.shard_api.messages import DEFAULT_MAX_BATCH_SIZE
 log = logging.getLogger(__name__)
 
 
-def choose_forward(
-    model: CausalLM, tp: TensorParallel, device: torch.device, engine: EngineSettings
-) -> ForwardFn:
+def choose_forward(model: CausalLM, device: torch.device, engine: EngineSettings) -> ForwardFn:
     """The compiled forward (``compiled.py``: on CUDA, or with ``TGIS_COMPILE=1``), else the
     eager one; on every rank of a tensor-parallel group alike (its all-reduces are inside
-    the compiled graph, ``parallel/collective_op.py``)."""
-    del tp  # every rank decides alike from the same settings, model and device type
+    the compiled graph, ``parallel/collective_op.py``): every rank decides alike from the
+    same settings, model and device type."""
     try:
         mode = engine.compile_switch
     except ValueError as e:

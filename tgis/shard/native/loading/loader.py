@@ -102,7 +102,7 @@ def _load(
     states = recurrent_states(config, model, device, tp)
     if states is not None:  # no prefix cache, no speculation: recurrent.py says why
         info = replace(info, state_slots=states.num_slots, prefix_caching=False, speculation=False)
-    forward = model.forward if states else choose_forward(model, tp, device, config.engine)
+    forward = model.forward if states else choose_forward(model, device, config.engine)
     pack_cpu_weights(model, forward, device, dtype)
     draft = None if states else load_draft(config, model_config, attention, device, dtype, tp)
     draft_bytes = 0 if draft is None else draft.bytes_per_block
